@@ -1,0 +1,63 @@
+"""Check a written ONNX graph against the contract: I/O names, order, dtypes and dims.
+
+Also the structural rules every tk graph keeps (no control flow, no contrib-domain ops). This is
+the exporter's own check of what it wrote; numerics are the parity core's job (toolkit/).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnx
+
+from models import contract
+
+_ELEM = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
+         onnx.TensorProto.BFLOAT16: "bfloat16", onnx.TensorProto.INT64: "int64"}
+FORBIDDEN_OPS = ("If", "Loop", "Scan")
+
+
+def describe_value(value: onnx.ValueInfoProto) -> tuple[str, str, tuple]:
+    t = value.type.tensor_type
+    dims = tuple(d.dim_param if d.HasField("dim_param") else d.dim_value for d in t.shape.dim)
+    return value.name, _ELEM.get(t.elem_type, f"elem_type {t.elem_type}"), dims
+
+
+def graph_problems(model: onnx.ModelProto, graph: str, dims: contract.GraphDims) -> list[str]:
+    """Every way `model` departs from the contract for `graph`; empty when it conforms."""
+    problems = []
+    for kind, got, want in (("input", model.graph.input, dims.inputs(graph)),
+                            ("output", model.graph.output, dims.outputs(graph))):
+        got_names = [v.name for v in got]
+        want_names = [s.name for s in want]
+        if got_names != want_names:
+            problems.append(f"{graph} {kind}s are {got_names}, the contract says {want_names}")
+            continue
+        for v, spec in zip(got, want):
+            name, dtype, shape = describe_value(v)
+            if dtype != spec.dtype:
+                problems.append(f"{graph} {kind} {name} has dtype {dtype}, the contract says {spec.dtype}")
+            if shape != spec.dims:
+                problems.append(f"{graph} {kind} {name} has dims {list(shape)}, the contract says {list(spec.dims)}")
+    for node in model.graph.node:
+        if node.op_type in FORBIDDEN_OPS:
+            problems.append(f"{graph} has a {node.op_type} node ({node.name}); tk graphs have no control flow")
+        if node.domain not in ("", "ai.onnx"):
+            problems.append(f"{graph} has op {node.domain}.{node.op_type}; tk graphs use the default domain only")
+    return problems
+
+
+def check_graph_file(path: Path, graph: str, dims: contract.GraphDims) -> None:
+    """Raise ContractError naming every departure of the graph at `path` from the contract."""
+    model = onnx.load(str(path), load_external_data=False)
+    problems = graph_problems(model, graph, dims)
+    if problems:
+        raise contract.ContractError("; ".join(problems))
+
+
+def op_histogram(model: onnx.ModelProto) -> dict[str, int]:
+    hist: dict[str, int] = {}
+    for node in model.graph.node:
+        key = node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}.{node.op_type}"
+        hist[key] = hist.get(key, 0) + 1
+    return dict(sorted(hist.items(), key=lambda kv: (-kv[1], kv[0])))

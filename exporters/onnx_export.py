@@ -1,0 +1,114 @@
+"""Reference decoder -> two ONNX graphs (prefill, decode) with explicit KV-cache I/O.
+
+Owns the graph wrappers, the dynamo export call, renaming symbolic dims to the contract's
+names, and writing each graph with its weights as external data. It does not validate numerics
+(toolkit/ runs the parity core for that) and does not decide where the artifact lands.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.export import Dim
+
+from models import contract
+from models.decoder import Decoder
+
+MIN_OPSET, DEFAULT_OPSET, MAX_OPSET = 18, 23, 23
+
+
+class ExportError(RuntimeError):
+    """The exporter could not turn the model into the graph the contract asks for."""
+
+
+class PrefillGraph(nn.Module):
+    """(input_ids, attention_mask, position_ids) -> (logits, present.0.key, present.0.value, ...)."""
+
+    def __init__(self, model: Decoder):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, position_ids):
+        logits, present = self.model(input_ids, attention_mask, position_ids)
+        return (logits, *[t for kv in present for t in kv])
+
+
+class DecodeGraph(nn.Module):
+    """(input_ids, attention_mask, position_ids, past...) -> (logits, present...), one new token."""
+
+    def __init__(self, model: Decoder):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, position_ids, *past):
+        pkv = [(past[2 * i], past[2 * i + 1]) for i in range(len(past) // 2)]
+        logits, present = self.model(input_ids, attention_mask, position_ids, pkv)
+        return (logits, *[t for kv in present for t in kv])
+
+
+def graph_dims(model: Decoder, kv_dtype: str) -> contract.GraphDims:
+    c = model.config
+    return contract.GraphDims(c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size, kv_dtype)
+
+
+def _example(graph: str, model: Decoder):
+    """Example inputs (batch 2, so batch is not specialized to 1) and dynamic shapes."""
+    c, B, S, P = model.config, 2, 5, 3
+    batch = Dim(contract.BATCH, min=1)
+    if graph == contract.PREFILL:
+        seq = Dim(contract.SEQ, min=1)
+        ids = torch.randint(0, c.vocab_size, (B, S))
+        mask = torch.ones(B, S, dtype=torch.int64)
+        args = (ids, mask, contract.position_ids_from_mask(mask))
+        shapes = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq},
+                  "position_ids": {0: batch, 1: seq}}
+        return PrefillGraph(model), args, shapes
+    past_dim = Dim(contract.PAST, min=1)  # never 0: TensorRT rejects empty dims; prefill covers "no past"
+    ids = torch.randint(0, c.vocab_size, (B, 1))
+    mask = torch.ones(B, P + 1, dtype=torch.int64)
+    past = [torch.zeros(B, c.num_kv_heads, P, c.head_dim, dtype=model.dtype) for _ in range(2 * c.num_layers)]
+    args = (ids, mask, torch.full((B, 1), P, dtype=torch.int64), *past)
+    shapes = {"input_ids": {0: batch}, "attention_mask": {0: batch, 1: past_dim + 1},
+              "position_ids": {0: batch}, "past": tuple({0: batch, 2: past_dim} for _ in past)}
+    return DecodeGraph(model), args, shapes
+
+
+def _rename_dims(ir_graph) -> None:
+    """The exporter names a derived dim by its expression; the contract calls it total_sequence_length."""
+    import onnx_ir as ir
+
+    rename = {f"{contract.PAST} + 1": contract.TOTAL}
+    for value in [*ir_graph.inputs, *ir_graph.outputs]:
+        dims = [ir.SymbolicDim(rename.get(str(d), str(d))) if isinstance(d, ir.SymbolicDim) else d
+                for d in value.shape]
+        value.shape = ir.Shape(dims)
+
+
+def export_graph(model: Decoder, graph: str, path: Path, opset: int = DEFAULT_OPSET) -> float:
+    """Export one graph to `path` (weights to `path`.data). Returns seconds taken."""
+    if not MIN_OPSET <= opset <= MAX_OPSET:
+        raise ExportError(f"opset {opset} is not supported; use {MIN_OPSET}..{MAX_OPSET}")
+    dims = graph_dims(model, str(model.dtype).removeprefix("torch."))
+    module, args, shapes = _example(graph, model)
+    in_names = [s.name for s in dims.inputs(graph)]
+    out_names = [s.name for s in dims.outputs(graph)]
+    start = time.perf_counter()
+    # "torchvision is not installed. Skipping torchvision::nms" and kin: not the user's business
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")  # the exporter's deprecation chatter is not the user's business
+        try:
+            program = torch.onnx.export(
+                module.eval(), args, dynamo=True, opset_version=opset, dynamic_shapes=shapes,
+                input_names=in_names, output_names=out_names, verbose=False, optimize=True,
+            )
+        except Exception as e:  # the exporter raises many unrelated types; one line is what the user needs
+            raise ExportError(f"torch.onnx.export failed for the {graph} graph: {str(e).splitlines()[0]}") from e
+    _rename_dims(program.model.graph)
+    program.save(str(path), external_data=True)
+    return time.perf_counter() - start

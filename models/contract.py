@@ -1,0 +1,131 @@
+"""The graph contract: names, order, dtypes and symbolic dims of the prefill and decode graphs.
+
+This module is data, read by the exporter (to name and check what it writes), by the runtimes
+(to feed and check what they run) and by the parity harness. Nobody spells "present.0.key" by
+hand. It imports nothing but the standard library so that `runtimes` may depend on it without
+pulling in torch.
+
+Any change to names, order, dtypes or dims bumps CONTRACT_VERSION.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CONTRACT_VERSION = 1
+
+PREFILL = "prefill"
+DECODE = "decode"
+GRAPHS = (PREFILL, DECODE)
+
+# Symbolic dims (Optimum / onnxruntime-genai spelling).
+BATCH = "batch_size"
+SEQ = "sequence_length"
+PAST = "past_sequence_length"
+TOTAL = "total_sequence_length"
+
+KV_DTYPE = "kv"  # placeholder in the table: the precision the graph was exported in
+
+
+class ContractError(ValueError):
+    """A graph, artifact or input does not follow the contract."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str  # "int64", "float32", or KV_DTYPE
+    dims: tuple[str | int, ...]  # symbolic names, or ints for fixed sizes ("num_kv_heads" etc. resolved later)
+
+    def resolve(self, kv_dtype: str, num_kv_heads: int, head_dim: int, vocab_size: int) -> "TensorSpec":
+        fixed = {"num_kv_heads": num_kv_heads, "head_dim": head_dim, "vocab_size": vocab_size}
+        dims = tuple(fixed.get(d, d) if isinstance(d, str) else d for d in self.dims)
+        return TensorSpec(self.name, kv_dtype if self.dtype == KV_DTYPE else self.dtype, dims)
+
+
+def kv_names(layer: int, prefix: str) -> tuple[str, str]:
+    return f"{prefix}.{layer}.key", f"{prefix}.{layer}.value"
+
+
+def past_names(num_layers: int) -> list[str]:
+    return [n for i in range(num_layers) for n in kv_names(i, "past_key_values")]
+
+
+def present_names(num_layers: int) -> list[str]:
+    return [n for i in range(num_layers) for n in kv_names(i, "present")]
+
+
+def _kv(names: list[str], seq_dim: str) -> list[TensorSpec]:
+    return [TensorSpec(n, KV_DTYPE, (BATCH, "num_kv_heads", seq_dim, "head_dim")) for n in names]
+
+
+def inputs(graph: str, num_layers: int) -> list[TensorSpec]:
+    """Graph inputs, in order (the contract table in DESIGN.md)."""
+    if graph == PREFILL:
+        return [
+            TensorSpec("input_ids", "int64", (BATCH, SEQ)),
+            TensorSpec("attention_mask", "int64", (BATCH, SEQ)),
+            TensorSpec("position_ids", "int64", (BATCH, SEQ)),
+        ]
+    if graph == DECODE:
+        return [
+            TensorSpec("input_ids", "int64", (BATCH, 1)),
+            TensorSpec("attention_mask", "int64", (BATCH, TOTAL)),
+            TensorSpec("position_ids", "int64", (BATCH, 1)),
+            *_kv(past_names(num_layers), PAST),
+        ]
+    raise ContractError(f"unknown graph {graph!r}; expected one of {', '.join(GRAPHS)}")
+
+
+def outputs(graph: str, num_layers: int) -> list[TensorSpec]:
+    """Graph outputs, in order. Logits are float32 in every precision."""
+    if graph == PREFILL:
+        return [TensorSpec("logits", "float32", (BATCH, SEQ, "vocab_size")), *_kv(present_names(num_layers), SEQ)]
+    if graph == DECODE:
+        return [TensorSpec("logits", "float32", (BATCH, 1, "vocab_size")), *_kv(present_names(num_layers), TOTAL)]
+    raise ContractError(f"unknown graph {graph!r}; expected one of {', '.join(GRAPHS)}")
+
+
+@dataclass(frozen=True)
+class GraphDims:
+    """The sizes an artifact fixes: enough to resolve every spec above."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    kv_dtype: str  # "float32", "float16" or "bfloat16"
+
+    def inputs(self, graph: str) -> list[TensorSpec]:
+        return [s.resolve(self.kv_dtype, self.num_kv_heads, self.head_dim, self.vocab_size) for s in inputs(graph, self.num_layers)]
+
+    def outputs(self, graph: str) -> list[TensorSpec]:
+        return [s.resolve(self.kv_dtype, self.num_kv_heads, self.head_dim, self.vocab_size) for s in outputs(graph, self.num_layers)]
+
+    def kv_bytes_per_token(self, batch: int = 1) -> int:
+        """2 (key and value) * layers * kv_heads * head_dim * bytes, per token of context per row."""
+        return 2 * self.num_layers * batch * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.kv_dtype]
+
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8}
+
+# Manifest file names shared by exporter and runtimes.
+MANIFEST = "manifest.json"
+GRAPH_FILES = {PREFILL: "prefill.onnx", DECODE: "decode.onnx"}
+
+
+def check_manifest_version(manifest: dict) -> None:
+    found = manifest.get("contract_version")
+    if found != CONTRACT_VERSION:
+        raise ContractError(
+            f"artifact has graph contract version {found}, this tk reads version {CONTRACT_VERSION}; "
+            "re-export it with this version of tk (tk export)"
+        )
+
+
+def position_ids_from_mask(mask):
+    """Position ids the caller computes from a 2D mask: cumsum(mask) - 1, clamped at 0.
+
+    Works on numpy arrays (and on torch tensors, which share the methods used here).
+    """
+    return (mask.cumsum(-1) - 1).clip(0)

@@ -1,0 +1,190 @@
+"""The reference decoder: LLaMA-style, written to export cleanly and to match Hugging Face.
+
+Owns the layers (RMSNorm, RoPE as pure functions, Attention with MHA/GQA/MQA, gated FFN, Block)
+and `Decoder`, whose forward has no hidden state: the past cache comes in, the present cache
+goes out, exactly the graph contract (models/contract.py). It knows nothing about checkpoints
+(models/loading.py) or ONNX (exporters/).
+
+Projections are stored fused (`wqkv`, `w_gate_up`): one matmul each in every backend. The loader
+concatenates families that store them apart.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.config import DecoderConfig
+
+KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (key, value), each (B, Hkv, T, D)
+
+_ACT = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+}
+
+
+class RMSNorm(nn.Module):
+    """Computed in float32 and cast back, scaled by (offset + weight): offset 1 for Gemma."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
+        super().__init__()
+        self.eps, self.offset = eps, offset
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return (y * (self.offset + self.weight.float())).to(x.dtype)
+
+
+def rope_inv_freq(cfg: DecoderConfig) -> torch.Tensor:
+    """Inverse frequencies as Hugging Face's ROPE_INIT_FUNCTIONS compute them (float32)."""
+    dim = cfg.rotary_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", "default")
+    if kind == "linear":
+        return inv / scaling["factor"]
+    if kind == "llama3":
+        factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / hi) * ~(wavelen > old / lo)
+        return torch.where(medium, smoothed, scaled)
+    return inv
+
+
+def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    freqs = position_ids[..., None].float() * inv_freq  # (B, S, R/2)
+    emb = torch.cat([freqs, freqs], dim=-1)  # (B, S, R): HF half-split layout
+    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # (B, 1, S, R)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    x_rot, x_pass = x[..., :rot], x[..., rot:]  # partial rotary (Phi-3): rotate the leading dims only
+    return torch.cat([x_rot * cos + rotate_half(x_rot) * sin, x_pass], dim=-1)
+
+
+def causal_mask(attention_mask: torch.Tensor, q_len: int, sliding_window: int | None) -> torch.Tensor:
+    """(B, T) 0/1 mask of past + new tokens -> (B, 1, S, T) bool, True = may attend.
+
+    Query i sits at cache index (T - S) + i (lower-right alignment), sees keys at or before it,
+    within the sliding window if any, and never a padding key except itself, so a padding row
+    attends to something and stays finite (its output is never used).
+    """
+    total = attention_mask.shape[-1]
+    k_idx = torch.arange(total, device=attention_mask.device)  # (T,)
+    q_idx = torch.arange(q_len, device=attention_mask.device) + (total - q_len)  # (S,)
+    dist = q_idx[:, None] - k_idx[None, :]  # (S, T)
+    visible = dist >= 0
+    if sliding_window is not None:
+        visible = visible & (dist < sliding_window)
+    real = attention_mask[:, None, None, :].bool()  # (B, 1, 1, T)
+    return visible & (real | (dist == 0))  # (B, 1, S, T)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.splits = [cfg.q_size, cfg.kv_size, cfg.kv_size]
+        self.wqkv = nn.Linear(cfg.hidden_size, sum(self.splits), bias=cfg.qkv_bias)
+        self.wo = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x, cos, sin, mask, past: tuple[torch.Tensor, torch.Tensor] | None):
+        B, S, _ = x.shape
+        q, k, v = self.wqkv(x).split(self.splits, dim=-1)
+        q = q.view(B, S, self.n_heads, self.head_dim)  # (B, S, H, D)
+        k = k.view(B, S, self.n_kv, self.head_dim)  # (B, S, Hkv, D)
+        v = v.view(B, S, self.n_kv, self.head_dim).transpose(1, 2)  # (B, Hkv, S, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, S, D)
+        k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, Hkv, S, D)
+        if past is not None:  # the concat stays outside SDPA: TensorRT rejects Attention with past
+            k = torch.cat([past[0], k], dim=2)  # (B, Hkv, T, D)
+            v = torch.cat([past[1], v], dim=2)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
+        y = y.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim)  # (B, S, H*D)
+        return self.wo(y), (k, v)
+
+
+class FeedForward(nn.Module):
+    """Gated FFN: SwiGLU (silu) or GeGLU (gelu-tanh)."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.w_gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.w_down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act = _ACT[cfg.hidden_act]
+
+    def forward(self, x):
+        gate, up = self.w_gate_up(x).chunk(2, dim=-1)
+        return self.w_down(self.act(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
+        self.attn = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
+        self.ffn = FeedForward(cfg)
+
+    def forward(self, x, cos, sin, mask, past):
+        a, present = self.attn(self.attn_norm(x), cos, sin, mask, past)
+        h = x + a
+        return h + self.ffn(self.ffn_norm(h)), present
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (B, S) int64
+        attention_mask: torch.Tensor,  # (B, T) int64, T = past + S; 1 = real, 0 = left padding
+        position_ids: torch.Tensor,  # (B, S) int64, computed by the caller
+        past_key_values: KVCache | None = None,
+    ) -> tuple[torch.Tensor, KVCache]:
+        x = self.embed(input_ids)  # (B, S, C)
+        if self.config.embed_scale:  # Gemma: the normalizer is rounded to the activation dtype first
+            x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
+        cos, sin = rope_cos_sin(position_ids, self.inv_freq, x.dtype)
+        mask = causal_mask(attention_mask, input_ids.shape[1], self.config.sliding_window)
+        present: KVCache = []
+        for i, layer in enumerate(self.layers):
+            x, kv = layer(x, cos, sin, mask, past_key_values[i] if past_key_values is not None else None)
+            present.append(kv)
+        logits = self.lm_head(self.norm(x)).float()  # (B, S, V): float32 in every precision
+        return logits, present

@@ -1,0 +1,183 @@
+"""Load a local Hugging Face checkpoint folder into the reference `Decoder`.
+
+Reads config.json (and generation_config.json for EOS ids) and safetensors weights, single-file or
+sharded through model.safetensors.index.json. Never unpickles. Every shape is checked against
+the config before anything is materialized, so a mismatched or corrupt checkpoint fails with a
+sentence naming the tensor, not deep inside torch.
+
+`weight_map` is the one table of how Hugging Face tensor names map to ours; the presets write
+checkpoints from the same table.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from models.config import DTYPE_ALIASES, DecoderConfig, UnsupportedModelError, config_from_hf
+from models.decoder import Decoder, rope_inv_freq
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved
+
+
+class CheckpointError(ValueError):
+    """The checkpoint folder is missing, incomplete, corrupt, or disagrees with its config."""
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    canonical = DTYPE_ALIASES.get(name)
+    if canonical is None:
+        raise ValueError(f"unknown dtype {name!r}; use one of fp32, fp16, bf16")
+    return getattr(torch, canonical)
+
+
+def weight_map(cfg: DecoderConfig) -> dict[str, list[tuple[str, int]]]:
+    """Our parameter name -> the Hugging Face tensors concatenated (along dim 0) to make it,
+    each with its number of rows. Fused families store the concatenation already."""
+    C, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    m: dict[str, list[tuple[str, int]]] = {"embed.weight": [("model.embed_tokens.weight", V)],
+                                           "norm.weight": [("model.norm.weight", C)]}
+    if not cfg.tie_embeddings:
+        m["lm_head.weight"] = [("lm_head.weight", V)]
+    for i in range(cfg.num_layers):
+        hf, us = f"model.layers.{i}.", f"layers.{i}."
+        m[us + "attn_norm.weight"] = [(hf + "input_layernorm.weight", C)]
+        m[us + "ffn_norm.weight"] = [(hf + "post_attention_layernorm.weight", C)]
+        qkv = [("q", cfg.q_size), ("k", cfg.kv_size), ("v", cfg.kv_size)]
+        for kind, on in (("weight", True), ("bias", cfg.qkv_bias)):
+            if not on:
+                continue
+            if cfg.fused_projections:
+                m[us + f"attn.wqkv.{kind}"] = [(hf + f"self_attn.qkv_proj.{kind}", cfg.q_size + 2 * cfg.kv_size)]
+            else:
+                m[us + f"attn.wqkv.{kind}"] = [(hf + f"self_attn.{p}_proj.{kind}", n) for p, n in qkv]
+        m[us + "attn.wo.weight"] = [(hf + "self_attn.o_proj.weight", C)]
+        if cfg.o_bias:
+            m[us + "attn.wo.bias"] = [(hf + "self_attn.o_proj.bias", C)]
+        if cfg.qk_norm:
+            m[us + "attn.q_norm.weight"] = [(hf + "self_attn.q_norm.weight", cfg.head_dim)]
+            m[us + "attn.k_norm.weight"] = [(hf + "self_attn.k_norm.weight", cfg.head_dim)]
+        for kind, on in (("weight", True), ("bias", cfg.mlp_bias)):
+            if not on:
+                continue
+            if cfg.fused_projections:
+                m[us + f"ffn.w_gate_up.{kind}"] = [(hf + f"mlp.gate_up_proj.{kind}", 2 * I)]
+            else:
+                m[us + f"ffn.w_gate_up.{kind}"] = [(hf + f"mlp.{p}_proj.{kind}", I) for p in ("gate", "up")]
+            m[us + f"ffn.w_down.{kind}"] = [(hf + f"mlp.down_proj.{kind}", C)]
+    return m
+
+
+def hf_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
+    """The shape every Hugging Face tensor must have for this config."""
+    with torch.device("meta"):
+        ours = {k: tuple(v.shape) for k, v in Decoder(cfg).state_dict().items()}
+    return {name: (rows, *ours[key][1:]) for key, parts in weight_map(cfg).items() for name, rows in parts}
+
+
+def read_config(folder: Path) -> DecoderConfig:
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"checkpoint folder {folder} does not exist")
+    path = folder / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{folder} has no config.json; point at a Hugging Face checkpoint folder")
+    try:
+        hf = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e})") from None
+    try:
+        cfg = config_from_hf(hf)
+    except UnsupportedModelError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    gen = folder / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        if eos is not None:
+            cfg.eos_token_ids = sorted(set(cfg.eos_token_ids) | set(eos if isinstance(eos, list) else [eos]))
+    return cfg
+
+
+def _weight_files(folder: Path) -> dict[str, Path]:
+    """Tensor name -> file holding it."""
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            wm = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index} is not a valid safetensors index ({e})") from None
+        return {name: folder / fname for name, fname in wm.items()}
+    single = folder / SINGLE_FILE
+    if not single.is_file():
+        others = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt*"))
+        hint = f" (found {', '.join(others)}: tk loads safetensors only, never pickles)" if others else ""
+        raise CheckpointError(f"{folder} has no {SINGLE_FILE} or {INDEX_FILE}{hint}")
+    return {name: single for name in _open(single).keys()}
+
+
+def _open(path: Path):
+    if not path.is_file():
+        raise CheckpointError(f"weights file {path} is missing")
+    try:
+        return safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path} is not a readable safetensors file ({e}); re-download or re-save it") from None
+
+
+def load_state_dict(folder: Path, cfg: DecoderConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Our state dict, shapes checked first, fused where the model fuses."""
+    files = _weight_files(folder)
+    expected = hf_shapes(cfg)
+    missing = [n for n in expected if n not in files]
+    unexpected = [n for n in files if n not in expected and not n.endswith(IGNORED_SUFFIXES)
+                  and not (cfg.tie_embeddings and n == "lm_head.weight")]
+    if missing:
+        raise CheckpointError(f"checkpoint lacks {len(missing)} tensor(s) its config needs, e.g. {missing[0]}")
+    if unexpected:
+        raise CheckpointError(
+            f"checkpoint has {len(unexpected)} tensor(s) its config does not describe, e.g. {unexpected[0]}"
+        )
+    handles = {p: _open(p) for p in set(files[n] for n in expected)}
+    for name, shape in expected.items():
+        try:
+            got = tuple(handles[files[name]].get_slice(name).get_shape())
+        except SafetensorError as e:
+            raise CheckpointError(f"cannot read {name} from {files[name]} ({e})") from None
+        if got != shape:
+            raise CheckpointError(f"tensor {name} has shape {list(got)} but config.json implies {list(shape)}")
+
+    def read(name: str) -> torch.Tensor:
+        try:
+            return handles[files[name]].get_tensor(name).to(dtype)
+        except (SafetensorError, RuntimeError) as e:
+            raise CheckpointError(f"cannot read {name} from {files[name]} ({e}); the file may be truncated") from None
+
+    sd = {}
+    for ours, parts in weight_map(cfg).items():
+        tensors = [read(name) for name, _ in parts]
+        sd[ours] = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
+    if cfg.tie_embeddings:
+        sd["lm_head.weight"] = sd["embed.weight"]
+    return sd
+
+
+def load_decoder(folder: str | Path, dtype: str | torch.dtype = "float32") -> Decoder:
+    """Build the reference decoder from a Hugging Face checkpoint folder, in eval mode."""
+    folder = Path(folder)
+    dtype = torch_dtype(dtype) if isinstance(dtype, str) else dtype
+    cfg = read_config(folder)
+    sd = load_state_dict(folder, cfg, dtype)
+    with torch.device("meta"):  # no random init of weights we are about to replace
+        model = Decoder(cfg)
+    model.load_state_dict(sd, assign=True, strict=True)
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    model.inv_freq = rope_inv_freq(cfg)
+    return model.eval()

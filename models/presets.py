@@ -1,0 +1,99 @@
+"""Built-in tiny models with seeded weights, written as real Hugging Face checkpoints.
+
+A preset is a Hugging Face config.json plus seeded random weights under Hugging Face names
+(from `loading.weight_map`) plus a byte-level BPE tokenizer trained offline, so it loads through
+exactly the same path as a downloaded checkpoint. Weights are drawn wider than Hugging Face's
+default init (std 0.08) and every vector is jittered, so logits are not flat and a loader that
+ignores a norm weight or a bias cannot pass.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from models.config import config_from_hf
+from models.loading import SINGLE_FILE, hf_shapes
+
+EOS, PAD = "<|endoftext|>", "<|pad|>"
+
+_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+          "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+          "bos_token_id": None, "eos_token_id": 0, "pad_token_id": 1}
+
+PRESETS: dict[str, dict] = {
+    # The demo and test model: GQA, 2 layers, runs anything in seconds.
+    "tiny": {**_LLAMA, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 176,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "max_position_embeddings": 1024},
+    # The benchmark model of the performance issue: 55M parameters.
+    "small": {**_LLAMA, "vocab_size": 32000, "hidden_size": 512, "intermediate_size": 1376,
+              "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 2,
+              "max_position_embeddings": 4096},
+}
+
+CORPUS = """\
+The quick brown fox jumps over the lazy dog. A decoder reads tokens one at a time and predicts the next.
+Once upon a time there was a small model that wanted to run everywhere: on a laptop, on a server, on a GPU.
+It learned that every runtime computes slightly different numbers, and that a good tool tells you how much.
+Prefill reads the whole prompt; decode appends one token and reuses the cache of keys and values.
+Attention looks back over the past, never into the future; padding on the left must never leak into a row.
+Rotary position embeddings turn positions into angles; grouped query attention shares keys among heads.
+In 1969 people walked on the moon. In 2026 people export transformers to ONNX and build TensorRT engines.
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000 3.14159 2.71828. Code: def f(x): return x * 2 + 1
+"""
+
+
+def train_tokenizer(folder: Path, vocab_size: int) -> None:
+    """Train a byte-level BPE on CORPUS and save tokenizer.json + tokenizer_config.json.
+
+    Deterministic; needs no network. Ids 0 and 1 are EOS and PAD.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS, PAD], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS.splitlines() * 4, trainer)
+    folder = Path(folder)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "pad_token": PAD,
+         "model_max_length": 1 << 30}, indent=2))
+
+
+def random_weights(hf_config: dict, seed: int) -> dict[str, torch.Tensor]:
+    """Seeded tensors under Hugging Face names: matrices N(0, 0.08), norm weights 1 + N(0, 0.1)
+    (Gemma-style offset norms get N(0, 0.1)), biases N(0, 0.05)."""
+    cfg = config_from_hf(hf_config)
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in sorted(hf_shapes(cfg).items()):
+        t = torch.randn(shape, generator=g)
+        if len(shape) > 1:
+            t = t * 0.08
+        elif name.endswith("norm.weight"):
+            t = (1.0 - cfg.norm_offset) + 0.1 * t
+        else:
+            t = 0.05 * t
+        out[name] = t.contiguous()
+    return out
+
+
+def write_preset(name: str, folder: str | Path, seed: int = 0) -> Path:
+    """Write preset `name` as a Hugging Face checkpoint folder and return it."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
+    hf = PRESETS[name]
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(hf, indent=2))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": hf["eos_token_id"]}))
+    save_file(random_weights(hf, seed), str(folder / SINGLE_FILE), metadata={"format": "pt"})
+    train_tokenizer(folder, hf["vocab_size"])
+    return folder

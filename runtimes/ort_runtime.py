@@ -1,0 +1,108 @@
+"""ONNX Runtime backend over an artifact's prefill.onnx and decode.onnx.
+
+Uses the CUDA execution provider when onnxruntime-gpu and a GPU are present, else CPU. Runs with
+IO binding: the present cache comes back as OrtValues that are bound straight into the next
+decode step, so the loop never copies the cache through numpy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+
+from models import contract
+from runtimes.base import ArtifactError, BackendUnavailable, Runtime, dims_from_manifest, read_manifest
+
+_ORT_DTYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(bfloat16)": "bfloat16",
+               "tensor(int64)": "int64"}
+
+
+def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def verify_graph_files(artifact: Path, manifest: dict) -> dict[str, Path]:
+    """Graph paths by name, after checking each exists and matches the manifest's sha256."""
+    paths = {}
+    for graph in contract.GRAPHS:
+        entry = manifest["graphs"][graph]
+        path = artifact / entry["file"]
+        if not path.is_file():
+            raise ArtifactError(f"{artifact} is missing {entry['file']}; re-export the artifact")
+        if sha256_file(path) != entry["sha256"]:
+            raise ArtifactError(f"{path} does not match the sha256 in {contract.MANIFEST}; it was changed "
+                                "after export: re-export the artifact")
+        data = artifact / entry["data_file"] if entry.get("data_file") else None
+        if data is not None and (not data.is_file() or data.stat().st_size != entry["data_bytes"]):
+            raise ArtifactError(f"{data} is missing or has the wrong size; re-export the artifact")
+        paths[graph] = path
+    return paths
+
+
+class OrtRuntime(Runtime):
+    name = "ort"
+
+    def __init__(self, artifact: str | Path, threads: int | None = None, provider: str = "auto"):
+        self.artifact = Path(artifact)
+        self.manifest = read_manifest(self.artifact)
+        super().__init__(dims_from_manifest(self.manifest), self.manifest["config"]["max_position_embeddings"])
+        self.threads, self.provider = threads, provider
+
+    def _load(self) -> None:
+        try:
+            import onnxruntime as ort
+        except ImportError:
+            raise BackendUnavailable("onnxruntime is not installed; pip install onnxruntime "
+                                     "(or onnxruntime-gpu on a machine with an NVIDIA GPU)") from None
+        paths = verify_graph_files(self.artifact, self.manifest)
+        available = ort.get_available_providers()
+        if self.provider == "cuda" and "CUDAExecutionProvider" not in available:
+            raise BackendUnavailable("ONNX Runtime has no CUDA provider here; pip install onnxruntime-gpu "
+                                     "on a machine with an NVIDIA GPU, or use --provider cpu")
+        use_cuda = self.provider != "cpu" and "CUDAExecutionProvider" in available
+        providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if use_cuda else ["CPUExecutionProvider"]
+        self.device = "cuda" if use_cuda else "cpu"
+        opts = ort.SessionOptions()
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        opts.log_severity_level = 3
+        if self.threads:
+            opts.intra_op_num_threads = self.threads
+        self.sessions = {g: ort.InferenceSession(str(p), opts, providers=providers) for g, p in paths.items()}
+        self.output_names = {g: [o.name for o in s.get_outputs()] for g, s in self.sessions.items()}
+
+    def _unload(self) -> None:
+        self.sessions = {}
+
+    def _run(self, graph: str, arrays: dict[str, np.ndarray], cache: list | None = None):
+        session = self.sessions[graph]
+        binding = session.io_binding()
+        for name, value in arrays.items():
+            binding.bind_cpu_input(name, np.ascontiguousarray(value))
+        for name, value in zip(contract.past_names(self.dims.num_layers), cache or []):
+            binding.bind_ortvalue_input(name, value)
+        for name in self.output_names[graph]:
+            binding.bind_output(name, self.device)
+        session.run_with_iobinding(binding)
+        outs = binding.get_outputs()
+        return outs[0].numpy(), list(outs[1:])
+
+    def _prefill(self, input_ids, attention_mask, position_ids):
+        return self._run(contract.PREFILL, {"input_ids": input_ids, "attention_mask": attention_mask,
+                                            "position_ids": position_ids})
+
+    def _decode(self, input_ids, attention_mask, position_ids, cache):
+        return self._run(contract.DECODE, {"input_ids": input_ids, "attention_mask": attention_mask,
+                                           "position_ids": position_ids}, cache)
+
+    def cache_feeds(self, cache):
+        names = contract.past_names(self.dims.num_layers)
+        return {n: (tuple(v.shape()), _ORT_DTYPES.get(v.data_type(), v.data_type())) for n, v in zip(names, cache)}
+
+    def cache_arrays(self, cache):
+        return [v.numpy().astype(np.float32) for v in cache]

@@ -1,0 +1,67 @@
+"""Next-token selection, shared by every backend: greedy, temperature, top-k, top-p, repetition
+penalty, seeded. Pure numpy on float32 logits, so two backends whose logits agree pick the same
+tokens for the same seed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+    repetition_penalty: float = 1.0  # 1: off (Hugging Face semantics: divide positive logits, multiply negative)
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class Sampler:
+    def __init__(self, config: SamplingConfig):
+        self.config = config
+        self.rng = np.random.default_rng(config.seed)
+
+    def __call__(self, logits: np.ndarray, seen: np.ndarray | None = None) -> np.ndarray:
+        """logits (B, V) float32; seen (B, V) bool of tokens already in each row -> ids (B,) int64."""
+        c = self.config
+        logits = logits.astype(np.float32, copy=True)
+        if c.repetition_penalty != 1.0 and seen is not None:
+            penalized = np.where(logits > 0, logits / c.repetition_penalty, logits * c.repetition_penalty)
+            logits = np.where(seen, penalized, logits)
+        if c.greedy:
+            return logits.argmax(-1).astype(np.int64)
+        logits = logits / c.temperature
+        if c.top_k:
+            kth = -np.sort(-logits, axis=-1)[:, min(c.top_k, logits.shape[-1]) - 1 : min(c.top_k, logits.shape[-1])]
+            logits = np.where(logits < kth, -np.inf, logits)
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        if c.top_p < 1.0:
+            order = np.argsort(-probs, axis=-1, kind="stable")
+            sorted_p = np.take_along_axis(probs, order, -1)
+            # keep the smallest prefix whose mass reaches top_p (always at least the top token)
+            drop_sorted = (np.cumsum(sorted_p, -1) - sorted_p) >= c.top_p
+            drop = np.zeros_like(drop_sorted)
+            np.put_along_axis(drop, order, drop_sorted, -1)
+            probs = np.where(drop, 0.0, probs)
+            probs /= probs.sum(-1, keepdims=True)
+        u = self.rng.random(probs.shape[0])
+        cdf = np.cumsum(probs, -1)
+        return np.minimum((cdf < u[:, None]).sum(-1), probs.shape[-1] - 1).astype(np.int64)

@@ -1,0 +1,53 @@
+"""PyTorch backend over the reference decoder, given by the caller (runtimes never import models).
+
+CPU always; CUDA when asked for and present. The cache is the decoder's own list of (key, value)
+tensors and stays on the device between steps.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from models import contract
+from runtimes.base import BackendUnavailable, Runtime
+
+
+class TorchRuntime(Runtime):
+    name = "torch"
+
+    def __init__(self, model, device: str = "cpu"):
+        c = model.config
+        kv_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        super().__init__(contract.GraphDims(c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size, kv_dtype),
+                         c.max_position_embeddings)
+        self.model, self.device = model, device
+
+    def _load(self) -> None:
+        import torch
+
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise BackendUnavailable("the torch backend was asked for CUDA but torch sees no CUDA device; "
+                                     "use --device cpu or install a CUDA build of torch on a GPU machine")
+        self._torch = torch
+        self.model = self.model.to(self.device).eval()
+
+    def _run(self, input_ids, attention_mask, position_ids, cache):
+        t = self._torch
+        args = [t.from_numpy(np.ascontiguousarray(a)).to(self.device) for a in (input_ids, attention_mask, position_ids)]
+        with t.inference_mode():
+            logits, present = self.model(*args, cache)
+        return logits.float().cpu().numpy(), present
+
+    def _prefill(self, input_ids, attention_mask, position_ids):
+        return self._run(input_ids, attention_mask, position_ids, None)
+
+    def _decode(self, input_ids, attention_mask, position_ids, cache):
+        return self._run(input_ids, attention_mask, position_ids, cache)
+
+    def cache_feeds(self, cache):
+        names = contract.past_names(self.dims.num_layers)
+        flat = [t for kv in cache for t in kv]
+        return {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in zip(names, flat)}
+
+    def cache_arrays(self, cache):
+        return [t.float().cpu().numpy() for kv in cache for t in kv]

@@ -1,0 +1,80 @@
+"""Tiny Hugging Face checkpoints for every supported family, made with `transformers` itself.
+
+Weights are drawn wider than HF's default init (std 0.08) and every vector is jittered, so
+logits are not flat, greedy ties are rare, and a loader that ignores a norm weight or bias fails.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from models.presets import train_tokenizer
+
+VOCAB = 384
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+               max_position_embeddings=256, eos_token_id=0, pad_token_id=1, bos_token_id=None)
+
+# family -> (transformers config class name, model class name, extra config)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=2, attention_bias=True, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 32})),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=1, sliding_window=12, tie_word_embeddings=False)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, use_sliding_window=False)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=24, tie_word_embeddings=True,
+        use_sliding_window=False)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=2, partial_rotary_factor=0.5,
+        tie_word_embeddings=False, sliding_window=None)),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=4, head_dim=32, hidden_activation="gelu_pytorch_tanh",
+        hidden_act="gelu_pytorch_tanh")),
+}
+# A second Llama: linear rope scaling, tied embeddings, MQA.
+EXTRA = {
+    "llama-linear-tied-mqa": ("LlamaConfig", "LlamaForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True,
+        rope_scaling={"rope_type": "linear", "factor": 2.0})),
+}
+ALL = {**FAMILIES, **EXTRA}
+
+
+def jitter_(model: torch.nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if p.dim() > 1:
+                p.copy_(0.08 * noise)
+            elif "norm" in name:
+                base = 0.0 if type(model).__name__.startswith("Gemma") else 1.0
+                p.copy_(base + 0.1 * noise)
+            else:
+                p.copy_(0.05 * noise)
+
+
+def make_checkpoint(family: str, folder: Path, seed: int = 0) -> Path:
+    """Save a jittered tiny `transformers` model of `family` with a trained tokenizer."""
+    import transformers
+
+    cfg_cls, model_cls, extra = ALL[family]
+    cfg = getattr(transformers, cfg_cls)(**_COMMON, **extra)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(cfg).eval()
+    jitter_(model, seed)
+    folder = Path(folder)
+    model.save_pretrained(folder)
+    train_tokenizer(folder, VOCAB)
+    return folder
+
+
+def load_hf(folder: Path):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()

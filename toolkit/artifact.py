@@ -1,0 +1,172 @@
+"""`tk export` as a library call: load, export both graphs, check the contract, validate with the
+parity core, write the manifest, and only then move the folder into place.
+
+Everything is written to a temporary folder beside OUT; any failure removes it, so OUT either
+does not exist or holds a complete, validated artifact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+import os
+import platform
+import shutil
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Callable
+
+from exporters.contract_check import check_graph_file
+from exporters.onnx_export import DEFAULT_OPSET, MAX_OPSET, MIN_OPSET, export_graph, graph_dims
+from models import contract
+from models.config import DTYPE_ALIASES
+from models.loading import load_decoder, read_config
+from runtimes.base import ArtifactError, read_manifest
+from runtimes.ort_runtime import OrtRuntime, sha256_file
+from runtimes.torch_runtime import TorchRuntime
+from toolkit.parity import TOLERANCES, format_table, run_parity
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
+VALIDATION_STEPS = 8
+
+
+class ValidationFailed(Exception):
+    """A check ran and the artifact failed it (exit 3). `table` says what differed."""
+
+    def __init__(self, message: str, table: str = ""):
+        super().__init__(message)
+        self.table = table
+
+
+def versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for pkg in ("tk", "torch", "onnx", "onnxscript", "onnxruntime", "transformers"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def _check_options(dtype: str, opset: int) -> str:
+    if dtype not in DTYPE_ALIASES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of fp32, fp16, bf16")
+    if not MIN_OPSET <= opset <= MAX_OPSET:
+        raise ValueError(f"opset {opset} is not supported; use {MIN_OPSET}..{MAX_OPSET} (default {DEFAULT_OPSET})")
+    return DTYPE_ALIASES[dtype]
+
+
+def _prepare_out(out: Path, force: bool) -> Path:
+    """Refuse an existing OUT without force; return a fresh temporary folder beside it."""
+    if out.exists() and not force:
+        raise FileExistsError(f"{out} already exists; pass --force to replace it")
+    parent = out.parent.resolve()
+    if not parent.is_dir():
+        raise FileNotFoundError(f"cannot write {out}: folder {parent} does not exist")
+    try:
+        return Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=parent))
+    except OSError as e:
+        raise PermissionError(f"cannot write to {parent} ({e.strerror}); choose a writable -o") from None
+
+
+def _move_into_place(tmp: Path, out: Path) -> None:
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(out)
+
+
+def reference_runtime(artifact: Path, manifest: dict | None = None, dtype: str = "float32",
+                      device: str = "cpu") -> TorchRuntime:
+    """The PyTorch backend for an artifact: the reference decoder loaded from the source checkpoint
+    recorded in its manifest (tk does not copy the weights a second time)."""
+    manifest = manifest or read_manifest(artifact)
+    source = Path(manifest["source"]["path"])
+    if not (source / "config.json").is_file():
+        raise ArtifactError(f"the torch backend loads the source checkpoint {source} recorded in the manifest, "
+                            "and it is gone; restore it or re-export from its new place")
+    if sha256_file(source / "config.json") != manifest["source"]["config_sha256"]:
+        raise ArtifactError(f"the checkpoint at {source} changed since export (config.json differs); re-export")
+    return TorchRuntime(load_decoder(source, dtype), device=device)
+
+
+def validate(artifact: Path, manifest: dict, steps: int = VALIDATION_STEPS) -> tuple[dict, str]:
+    """Export validation: ORT on the artifact vs the float32 PyTorch reference (the parity core).
+    Returns the manifest record and a printable table."""
+    tol = TOLERANCES[manifest["dtype"]]
+    with reference_runtime(artifact, manifest) as ref, OrtRuntime(artifact) as ort:
+        results = run_parity(ref, [ort], tol, steps=steps)
+    record = {"passed": all(r.passed for r in results), "reference": "torch float32", "steps": steps,
+              "tolerance": dataclasses.asdict(tol), "comparisons": [r.to_dict() for r in results]}
+    return record, format_table(results)
+
+
+def export_artifact(model_dir: str | Path, out: str | Path, dtype: str = "fp32", opset: int = DEFAULT_OPSET,
+                    run_validation: bool = True, force: bool = False,
+                    progress: Callable[[str], None] = lambda msg: None) -> dict:
+    """Write a complete artifact to `out` and return its manifest."""
+    model_dir, out = Path(model_dir), Path(out)
+    dtype = _check_options(dtype, opset)
+    read_config(model_dir)  # fail on a bad checkpoint before touching the filesystem
+    tmp = _prepare_out(out, force)
+    try:
+        t = time.perf_counter()
+        model = load_decoder(model_dir, dtype)
+        progress(f"load {model_dir} ({dtype}): {time.perf_counter() - t:.1f} s")
+        dims = graph_dims(model, dtype)
+        graphs = {}
+        for graph in contract.GRAPHS:
+            path = tmp / contract.GRAPH_FILES[graph]
+            seconds = export_graph(model, graph, path, opset)
+            check_graph_file(path, graph, dims)
+            data = path.with_name(path.name + ".data")
+            graphs[graph] = {"file": path.name, "sha256": sha256_file(path),
+                             "data_file": data.name if data.exists() else None,
+                             "data_bytes": data.stat().st_size if data.exists() else 0,
+                             "export_s": round(seconds, 2)}
+            progress(f"export {graph} (opset {opset}): {seconds:.1f} s, contract ok")
+        del model
+        copied = [f for f in TOKENIZER_FILES if (model_dir / f).is_file()]
+        for f in copied:
+            shutil.copy2(model_dir / f, tmp / f)
+        manifest = {
+            "contract_version": contract.CONTRACT_VERSION,
+            "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "source": {"path": str(model_dir.resolve()), "config_sha256": sha256_file(model_dir / "config.json")},
+            "config": read_config(model_dir).to_dict(),
+            "dims": dataclasses.asdict(dims),
+            "dtype": dtype,
+            "opset": opset,
+            "graphs": graphs,
+            "tokenizer_files": copied,
+            "versions": versions(),
+            "validation": {"skipped": True},
+        }
+        _write_manifest(tmp, manifest)
+        if run_validation:
+            t = time.perf_counter()
+            manifest["validation"], table = validate(tmp, manifest)
+            _write_manifest(tmp, manifest)
+            verdict = "passed" if manifest["validation"]["passed"] else "FAILED"
+            progress(f"validate ORT vs torch float32 ({VALIDATION_STEPS} decode steps): {verdict}, "
+                     f"{time.perf_counter() - t:.1f} s")
+            if not manifest["validation"]["passed"]:
+                raise ValidationFailed(f"export validation failed: ONNX Runtime logits differ from PyTorch beyond "
+                                       f"the {dtype} tolerance (max_abs {TOLERANCES[dtype].max_abs})",
+                                       table)
+        _move_into_place(tmp, out)
+        return manifest
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _write_manifest(folder: Path, manifest: dict) -> None:
+    (folder / contract.MANIFEST).write_text(json.dumps(manifest, indent=2))

@@ -1,0 +1,167 @@
+"""The `tk` command line: parse options, call library functions, format results. Nothing else.
+
+Library code raises typed errors; `ERRORS` maps them, in one place, to a one-line message and
+an exit code (1 error, 2 usage, 3 a check ran and failed). `--debug` shows tracebacks.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import click
+
+from exporters.onnx_export import ExportError
+from models.config import UnsupportedModelError
+from models.contract import ContractError
+from models.loading import CheckpointError
+from runtimes.base import RuntimeErrorBase
+from toolkit.artifact import ValidationFailed
+
+# (exception types, exit code), first match wins. Anything else is a bug and keeps its traceback.
+ERRORS: list[tuple[tuple[type[BaseException], ...], int]] = [
+    ((ValidationFailed,), 3),
+    ((click.UsageError,), 2),
+    ((CheckpointError, UnsupportedModelError, ContractError, ExportError, RuntimeErrorBase,
+      FileExistsError, FileNotFoundError, PermissionError, ValueError), 1),
+]
+
+
+def _exit_code(exc: BaseException) -> int | None:
+    return next((code for types, code in ERRORS if isinstance(exc, types)), None)
+
+
+class TkGroup(click.Group):
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+            raise
+        except Exception as exc:
+            code = _exit_code(exc)
+            if code is None or ctx.obj.get("debug"):
+                raise
+            if isinstance(exc, ValidationFailed) and exc.table:
+                click.echo(exc.table, err=True)
+            click.echo(f"Error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", err=True)
+            ctx.exit(code)
+
+
+def _version() -> str:
+    try:
+        return metadata.version("tk")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+def _progress(msg: str) -> None:
+    click.echo(f"  {msg}", err=True)
+
+
+@click.group(cls=TkGroup)
+@click.version_option(_version(), prog_name="tk")
+@click.option("--debug", is_flag=True, help="Show Python tracebacks for errors.")
+@click.pass_context
+def main(ctx: click.Context, debug: bool) -> None:
+    """tk: decoder-only transformers from PyTorch to ONNX Runtime and TensorRT, with parity proofs."""
+    ctx.ensure_object(dict)["debug"] = debug
+
+
+@main.command()
+@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.option("-o", "--out", required=True, type=click.Path(path_type=Path), help="Artifact folder to create.")
+@click.option("--dtype", default="fp32", show_default=True, help="fp32, fp16 or bf16.")
+@click.option("--opset", default=23, show_default=True, type=int, help="23 (fused Attention/RMSNorm) or 18..22.")
+@click.option("--no-validate", is_flag=True, help="Skip the ORT-vs-PyTorch numeric validation.")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+def export(model_dir: Path, out: Path, dtype: str, opset: int, no_validate: bool, force: bool) -> None:
+    """Export MODEL_DIR (a Hugging Face checkpoint folder) to prefill/decode ONNX graphs."""
+    from toolkit.artifact import export_artifact
+
+    click.echo(f"tk export {model_dir} -> {out}", err=True)
+    manifest = export_artifact(model_dir, out, dtype, opset, not no_validate, force, _progress)
+    v = manifest["validation"]
+    if not v.get("skipped"):
+        worst = max(s["max_abs"] for c in v["comparisons"] for s in c["steps"])
+        click.echo(f"  validation passed: max |logit diff| {worst:.3g} (tolerance {v['tolerance']['max_abs']})",
+                   err=True)
+    click.echo(str(out))
+
+
+@main.command()
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--batch", default=1, show_default=True, type=click.IntRange(min=1))
+@click.option("--seq-len", type=click.IntRange(min=1), help="Context length for the memory plan (default: the model's).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def inspect(path: Path, batch: int, seq_len: int | None, as_json: bool) -> None:
+    """Describe a checkpoint or an artifact: config, parameters, graph I/O, memory plan."""
+    from toolkit.inspect import format_info, inspect_path
+
+    info = inspect_path(path, batch, seq_len)
+    click.echo(json.dumps(info, indent=2) if as_json else format_info(info))
+
+
+@main.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--backend", default="ort", show_default=True, type=click.Choice(["torch", "ort", "trt"]))
+@click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeat for a batch).")
+@click.option("--prompt-ids", "prompt_ids", multiple=True, help="Comma-separated token ids (repeat for a batch).")
+@click.option("--max-new-tokens", default=32, show_default=True, type=int)
+@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
+@click.option("--top-k", default=0, show_default=True, type=int)
+@click.option("--top-p", default=1.0, show_default=True, type=float)
+@click.option("--repetition-penalty", default=1.0, show_default=True, type=float)
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--stop", "stops", multiple=True, help="Stop when this text appears (repeatable).")
+@click.option("--ignore-eos", is_flag=True, help="Generate exactly --max-new-tokens.")
+@click.option("--threads", type=click.IntRange(min=1), help="ONNX Runtime intra-op threads.")
+@click.option("--json", "as_json", is_flag=True, help="Print tokens, text, finish reason and timings as JSON.")
+def generate(artifact: Path, backend: str, prompts: tuple[str, ...], prompt_ids: tuple[str, ...],
+             max_new_tokens: int, temperature: float, top_k: int, top_p: float, repetition_penalty: float,
+             seed: int, stops: tuple[str, ...], ignore_eos: bool, threads: int | None, as_json: bool) -> None:
+    """Generate text from an exported ARTIFACT on one backend."""
+    from runtimes.base import read_manifest
+    from runtimes.sampling import SamplingConfig
+    from toolkit.textgen import Tokenizer, generate_text, open_runtime, parse_ids
+
+    if bool(prompts) == bool(prompt_ids):
+        raise click.UsageError("give either --prompt or --prompt-ids")
+    manifest = read_manifest(artifact)
+    runtime = open_runtime(artifact, backend, threads)
+    tokenizer = Tokenizer(artifact) if prompts or stops or not as_json else None
+    ids = [tokenizer.encode(p) for p in prompts] if prompts else [parse_ids(p) for p in prompt_ids]
+    sampling = SamplingConfig(temperature, top_k, top_p, repetition_penalty, seed)
+    stream = None if as_json else lambda text: click.echo(text, nl=False)
+    result, texts = generate_text(runtime, tokenizer, ids, max_new_tokens, sampling,
+                                  manifest["config"]["eos_token_ids"], stops, ignore_eos, stream)
+    if as_json:
+        rows = [{"prompt_tokens": r.prompt_tokens, "tokens": r.tokens, "text": t, "finish_reason": r.finish_reason}
+                for r, t in zip(result.rows, texts)]
+        click.echo(json.dumps({"backend": backend, "rows": rows, "timings": result.timings()}, indent=2))
+        return
+    if len(ids) > 1:
+        for i, text in enumerate(texts):
+            click.echo(f"[{i}] {text}")
+    else:
+        click.echo()
+    t = result.timings()
+    click.echo(f"{backend}: time to first token {t['ttft_ms']:.1f} ms, decode {t['decode_ms_per_token']:.2f} ms/token, "
+               f"{t['tokens_per_s']:.1f} tokens/s, finish: {', '.join(r.finish_reason for r in result.rows)}",
+               err=True)
+
+
+@main.command()
+@click.option("--preset", default="tiny", show_default=True, help="Built-in model preset.")
+@click.option("--prompt", default="Once upon a time", show_default=True)
+@click.option("--max-new-tokens", default=24, show_default=True, type=click.IntRange(min=1))
+def demo(preset: str, prompt: str, max_new_tokens: int) -> None:
+    """The whole path on a built-in tiny model: checkpoint, export, validate, generate on torch and ORT."""
+    from toolkit.demo import run_demo
+
+    run_demo(preset, prompt, max_new_tokens, echo=lambda msg: click.echo(msg))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

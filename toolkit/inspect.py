@@ -1,0 +1,89 @@
+"""`tk inspect`: what a checkpoint or an artifact holds, and what it will cost in memory."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from models import contract
+from models.config import DecoderConfig
+from models.loading import hf_shapes, read_config
+from runtimes.base import read_manifest
+
+BYTES = contract.DTYPE_BYTES
+
+
+def parameter_count(cfg: DecoderConfig) -> int:
+    return sum(math.prod(s) for s in hf_shapes(cfg).values())
+
+
+def memory_plan(cfg: DecoderConfig, dtype: str, batch: int, seq_len: int) -> dict:
+    """Weights + KV bytes. KV = 2 * layers * batch * seq * kv_heads * head_dim * bytes."""
+    dims = contract.GraphDims(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size, dtype)
+    weights = parameter_count(cfg) * BYTES[dtype]
+    kv = dims.kv_bytes_per_token(batch) * seq_len
+    return {"dtype": dtype, "batch": batch, "seq_len": seq_len, "weights_bytes": weights,
+            "kv_bytes_per_token": dims.kv_bytes_per_token(1), "kv_bytes": kv, "total_bytes": weights + kv}
+
+
+def _io_table(path: Path) -> tuple[list[dict], int, dict]:
+    import onnx
+
+    from exporters.contract_check import describe_value, op_histogram
+
+    model = onnx.load(str(path), load_external_data=False)
+    rows = [{"kind": kind, "name": n, "dtype": d, "dims": list(s)}
+            for kind, values in (("input", model.graph.input), ("output", model.graph.output))
+            for n, d, s in map(describe_value, values)]
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    return rows, opset, op_histogram(model)
+
+
+def inspect_path(path: str | Path, batch: int = 1, seq_len: int | None = None) -> dict:
+    path = Path(path)
+    if (path / contract.MANIFEST).is_file():
+        manifest = read_manifest(path)
+        cfg = DecoderConfig.from_dict(manifest["config"])
+        dtype = manifest["dtype"]
+        graphs = {}
+        for graph in contract.GRAPHS:
+            io, opset, ops = _io_table(path / manifest["graphs"][graph]["file"])
+            graphs[graph] = {"io": io, "opset": opset, "ops": ops}
+        info = {"kind": "artifact", "path": str(path), "source": manifest["source"]["path"], "graphs": graphs,
+                "validation": {k: v for k, v in manifest["validation"].items() if k != "comparisons"}}
+    else:
+        cfg = read_config(path)
+        dtype = "float32"
+        info = {"kind": "checkpoint", "path": str(path)}
+    seq_len = seq_len or cfg.max_position_embeddings
+    info.update({
+        "architecture": cfg.architecture,
+        "parameters": parameter_count(cfg),
+        "config": cfg.to_dict(),
+        "memory": memory_plan(cfg, dtype, batch, seq_len),
+    })
+    return info
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.2f} MiB"
+
+
+def format_info(info: dict) -> str:
+    c, m = info["config"], info["memory"]
+    lines = [
+        f"{info['kind']}: {info['path']}",
+        f"architecture: {info['architecture']}  parameters: {info['parameters']:,}",
+        f"layers {c['num_layers']}  hidden {c['hidden_size']}  heads {c['num_heads']}  kv heads {c['num_kv_heads']}  "
+        f"head_dim {c['head_dim']}  vocab {c['vocab_size']}  context {c['max_position_embeddings']}",
+        f"memory ({m['dtype']}, batch {m['batch']}, seq {m['seq_len']}): weights {_mib(m['weights_bytes'])} + "
+        f"KV {_mib(m['kv_bytes'])} = {_mib(m['total_bytes'])}  (KV per token {m['kv_bytes_per_token']:,} B)",
+    ]
+    for graph, g in info.get("graphs", {}).items():
+        lines.append(f"\n{graph} graph (opset {g['opset']}):")
+        lines += [f"  {r['kind']:6} {r['name']:28} {r['dtype']:8} {r['dims']}" for r in g["io"]]
+        lines.append("  ops: " + ", ".join(f"{k} {v}" for k, v in g["ops"].items()))
+    if "validation" in info:
+        v = info["validation"]
+        lines.append("\nvalidation: " + ("skipped" if v.get("skipped") else "passed" if v["passed"] else "FAILED"))
+    return "\n".join(lines)
