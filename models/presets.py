@@ -2,8 +2,9 @@
 
 A preset is a Hugging Face config.json plus seeded random weights under Hugging Face names
 (from `loading.weight_map`) plus a byte-level BPE tokenizer trained offline, so it loads through
-exactly the same path as a downloaded checkpoint. Weights are drawn wider than Hugging Face's
-default init (std 0.08) and every vector is jittered, so logits are not flat and a loader that
+exactly the same path as a downloaded checkpoint. Matrices are drawn far wider than Hugging
+Face's default init (std 1.6/sqrt(fan_in): 0.2 for the tiny preset) so logits are not flat and
+greedy text does not collapse into one repeated token; every vector is jittered, so a loader that
 ignores a norm weight or a bias cannot pass.
 """
 
@@ -68,7 +69,7 @@ def train_tokenizer(folder: Path, vocab_size: int) -> None:
 
 
 def random_weights(hf_config: dict, seed: int) -> dict[str, torch.Tensor]:
-    """Seeded tensors under Hugging Face names: matrices N(0, 0.08), norm weights 1 + N(0, 0.1)
+    """Seeded tensors under Hugging Face names: matrices N(0, 1.6/sqrt(fan_in)), norm weights 1 + N(0, 0.1)
     (Gemma-style offset norms get N(0, 0.1)), biases N(0, 0.05)."""
     cfg = config_from_hf(hf_config)
     g = torch.Generator().manual_seed(seed)
@@ -76,7 +77,7 @@ def random_weights(hf_config: dict, seed: int) -> dict[str, torch.Tensor]:
     for name, shape in sorted(hf_shapes(cfg).items()):
         t = torch.randn(shape, generator=g)
         if len(shape) > 1:
-            t = t * 0.08
+            t = t * (1.6 / shape[-1] ** 0.5)
         elif name.endswith("norm.weight"):
             t = (1.0 - cfg.norm_offset) + 0.1 * t
         else:

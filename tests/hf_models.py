@@ -1,7 +1,9 @@
 """Tiny Hugging Face checkpoints for every supported family, made with `transformers` itself.
 
-Weights are drawn wider than HF's default init (std 0.08) and every vector is jittered, so
-logits are not flat, greedy ties are rare, and a loader that ignores a norm weight or bias fails.
+Weights are drawn much wider than HF's default init (std 0.2 at hidden 64, i.e. 1.6/sqrt(hidden);
+at 0.08 several families' greedy output collapses to one repeated token) and every vector is
+jittered, so logits are not flat, greedy ties are rare, generation is varied enough to expose a
+cache bug, and a loader that ignores a norm weight or a bias fails.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ def jitter_(model: torch.nn.Module, seed: int) -> None:
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g)
             if p.dim() > 1:
-                p.copy_(0.08 * noise)
+                p.copy_(0.2 * noise)
             elif "norm" in name:
                 base = 0.0 if type(model).__name__.startswith("Gemma") else 1.0
                 p.copy_(base + 0.1 * noise)

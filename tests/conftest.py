@@ -1,0 +1,73 @@
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from hf_models import ALL, FAMILIES, make_checkpoint  # noqa: E402
+
+
+def assert_close(actual, expected, atol: float, what: str = "") -> None:
+    """Like torch.testing.assert_close with only atol, printing max and mean difference on failure."""
+    a = torch.as_tensor(np.asarray(actual, dtype=np.float64))
+    e = torch.as_tensor(np.asarray(expected, dtype=np.float64))
+    assert a.shape == e.shape, f"{what}: shape {tuple(a.shape)} != {tuple(e.shape)}"
+    diff = (a - e).abs()
+    assert diff.max() <= atol, f"{what}: max |diff| {diff.max():.3g} > {atol} (mean {diff.mean():.3g})"
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """family -> folder of a tiny jittered transformers checkpoint (made once per session)."""
+    cache: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in cache:
+            cache[family] = make_checkpoint(family, tmp_path_factory.mktemp(f"ckpt-{family}"))
+        return cache[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def artifacts(tmp_path_factory, checkpoints):
+    """(family, dtype, opset) -> exported, validated artifact folder (exported once per session)."""
+    from toolkit.artifact import export_artifact
+
+    cache: dict[tuple, Path] = {}
+
+    def get(family: str, dtype: str = "fp32", opset: int = 23) -> Path:
+        key = (family, dtype, opset)
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"art-{family}-{dtype}-{opset}") / "artifact"
+            export_artifact(checkpoints(family), out, dtype, opset)
+            cache[key] = out
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """The built-in tiny preset as a checkpoint folder."""
+    from models.presets import write_preset
+
+    return write_preset("tiny", tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def tiny_artifact(tmp_path_factory, tiny):
+    from toolkit.artifact import export_artifact
+
+    out = tmp_path_factory.mktemp("tiny-art") / "artifact"
+    export_artifact(tiny, out)
+    return out
+
+
+FAMILY_NAMES = list(FAMILIES)
+ALL_NAMES = list(ALL)
