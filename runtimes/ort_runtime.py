@@ -73,7 +73,13 @@ class OrtRuntime(Runtime):
         opts.log_severity_level = 3
         if self.threads:
             opts.intra_op_num_threads = self.threads
-        self.sessions = {g: ort.InferenceSession(str(p), opts, providers=providers) for g, p in paths.items()}
+        try:
+            self.sessions = {g: ort.InferenceSession(str(p), opts, providers=providers) for g, p in paths.items()}
+        except Exception as e:  # ORT raises its own pybind types (NotImplemented, Fail, ...)
+            kernel = "NOT_IMPLEMENTED" in str(e)
+            hint = (f"ONNX Runtime's {self.device.upper()} provider lacks a kernel this {self.dims.kv_dtype} graph "
+                    "needs" if kernel else "ONNX Runtime could not load the graphs")
+            raise BackendUnavailable(f"{hint}: {str(e).split(' : ')[-1].strip()}") from None
         self.output_names = {g: [o.name for o in s.get_outputs()] for g, s in self.sessions.items()}
 
     def _unload(self) -> None:

@@ -60,6 +60,12 @@ def _check_options(dtype: str, opset: int) -> str:
     return DTYPE_ALIASES[dtype]
 
 
+def _ort_has_cuda() -> bool:
+    import onnxruntime
+
+    return "CUDAExecutionProvider" in onnxruntime.get_available_providers()
+
+
 def _prepare_out(out: Path, force: bool) -> Path:
     """Refuse an existing OUT without force; return a fresh temporary folder beside it."""
     if out.exists() and not force:
@@ -74,6 +80,9 @@ def _prepare_out(out: Path, force: bool) -> Path:
 
 
 def _move_into_place(tmp: Path, out: Path) -> None:
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp made it private; the artifact gets the user's usual permissions
     if out.exists():
         old = out.with_name(f".{out.name}.old-{os.getpid()}")
         out.rename(old)
@@ -115,6 +124,9 @@ def export_artifact(model_dir: str | Path, out: str | Path, dtype: str = "fp32",
     model_dir, out = Path(model_dir), Path(out)
     dtype = _check_options(dtype, opset)
     read_config(model_dir)  # fail on a bad checkpoint before touching the filesystem
+    if run_validation and dtype == "bfloat16" and not _ort_has_cuda():
+        raise ValueError("bf16 graphs cannot be validated here: ONNX Runtime's CPU provider has no bf16 MatMul; "
+                         "export with --no-validate and check on a GPU (tk parity), or use --dtype fp16")
     tmp = _prepare_out(out, force)
     try:
         t = time.perf_counter()

@@ -21,21 +21,21 @@ from runtimes.generate import left_pad
 @dataclass(frozen=True)
 class Tolerance:
     max_abs: float  # largest |logit difference| allowed at any compared position
-    min_top1: float  # fraction of positions whose argmax must agree
+    min_top1: float  # fraction of decided positions whose argmax must agree
+    tie_margin: float  # a position whose reference top-2 logits are closer than this is a tie, not a decision
 
 
 # Judged against a float32 PyTorch reference. Where each value comes from:
 TOLERANCES = {
     # Optimum's runtime tests use 1e-4 on tiny fp32 models; PyTorch's own Llama logits with vs
     # without cache differ by ~1e-5 (transformers #25420). Measured here: ORT vs torch on the
-    # tiny test families stays under 1e-5 (tk export validation). Top-1 is not gated in fp32:
-    # when logits agree to 1e-4 a different argmax is a tie.
-    "float32": Tolerance(max_abs=1e-4, min_top1=0.0),
-    # ORT's llama_parity.py uses 0.5 for fp16; PyTorch's own cache/no-cache gap is 0.02 in fp16.
-    # fp16 is judged on tokens: 95% top-1 agreement under teacher forcing.
-    "float16": Tolerance(max_abs=0.5, min_top1=0.95),
+    # tiny test families stays under 2e-5. A flip needs a margin under 2 * max_abs: that is a tie.
+    "float32": Tolerance(max_abs=1e-4, min_top1=1.0, tie_margin=2e-4),
+    # ORT's llama_parity.py bounds fp16 logits at 0.5. PyTorch's own cache/no-cache gap is 0.0195
+    # in fp16 (transformers #25420), so margins under 0.02 are ties. Measured here: 0.003-0.015.
+    "float16": Tolerance(max_abs=0.5, min_top1=0.95, tie_margin=0.02),
     # bf16 has 8 bits of mantissa: PyTorch's own cache/no-cache gap is 0.125 (transformers #25420).
-    "bfloat16": Tolerance(max_abs=1.0, min_top1=0.9),
+    "bfloat16": Tolerance(max_abs=1.0, min_top1=0.9, tie_margin=0.125),
 }
 
 
@@ -51,7 +51,7 @@ class StepResult:
     step: int  # 0 = prefill
     max_abs: float
     max_rel: float  # max_abs / max |reference logit|
-    top1: float  # fraction of compared positions whose argmax agrees
+    top1: float  # fraction of compared positions whose argmax agrees (reference near-ties count as agreeing)
     passed: bool
 
 
@@ -89,12 +89,15 @@ def run_trace(runtime: Runtime, ids: np.ndarray, mask: np.ndarray, steps: int,
 def compare_logits(ref: np.ndarray, test: np.ndarray, keep: np.ndarray, tol: Tolerance, step: int) -> StepResult:
     """Metrics over the positions where `keep` (B, S) is true."""
     r, t = ref[keep], test[keep]  # (N, V)
-    diff = np.abs(r.astype(np.float64) - t)
-    max_abs = float(diff.max()) if diff.size else 0.0
-    scale = float(np.abs(r).max()) if r.size else 1.0
-    top1 = float((r.argmax(-1) == t.argmax(-1)).mean()) if r.size else 1.0
+    if not r.size:
+        return StepResult(step, 0.0, 0.0, 1.0, True)
+    max_abs = float(np.abs(r.astype(np.float64) - t).max())
+    top2 = -np.partition(-r, 1, axis=-1)[:, :2]  # (N, 2): best and second-best reference logits
+    decided = (top2[:, 0] - top2[:, 1]) >= tol.tie_margin
+    agree = r.argmax(-1) == t.argmax(-1)
+    top1 = float((agree | ~decided).mean())  # a near-tie may go either way without counting against
     finite = bool(np.isfinite(t).all())
-    return StepResult(step, max_abs, max_abs / max(scale, 1e-12), top1,
+    return StepResult(step, max_abs, max_abs / max(float(np.abs(r).max()), 1e-12), top1,
                       finite and max_abs <= tol.max_abs and top1 >= tol.min_top1)
 
 

@@ -1,0 +1,117 @@
+"""tk export on every family: contract, validation, precision and opset variants, external data,
+atomic output, and the graphs working in third-party tools (Polygraphy)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from conftest import FAMILY_NAMES, assert_close
+from hf_models import load_hf
+from models import contract
+from exporters.contract_check import graph_problems
+from runtimes.base import dims_from_manifest
+from runtimes.generate import generate
+from runtimes.ort_runtime import OrtRuntime
+from toolkit.parity import random_cases, run_trace
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_fp32_export_validates_and_ort_greedy_matches_transformers(checkpoints, artifacts, family):
+    art = artifacts(family)
+    manifest = json.loads((art / contract.MANIFEST).read_text())
+    v = manifest["validation"]
+    assert v["passed"] and v["tolerance"]["max_abs"] == 1e-4
+    assert {c["case"] for c in v["comparisons"]} == {"batch1-len7", "batch3-len5/9/12"}
+    assert all(len(c["steps"]) == 9 for c in v["comparisons"])  # prefill + 8 decode steps
+
+    hf = load_hf(checkpoints(family))
+    hf.generation_config.eos_token_id = None
+    prompt = torch.randint(2, 384, (1, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=32, do_sample=False,
+                               pad_token_id=1)[0, 9:].tolist()
+    with OrtRuntime(art) as ort:
+        got = generate(ort, [prompt[0].tolist()], 32, ignore_eos=True).rows[0].tokens
+    assert got == expected
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_fp16_export_passes_its_tolerance(artifacts, family):
+    manifest = json.loads((artifacts(family, "fp16") / contract.MANIFEST).read_text())
+    v = manifest["validation"]
+    assert manifest["dtype"] == "float16" and manifest["dims"]["kv_dtype"] == "float16"
+    assert v["passed"] and v["tolerance"] == {"max_abs": 0.5, "min_top1": 0.95, "tie_margin": 0.02}
+    worst = max(s["max_abs"] for c in v["comparisons"] for s in c["steps"])
+    assert 1e-4 < worst < 0.5  # really half precision (the fp32 gate would fail), within its own gate
+
+
+def test_opset18_graphs_match_opset23(artifacts):
+    a23, a18 = artifacts("llama"), artifacts("llama", opset=18)
+    ops = {n.op_type for n in onnx.load(str(a18 / "decode.onnx"), load_external_data=False).graph.node}
+    assert "Attention" not in ops and "RMSNormalization" not in ops  # fully decomposed
+    ops23 = {n.op_type for n in onnx.load(str(a23 / "decode.onnx"), load_external_data=False).graph.node}
+    assert {"Attention", "RMSNormalization"} <= ops23
+    ids, mask = random_cases(384, seed=4)["batch3-len5/9/12"]
+    with OrtRuntime(a23) as r23, OrtRuntime(a18) as r18:
+        t23 = run_trace(r23, ids, mask, 4)
+        t18 = run_trace(r18, ids, mask, 4, forced=t23.tokens)
+    for step, (x, y) in enumerate(zip(t23.logits, t18.logits)):
+        keep = mask.astype(bool) if step == 0 else np.ones(x.shape[:2], bool)
+        assert_close(y[keep], x[keep], 1e-5, f"step {step}")
+
+
+def test_graphs_follow_the_contract(artifacts):
+    art = artifacts("qwen3")
+    dims = dims_from_manifest(json.loads((art / contract.MANIFEST).read_text()))
+    assert dims.head_dim == 24  # explicit head_dim survives into the graphs
+    for graph in contract.GRAPHS:
+        model = onnx.load(str(art / contract.GRAPH_FILES[graph]), load_external_data=False)
+        assert graph_problems(model, graph, dims) == []
+    model = onnx.load(str(art / "decode.onnx"), load_external_data=False)
+    model.graph.output[1].name = "present_key_0"
+    model.graph.input[0].type.tensor_type.elem_type = onnx.TensorProto.INT32
+    problems = graph_problems(model, contract.DECODE, dims)
+    assert any("outputs are ['logits', 'present_key_0'" in p for p in problems)
+    assert "decode input input_ids has dtype elem_type 6, the contract says int64" in problems
+
+
+def test_weights_live_in_external_data_and_reload_elsewhere(artifacts, tmp_path):
+    art = artifacts("llama")
+    for graph in contract.GRAPHS:
+        proto = onnx.load(str(art / contract.GRAPH_FILES[graph]), load_external_data=False)
+        external = [t for t in proto.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+        assert external, "weights were embedded in the graph; models over 2 GB would not export"
+        assert (art / f"{contract.GRAPH_FILES[graph]}.data").stat().st_size > 200_000
+        full = onnx.load(str(art / contract.GRAPH_FILES[graph]))  # resolves external data
+        assert any(t.name == external[0].name and len(t.raw_data) > 0 for t in full.graph.initializer)
+    moved = tmp_path / "moved"
+    shutil.copytree(art, moved)
+    ids, mask = random_cases(384)["batch1-len7"]
+    with OrtRuntime(art) as a, OrtRuntime(moved) as b:
+        assert np.array_equal(a.prefill(ids, mask, contract.position_ids_from_mask(mask))[0],
+                              b.prefill(ids, mask, contract.position_ids_from_mask(mask))[0])
+
+
+def test_polygraphy_reads_and_runs_the_decode_graph(artifacts):
+    art = artifacts("llama")
+    poly = [str(Path(sys.executable).with_name("polygraphy"))]  # the console script beside this Python
+    out = subprocess.run([*poly, "inspect", "model", "decode.onnx"], cwd=art, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "past_key_values.1.value" in out.stdout and "total_sequence_length" in out.stdout
+    shapes = ["input_ids:[2,1]", "attention_mask:[2,6]", "position_ids:[2,1]"]
+    shapes += [f"{n}:[2,2,5,16]" for n in contract.past_names(2)]
+    out = subprocess.run([*poly, "run", "decode.onnx", "--onnxrt", "--input-shapes", *shapes,
+                          "--val-range", "input_ids:[0,383]", "attention_mask:[1,1]", "position_ids:[5,5]"],
+                         cwd=art, capture_output=True, text=True)
+    assert out.returncode == 0 and "PASSED" in out.stdout + out.stderr, out.stdout + out.stderr
