@@ -130,7 +130,7 @@ def generate(artifact: Path, backend: str, prompts: tuple[str, ...], prompt_ids:
         raise click.UsageError("give either --prompt or --prompt-ids")
     manifest = read_manifest(artifact)
     runtime = open_runtime(artifact, backend, threads)
-    tokenizer = Tokenizer(artifact) if prompts or stops or not as_json else None
+    tokenizer = Tokenizer(artifact) if prompts else Tokenizer.find(artifact)
     ids = [tokenizer.encode(p) for p in prompts] if prompts else [parse_ids(p) for p in prompt_ids]
     sampling = SamplingConfig(temperature, top_k, top_p, repetition_penalty, seed)
     stream = None if as_json else lambda text: click.echo(text, nl=False)

@@ -34,6 +34,14 @@ class Tokenizer:
         else:
             raise ArtifactError(f"{folder} has no tokenizer files; pass --prompt-ids instead of --prompt")
 
+    @classmethod
+    def find(cls, folder: Path) -> "Tokenizer | None":
+        """The folder's tokenizer, or None where it has none."""
+        try:
+            return cls(folder)
+        except ArtifactError:
+            return None
+
     def encode(self, text: str) -> list[int]:
         return self._encode(text)
 

@@ -1,0 +1,143 @@
+"""The tk command line: exit codes and the exact one-line errors, through click's CliRunner."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from models import contract
+from toolkit.cli import main
+
+
+def run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def error_line(result) -> str:
+    lines = [ln for ln in result.stderr.splitlines() if ln.startswith("Error:")]
+    assert len(lines) == 1, result.output
+    assert "Traceback" not in result.output
+    return lines[0]
+
+
+def test_version_and_help():
+    assert run("--version").exit_code == 0 and "tk, version" in run("--version").output
+    out = run("--help").output
+    for cmd in ("export", "inspect", "generate", "demo"):
+        assert cmd in out
+
+
+@pytest.fixture
+def bad_checkpoints(tmp_path, tiny):
+    """name -> (folder, expected error line)."""
+    cases = {}
+
+    def make(name, mutate, error):
+        d = tmp_path / name
+        shutil.copytree(tiny, d)
+        mutate(d)
+        cases[name] = (d, error)
+
+    cases["missing"] = (tmp_path / "nope", f"Error: checkpoint folder {tmp_path / 'nope'} does not exist")
+    make("no-config", lambda d: (d / "config.json").unlink(),
+         f"Error: {tmp_path / 'no-config'} has no config.json; point at a Hugging Face checkpoint folder")
+    make("no-weights", lambda d: (d / "model.safetensors").unlink(),
+         f"Error: {tmp_path / 'no-weights'} has no model.safetensors or model.safetensors.index.json")
+
+    def arch(d):
+        cfg = json.loads((d / "config.json").read_text())
+        cfg["architectures"] = ["GPTNeoXForCausalLM"]
+        (d / "config.json").write_text(json.dumps(cfg))
+    make("unsupported", arch, "Error: architecture GPTNeoXForCausalLM is not supported; supported: LlamaForCausalLM, "
+         "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM, GemmaForCausalLM")
+
+    def corrupt(d):
+        data = (d / "model.safetensors").read_bytes()
+        (d / "model.safetensors").write_bytes(data[: len(data) // 3])
+    make("corrupt", corrupt, f"Error: {tmp_path / 'corrupt' / 'model.safetensors'} is not a readable safetensors file "
+         "(Error while deserializing header: incomplete metadata, file not fully covered); re-download or re-save it")
+
+    def shapes(d):
+        cfg = json.loads((d / "config.json").read_text())
+        cfg["hidden_size"] = 96
+        (d / "config.json").write_text(json.dumps(cfg))
+    make("mismatch", shapes, "Error: tensor model.embed_tokens.weight has shape [512, 64] but config.json implies [512, 96]")
+    return cases
+
+
+@pytest.mark.parametrize("case", ["missing", "no-config", "no-weights", "unsupported", "corrupt", "mismatch"])
+def test_export_bad_checkpoint(bad_checkpoints, tmp_path, case):
+    folder, expected = bad_checkpoints[case]
+    out = tmp_path / "out"
+    result = run("export", folder, "-o", out)
+    assert result.exit_code == 1
+    assert error_line(result) == expected
+    assert not out.exists()
+    assert not any(p.name.startswith(".out.tmp") for p in tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("args, expected", [
+    (("--dtype", "fp8"), "Error: unknown dtype 'fp8'; use one of fp32, fp16, bf16"),
+    (("--opset", "17"), "Error: opset 17 is not supported; use 18..23 (default 23)"),
+])
+def test_export_bad_options(tiny, tmp_path, args, expected):
+    result = run("export", tiny, "-o", tmp_path / "out", *args)
+    assert result.exit_code == 1 and error_line(result) == expected
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_refuses_existing_out_and_unwritable_out(tiny, tmp_path):
+    (tmp_path / "out").mkdir()
+    result = run("export", tiny, "-o", tmp_path / "out")
+    assert result.exit_code == 1
+    assert error_line(result) == f"Error: {tmp_path / 'out'} already exists; pass --force to replace it"
+    (tmp_path / "file").write_text("x")
+    result = run("export", tiny, "-o", tmp_path / "file" / "out")
+    assert result.exit_code == 1
+    assert error_line(result) == f"Error: cannot write {tmp_path / 'file' / 'out'}: folder {tmp_path / 'file'} does not exist"
+
+
+@pytest.mark.slow
+def test_failed_validation_exits_3_and_leaves_nothing(tiny, tmp_path, monkeypatch):
+    from toolkit import parity
+
+    monkeypatch.setitem(parity.TOLERANCES, "float32", parity.Tolerance(max_abs=1e-9, min_top1=1.0, tie_margin=0.0))
+    out = tmp_path / "out"
+    result = run("export", tiny, "-o", out)
+    assert result.exit_code == 3
+    assert error_line(result) == ("Error: export validation failed: ONNX Runtime logits differ from PyTorch beyond "
+                                  "the float32 tolerance (max_abs 1e-09)")
+    assert "batch3-len5/9/12" in result.stderr and "FAIL" in result.stderr  # the table of what differed
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_force_replaces_and_inspect_reads_artifact(tiny, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "stale").write_text("old")
+    result = run("export", tiny, "-o", out, "--force", "--no-validate")
+    assert result.exit_code == 0, result.output
+    assert not (out / "stale").exists() and (out / "decode.onnx").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    info = json.loads(run("inspect", out, "--json", "--batch", "2", "--seq-len", "100").stdout)
+    assert info["kind"] == "artifact" and info["graphs"]["decode"]["opset"] == 23
+    assert info["graphs"]["decode"]["ops"]["Attention"] == 2
+    names = [r["name"] for r in info["graphs"]["decode"]["io"]]
+    assert names == ["input_ids", "attention_mask", "position_ids", *contract.past_names(2), "logits",
+                     *contract.present_names(2)]
+    # 2 (k, v) * 2 layers * batch 2 * 100 tokens * 2 kv heads * 16 head_dim * 4 bytes
+    assert info["memory"]["kv_bytes"] == 2 * 2 * 2 * 100 * 2 * 16 * 4
+    assert info["validation"] == {"skipped": True}
+
+
+def test_inspect_checkpoint(tiny):
+    result = run("inspect", tiny)
+    assert result.exit_code == 0
+    # embed + lm_head 2 * 512 * 64, final norm 64; per layer q/o 2 * 64 * 64, k/v 2 * 32 * 64,
+    # gate/up/down 3 * 176 * 64, two norms 2 * 64
+    params = 2 * 512 * 64 + 64 + 2 * (2 * 64 * 64 + 2 * 32 * 64 + 3 * 176 * 64 + 2 * 64)
+    assert "architecture: LlamaForCausalLM" in result.output and f"parameters: {params:,}" in result.output

@@ -1,0 +1,165 @@
+"""The generation loop and samplers on the torch and ORT backends, and `tk generate` / `tk demo`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from models import contract
+from runtimes.base import InputError
+from runtimes.generate import generate
+from runtimes.sampling import Sampler, SamplingConfig
+from toolkit.cli import main
+from toolkit.textgen import open_runtime
+
+PROMPTS = [[5, 17, 99, 3], [42, 8, 300, 12, 77, 150, 9, 61, 33], [250, 251]]
+BACKENDS = ["torch", "ort"]
+
+
+def run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def error_line(result) -> str:
+    lines = [ln for ln in result.stderr.splitlines() if ln.startswith("Error:")]
+    assert len(lines) == 1 and "Traceback" not in result.output, result.output
+    return lines[0]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_left_padded_batch_rows_equal_each_prompt_alone(tiny_artifact, backend):
+    with open_runtime(tiny_artifact, backend) as rt:
+        batch = generate(rt, PROMPTS, 12, ignore_eos=True)
+        for prompt, row in zip(PROMPTS, batch.rows):
+            assert row.tokens == generate(rt, [prompt], 12, ignore_eos=True).rows[0].tokens
+    assert len({tuple(r.tokens) for r in batch.rows}) == 3
+
+
+def test_seeded_sampling_is_the_same_on_torch_and_ort(tiny_artifact):
+    cfg = SamplingConfig(temperature=0.8, top_k=40, top_p=0.9, repetition_penalty=1.2, seed=7)
+    out = {}
+    for backend in BACKENDS:
+        with open_runtime(tiny_artifact, backend) as rt:
+            out[backend] = [r.tokens for r in generate(rt, PROMPTS, 16, cfg, ignore_eos=True).rows]
+    assert out["torch"] == out["ort"]
+    with open_runtime(tiny_artifact, "ort") as rt:
+        greedy = [r.tokens for r in generate(rt, PROMPTS, 16, ignore_eos=True).rows]
+        other_seed = [r.tokens for r in generate(rt, PROMPTS, 16, SamplingConfig(0.8, 40, 0.9, 1.2, seed=8),
+                                                 ignore_eos=True).rows]
+    assert out["ort"] != greedy and out["ort"] != other_seed
+
+
+def test_sampler_rules():
+    logits = np.array([[1.0, 3.0, 2.0, 2.9, -1.0]], dtype=np.float32)
+    assert Sampler(SamplingConfig())(logits).tolist() == [1]
+    draws = {int(Sampler(SamplingConfig(temperature=1.0, top_k=2, seed=s))(logits)[0]) for s in range(50)}
+    assert draws == {1, 3}
+    assert {int(Sampler(SamplingConfig(temperature=5.0, top_p=0.01, seed=s))(logits)[0]) for s in range(20)} == {1}
+    # repetition penalty: 3.0 / 2 = 1.5 falls below 2.9 (token 3), so greedy moves off a seen token
+    seen = np.array([[False, True, False, False, False]])
+    assert Sampler(SamplingConfig(repetition_penalty=2.0))(logits, seen).tolist() == [3]
+    a = [Sampler(SamplingConfig(temperature=1.0, seed=3))(np.repeat(logits, 4, 0)).tolist() for _ in range(2)]
+    assert a[0] == a[1]
+    with pytest.raises(ValueError, match="top_p must be in"):
+        SamplingConfig(top_p=0)
+
+
+def test_eos_max_tokens_and_stop(tiny_artifact):
+    with open_runtime(tiny_artifact, "ort") as rt:
+        free = generate(rt, [PROMPTS[1]], 10, ignore_eos=True).rows[0]
+        assert len(free.tokens) == 10 and free.finish_reason == "length"
+        eos = free.tokens[4]
+        stopped = generate(rt, [PROMPTS[1]], 10, eos_ids=[eos]).rows[0]
+        assert stopped.tokens == free.tokens[: free.tokens.index(eos)] and stopped.finish_reason == "eos"
+        cut = generate(rt, [PROMPTS[1]], 10, ignore_eos=True, stop=lambda row, toks: len(toks) == 3).rows[0]
+        assert cut.tokens == free.tokens[:3] and cut.finish_reason == "stop"
+
+
+def test_context_guard(tiny_artifact):
+    with open_runtime(tiny_artifact, "ort") as rt:
+        with pytest.raises(InputError, match="a prompt of 9 tokens plus 1016 new tokens exceeds the model's context of 1024"):
+            generate(rt, PROMPTS, 1016)
+        generate(rt, PROMPTS, 1015 - 1000)  # inside the context: fine
+
+
+def test_runtime_checks_inputs_against_contract(tiny_artifact):
+    with open_runtime(tiny_artifact, "ort") as rt:
+        ids = np.array([[1, 2, 3]], dtype=np.int64)
+        with pytest.raises(InputError, match=r"prefill: attention_mask has shape \[1, 4\], expected"):
+            rt.prefill(ids, np.ones((1, 4), np.int64), np.zeros((1, 3), np.int64))
+        with pytest.raises(InputError, match="prefill: input_ids has dtype int32, expected int64"):
+            rt.prefill(ids.astype(np.int32), np.ones((1, 3), np.int64), np.zeros((1, 3), np.int64))
+        _, cache = rt.prefill(ids, np.ones((1, 3), np.int64), np.arange(3)[None])
+        with pytest.raises(InputError, match="decode: attention_mask covers 3 tokens, expected past 3 \\+ 1"):
+            rt.decode(ids[:, :1], np.ones((1, 3), np.int64), np.array([[3]]), cache)
+
+
+def test_cli_generate_json_and_stream_agree(tiny_artifact):
+    result = run("generate", tiny_artifact, "--prompt", "Once upon a time", "--max-new-tokens", "12",
+                 "--ignore-eos", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    row = data["rows"][0]
+    assert len(row["tokens"]) == 12 and row["finish_reason"] == "length"
+    assert set(data["timings"]) == {"ttft_ms", "decode_ms_per_token", "tokens_per_s", "decode_steps"}
+    streamed = run("generate", tiny_artifact, "--backend", "torch", "--prompt", "Once upon a time",
+                   "--max-new-tokens", "12", "--ignore-eos")
+    assert streamed.exit_code == 0
+    assert streamed.stdout.rstrip("\n") == row["text"]
+    assert "time to first token" in streamed.stderr
+
+
+def test_cli_stop_string(tiny_artifact):
+    full = json.loads(run("generate", tiny_artifact, "--prompt-ids", "5,17,99", "--max-new-tokens", "16",
+                          "--ignore-eos", "--json").stdout)["rows"][0]["text"]
+    stop = full[len(full) // 2: len(full) // 2 + 2]
+    row = json.loads(run("generate", tiny_artifact, "--prompt-ids", "5,17,99", "--max-new-tokens", "16",
+                         "--ignore-eos", "--stop", stop, "--json").stdout)["rows"][0]
+    assert row["finish_reason"] == "stop" and row["text"] == full[: full.index(stop)]
+
+
+@pytest.fixture
+def broken(tiny_artifact, tmp_path):
+    def make(mutate):
+        d = tmp_path / "art"
+        shutil.copytree(tiny_artifact, d)
+        mutate(d)
+        return d
+    return make
+
+
+def _old_contract(d):
+    m = json.loads((d / contract.MANIFEST).read_text())
+    m["contract_version"] = 0
+    (d / contract.MANIFEST).write_text(json.dumps(m))
+
+
+@pytest.mark.parametrize("mutate, args, expected", [
+    (None, ["--backend", "onnx", "--prompt", "hi"], "Error: Invalid value for '--backend'"),
+    (lambda d: (d / "decode.onnx").unlink(), ["--prompt", "hi"], "Error: {d} is missing decode.onnx; re-export the artifact"),
+    (lambda d: (d / "manifest.json").unlink(), ["--prompt", "hi"],
+     "Error: {d} has no manifest.json; it is not a tk artifact (tk export makes one)"),
+    (_old_contract, ["--prompt", "hi"], "Error: artifact has graph contract version 0, this tk reads version 1; "
+     "re-export it with this version of tk (tk export)"),
+    (None, ["--prompt-ids", "1,2,999"], "Error: token id 999 is outside the vocabulary (0..511)"),
+    (None, ["--prompt", ""], "Error: empty prompt: give at least one token per prompt"),
+    (None, ["--prompt-ids", "1,x"], "Error: --prompt-ids takes comma-separated integers, got '1,x'"),
+    (None, ["--prompt", "hi", "--max-new-tokens", "0"], "Error: max new tokens must be positive, got 0"),
+    (None, [], "Error: give either --prompt or --prompt-ids"),
+])
+def test_cli_generate_bad_input(broken, mutate, args, expected):
+    d = broken(mutate or (lambda d: None))
+    result = run("generate", d, *args)
+    assert result.exit_code in (1, 2)
+    assert error_line(result).startswith(expected.format(d=d))
+
+
+def test_demo_runs_the_whole_path():
+    result = run("demo", "--max-new-tokens", "8")
+    assert result.exit_code == 0, result.output
+    assert "tokens identical on torch and ORT: yes" in result.output
+    assert "validate ORT vs torch float32 (8 decode steps): passed" in result.output
