@@ -163,3 +163,25 @@ def test_demo_runs_the_whole_path():
     assert result.exit_code == 0, result.output
     assert "tokens identical on torch and ORT: yes" in result.output
     assert "validate ORT vs torch float32 (8 decode steps): passed" in result.output
+
+
+@pytest.mark.slow
+def test_example_script_exports_and_generates(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "examples/export_and_generate.py", "--out", str(tmp_path / "art")],
+                         cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith(("torch", "ort"))]
+    assert len(lines) == 2 and lines[0].split("tokens ")[-1] == lines[1].split("tokens ")[-1]
+    assert (tmp_path / "art" / "manifest.json").is_file()
+
+
+def test_debug_flag_shows_the_traceback(tmp_path):
+    plain = run("inspect", tmp_path / "nope")
+    assert plain.exit_code == 1 and "Traceback" not in plain.output
+    debug = CliRunner().invoke(main, ["--debug", "inspect", str(tmp_path / "nope")])
+    assert debug.exit_code == 1 and type(debug.exception).__name__ == "CheckpointError"
