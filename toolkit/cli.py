@@ -153,6 +153,56 @@ def generate(artifact: Path, backend: str, prompts: tuple[str, ...], prompt_ids:
 
 
 @main.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--backends", default="torch,ort", show_default=True, help="Comma-separated: torch, ort, trt.")
+@click.option("--steps", default=16, show_default=True, type=int, help="Decode steps after the prefill.")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="One prompt per line, or a JSON list of token-id lists (default: random prompts).")
+@click.option("--report", type=click.Path(dir_okay=False, path_type=Path), help="Write the JSON report here.")
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="Plot error per step (needs matplotlib).")
+@click.option("--require", "required", multiple=True, help="A backend whose skip is a failure (repeatable).")
+@click.option("--atol", type=float, help="Override the logit max_abs tolerance.")
+@click.option("--min-top1", type=float, help="Override the top-1 agreement tolerance.")
+@click.option("--present-atol", type=float, help="Override the KV-cache max_abs tolerance.")
+def parity(artifact: Path, backends: str, steps: int, seed: int, prompts_file: Path | None, report: Path | None,
+           plot: Path | None, required: tuple[str, ...], atol: float | None, min_top1: float | None,
+           present_atol: float | None) -> None:
+    """Compare every backend with the float32 PyTorch reference, step by step; exit 3 on drift."""
+    from toolkit import parity_report as pr
+    from toolkit.artifact import ValidationFailed
+    from toolkit.textgen import BACKENDS
+
+    names = [b.strip() for b in backends.split(",") if b.strip()]
+    unknown = [b for b in [*names, *required] if b not in BACKENDS]
+    if unknown or not names:
+        raise click.UsageError(f"unknown backend {', '.join(unknown) or '(none)'}; use {', '.join(BACKENDS)}")
+    if plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise click.ClickException("--plot needs matplotlib: pip install 'tk[plot]'") from None
+    result = pr.parity(artifact, names, steps, seed, prompts_file,
+                       {"max_abs": atol, "min_top1": min_top1, "present_abs": present_atol})
+    click.echo(pr.summary(result), err=True)
+    if report is not None:
+        report.write_text(json.dumps(result, indent=2))
+    if plot is not None:
+        pr.plot(result, plot)
+    skipped = [b for b in required if result["backends"].get(b, {}).get("status", "skipped") == "skipped"]
+    failed = [b for b, e in result["backends"].items() if e["status"] == "failed"]
+    if failed:
+        d = result["backends"][failed[0]]["first_divergence"]
+        where = pr.describe_divergence(failed[0], d) if d else f"{failed[0]} failed a probe"
+        raise ValidationFailed(f"parity failed: {where}")
+    if not result["passed"]:
+        raise ValidationFailed("parity failed: the reference backend failed a probe")
+    if skipped:
+        raise ValidationFailed(f"parity failed: required backend {', '.join(skipped)} was skipped")
+    click.echo("parity passed")
+
+
+@main.command()
 @click.option("--preset", default="tiny", show_default=True, help="Built-in model preset.")
 @click.option("--prompt", default="Once upon a time", show_default=True)
 @click.option("--max-new-tokens", default=24, show_default=True, type=click.IntRange(min=1))

@@ -1,0 +1,164 @@
+"""`tk parity`: every backend against the float32 PyTorch reference, as one JSON report.
+
+Composes the parity core (toolkit/parity.py) and the probes (toolkit/probes.py). The report's
+schema is `parity_report.schema.json` beside this file; it holds no timestamps or timings, so two
+runs with the same seed on the same machine write the same report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+
+from runtimes.base import BackendUnavailable, Runtime, read_manifest
+from runtimes.generate import left_pad
+from toolkit.parity import (Comparison, Tolerance, compare_traces, first_divergence, format_table, random_cases,
+                            run_trace)
+from toolkit.probes import run_probes
+
+SCHEMA_VERSION = 1
+SCHEMA_PATH = Path(__file__).with_name("parity_report.schema.json")
+
+
+def greedy_match(ref_tokens: np.ndarray, free_tokens: np.ndarray) -> list[int]:
+    """Per row, how many greedy tokens a freely generating backend shares with the reference."""
+    same = ref_tokens == free_tokens
+    return [int(row.argmin()) if not row.all() else int(row.size) for row in same]
+
+
+def compare_backends(reference: Runtime, backends: dict[str, Runtime | str], cases: dict, tol: Tolerance,
+                     steps: int, seed: int = 0) -> dict:
+    """Run, then compare. `backends` maps a name to a runtime, or to the reason it was skipped."""
+    num_layers = reference.dims.num_layers
+    report = {"reference": {"backend": reference.name, "dtype": reference.dims.kv_dtype,
+                            "probes": [p.to_dict() for p in run_probes(reference, tol.probe_abs, seed)]},
+              "backends": {}}
+    traces = {case: run_trace(reference, ids, mask, steps) for case, (ids, mask) in cases.items()}
+    for name, rt in backends.items():
+        if isinstance(rt, str):
+            report["backends"][name] = {"status": "skipped", "reason": rt}
+            continue
+        entry: dict = {"status": "passed", "reason": None, "dtype": rt.dims.kv_dtype, "cases": [],
+                       "first_divergence": None}
+        for case, (ids, mask) in cases.items():
+            ref = traces[case]
+            forced = run_trace(rt, ids, mask, steps, forced=ref.tokens)
+            cmp = compare_traces(ref, forced, mask, tol, case)
+            free = run_trace(rt, ids, mask, steps, keep_present=False)
+            entry["cases"].append({**cmp.to_dict(), "greedy_match": greedy_match(ref.tokens, free.tokens)})
+            div = first_divergence(ref, forced, mask, tol, num_layers)
+            if div is not None and entry["first_divergence"] is None:
+                entry["first_divergence"] = {"case": case, **div}
+        entry["probes"] = [p.to_dict() for p in run_probes(rt, tol.probe_abs, seed)]
+        ok = all(c["passed"] for c in entry["cases"]) and all(p["passed"] for p in entry["probes"])
+        entry["status"] = "passed" if ok else "failed"
+        report["backends"][name] = entry
+    report["passed"] = (all(p["passed"] for p in report["reference"]["probes"])
+                        and all(b["status"] != "failed" for b in report["backends"].values()))
+    return report
+
+
+def artifact_cases(artifact: Path, prompts_file: Path | None, vocab_size: int, seed: int) -> dict:
+    """Random cases, or one left-padded batch from a prompts file (one text per line, or a JSON
+    list of token-id lists)."""
+    if prompts_file is None:
+        return random_cases(vocab_size, seed)
+    text = Path(prompts_file).read_text()
+    try:
+        prompts = json.loads(text)
+    except json.JSONDecodeError:
+        from toolkit.textgen import Tokenizer
+
+        tok = Tokenizer(artifact)
+        prompts = [tok.encode(line) for line in text.splitlines() if line.strip()]
+    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, list) and p for p in prompts):
+        raise ValueError(f"{prompts_file} holds no prompts: one text per line, or a JSON list of token-id lists")
+    return {f"file-batch{len(prompts)}": left_pad(prompts)}
+
+
+def parity(artifact: Path, backends: list[str], steps: int = 16, seed: int = 0, prompts_file: Path | None = None,
+           overrides: dict | None = None) -> dict:
+    """The whole `tk parity` run on an artifact; backends that cannot load are reported as skipped."""
+    from toolkit.artifact import reference_runtime
+    from toolkit.parity import tolerance_for
+    from toolkit.textgen import open_runtime
+
+    if steps < 1:
+        raise ValueError(f"--steps must be at least 1, got {steps}")
+    manifest_dtype = read_manifest(artifact)["dtype"]
+    ref = reference_runtime(artifact).activate()
+    tol = tolerance_for(manifest_dtype, **(overrides or {}))
+    runtimes: dict[str, Runtime | str] = {}
+    for name in backends:
+        try:
+            runtimes[name] = open_runtime(artifact, name).activate()
+        except BackendUnavailable as e:
+            runtimes[name] = str(e)
+    cases = artifact_cases(artifact, prompts_file, ref.dims.vocab_size, seed)
+    report = compare_backends(ref, runtimes, cases, tol, steps, seed)
+    for rt in runtimes.values():
+        if isinstance(rt, Runtime):
+            rt.deactivate()
+    return {"schema_version": SCHEMA_VERSION, "artifact": str(artifact), "dtype": manifest_dtype, "steps": steps,
+            "seed": seed, "tolerance": dataclasses.asdict(tol), **report}
+
+
+def summary(report: dict) -> str:
+    """A readable table of every step, then one line per backend and probe failures."""
+    comparisons = [Comparison(b, report["reference"]["backend"], c["case"],
+                              [_step(s) for s in c["steps"]])
+                   for b, e in report["backends"].items() for c in e.get("cases", [])]
+    lines = [format_table(comparisons), ""]
+    for probe in report["reference"]["probes"]:
+        if not probe["passed"]:
+            lines.append(f"reference probe {probe['name']} FAILED: max_abs {probe['max_abs']:.3g} ({probe['detail']})")
+    for name, e in report["backends"].items():
+        if e["status"] == "skipped":
+            lines.append(f"{name}: skipped: {e['reason']}")
+            continue
+        match = [m for c in e["cases"] for m in c["greedy_match"]]
+        lines.append(f"{name}: {e['status']}; free-running greedy match {min(match)}..{max(match)} of "
+                     f"{report['steps']} tokens")
+        for probe in e["probes"]:
+            lines.append(f"  probe {probe['name']:20} {'ok' if probe['passed'] else 'FAIL'}  max_abs "
+                         f"{probe['max_abs']:.3g}  ({probe['detail']})")
+        if e["first_divergence"]:
+            lines.append("  " + describe_divergence(name, e["first_divergence"]))
+    return "\n".join(lines)
+
+
+def describe_divergence(backend: str, d: dict) -> str:
+    where = (f"{d['where']} (layer {d['layer']})" if d["where"] != "logits"
+             else f"the logits after every cache tensor agreed (layer {d['layer']}, final norm or head)")
+    return (f"{backend} first leaves its tolerance at step {d['step']}, row {d['row']}, position {d['position']}, "
+            f"in {where} of case {d['case']}: max_abs {d['max_abs']:.3g}")
+
+
+def _step(s: dict):
+    from toolkit.parity import StepResult
+
+    return StepResult(**s)
+
+
+def plot(report: dict, path: Path) -> None:
+    """Max |logit difference| per step and backend, log scale (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, e in report["backends"].items():
+        for c in e.get("cases", []):
+            ax.semilogy([s["step"] for s in c["steps"]], [max(s["max_abs"], 1e-12) for s in c["steps"]],
+                        marker="o", label=f"{name} {c['case']}")
+    ax.axhline(report["tolerance"]["max_abs"], color="red", linestyle="--", label="tolerance")
+    ax.set_xlabel("step (0 = prefill)")
+    ax.set_ylabel("max |logit difference| vs torch fp32")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,116 @@
+"""Probes for the failure modes architecture diagrams hide, run on any backend against itself.
+
+Each probe feeds a backend two inputs that must give the same logits at the positions that
+matter, and reports the largest difference:
+- future_leak: perturbing later tokens must not move earlier logits (causal mask);
+- padding_leak: changing the content under left padding must not move real rows;
+- position_drift: the same text at a different cache offset (more left padding) must not move;
+- cache_vs_recompute: prefill of N tokens equals prefill of N-k then k decode steps;
+- finite: no NaN or Inf in any logit or cache tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from models.contract import position_ids_from_mask
+from runtimes.base import Runtime
+from runtimes.generate import left_pad
+
+
+@dataclass
+class ProbeResult:
+    name: str
+    passed: bool
+    max_abs: float
+    detail: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _prefill(rt: Runtime, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    return rt.prefill(ids, mask, position_ids_from_mask(mask))[0]
+
+
+def _result(name: str, diff: float, tol: float, detail: str) -> ProbeResult:
+    return ProbeResult(name, bool(np.isfinite(diff) and diff <= tol), float(diff), detail)
+
+
+def future_leak(rt: Runtime, rng: np.random.Generator, tol: float, n: int = 12, t: int = 6) -> ProbeResult:
+    ids = rng.integers(0, rt.dims.vocab_size, (1, n))
+    other = ids.copy()
+    other[0, t:] = (ids[0, t:] + 1 + rng.integers(0, rt.dims.vocab_size - 1, n - t)) % rt.dims.vocab_size
+    mask = np.ones_like(ids)
+    a, b = _prefill(rt, ids, mask), _prefill(rt, other, mask)
+    return _result("future_leak", np.abs(a[0, :t] - b[0, :t]).max(), tol,
+                   f"tokens {t}..{n - 1} changed; logits at positions 0..{t - 1} compared")
+
+
+def padding_leak(rt: Runtime, rng: np.random.Generator, tol: float, pad: int = 5, n: int = 8) -> ProbeResult:
+    ids, mask = left_pad([rng.integers(0, rt.dims.vocab_size, n + pad).tolist(),
+                          rng.integers(0, rt.dims.vocab_size, n).tolist()])
+    other = ids.copy()
+    other[1, :pad] = rng.integers(0, rt.dims.vocab_size, pad)
+    a, b = _prefill(rt, ids, mask), _prefill(rt, other, mask)
+    return _result("padding_leak", np.abs(a[1, pad:] - b[1, pad:]).max(), tol,
+                   f"content under {pad} padding tokens changed; the real tokens of the row compared")
+
+
+def position_drift(rt: Runtime, rng: np.random.Generator, tol: float, n: int = 8, offset: int = 7,
+                   steps: int = 3) -> ProbeResult:
+    prompt = rng.integers(0, rt.dims.vocab_size, n).tolist()
+    alone_ids, alone_mask = left_pad([prompt])
+    ids, mask = left_pad([prompt, rng.integers(0, rt.dims.vocab_size, n + offset).tolist()])
+    worst = np.abs(_prefill(rt, alone_ids, alone_mask)[0] - _prefill(rt, ids, mask)[0, offset:]).max()
+    tokens = rng.integers(0, rt.dims.vocab_size, steps)
+    caches = [rt.prefill(alone_ids, alone_mask, position_ids_from_mask(alone_mask))[1],
+              rt.prefill(ids, mask, position_ids_from_mask(mask))[1]]
+    for k in range(steps):
+        alone_mask = np.concatenate([alone_mask, [[1]]], axis=1)
+        mask = np.concatenate([mask, np.ones((2, 1), dtype=np.int64)], axis=1)
+        la, caches[0] = rt.decode(np.array([[tokens[k]]]), alone_mask, alone_mask.sum(-1, keepdims=True) - 1,
+                                  caches[0])
+        lb, caches[1] = rt.decode(np.array([[tokens[k]], [tokens[k]]]), mask, mask.sum(-1, keepdims=True) - 1,
+                                  caches[1])
+        worst = max(worst, np.abs(la[0] - lb[0]).max())
+    return _result("position_drift", worst, tol,
+                   f"the same {n} tokens at cache offset 0 and {offset}, prefill and {steps} decode steps")
+
+
+def cache_vs_recompute(rt: Runtime, rng: np.random.Generator, tol: float, n: int = 12, k: int = 4) -> ProbeResult:
+    ids = rng.integers(0, rt.dims.vocab_size, (1, n))
+    full = _prefill(rt, ids, np.ones_like(ids))
+    mask = np.ones((1, n - k), dtype=np.int64)
+    logits, cache = rt.prefill(ids[:, : n - k], mask, position_ids_from_mask(mask))
+    worst = np.abs(full[0, : n - k] - logits[0]).max()
+    for t in range(n - k, n):
+        mask = np.ones((1, t + 1), dtype=np.int64)
+        logits, cache = rt.decode(ids[:, t : t + 1], mask, np.array([[t]]), cache)
+        worst = max(worst, np.abs(full[0, t] - logits[0, 0]).max())
+    return _result("cache_vs_recompute", worst, tol, f"prefill {n} vs prefill {n - k} + {k} decode steps")
+
+
+def finite(rt: Runtime, rng: np.random.Generator, tol: float, steps: int = 4) -> ProbeResult:
+    ids, mask = left_pad([rng.integers(0, rt.dims.vocab_size, 9).tolist(),
+                          rng.integers(0, rt.dims.vocab_size, 4).tolist()])
+    logits, cache = rt.prefill(ids, mask, position_ids_from_mask(mask))
+    bad = [] if np.isfinite(logits).all() else ["prefill logits"]
+    for k in range(steps):
+        mask = np.concatenate([mask, np.ones((2, 1), dtype=np.int64)], axis=1)
+        logits, cache = rt.decode(logits[:, -1].argmax(-1)[:, None].astype(np.int64), mask,
+                                  mask.sum(-1, keepdims=True) - 1, cache)
+        if not np.isfinite(logits).all():
+            bad.append(f"step {k + 1} logits")
+    if not all(np.isfinite(a).all() for a in rt.cache_arrays(cache)):
+        bad.append("cache")
+    return ProbeResult("finite", not bad, 0.0, "NaN/Inf in " + ", ".join(bad) if bad else "all finite")
+
+
+PROBES = (future_leak, padding_leak, position_drift, cache_vs_recompute, finite)
+
+
+def run_probes(rt: Runtime, tol: float, seed: int = 0) -> list[ProbeResult]:
+    return [probe(rt, np.random.default_rng([seed, i]), tol) for i, probe in enumerate(PROBES)]
