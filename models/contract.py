@@ -10,7 +10,9 @@ Any change to names, order, dtypes or dims bumps CONTRACT_VERSION.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
+from pathlib import Path
 
 CONTRACT_VERSION = 1
 
@@ -129,3 +131,16 @@ def position_ids_from_mask(mask):
     Works on numpy arrays (and on torch tensors, which share the methods used here).
     """
     return (mask.cumsum(-1) - 1).clip(0)
+
+# TensorRT engines beside the graphs (tk build-engine).
+ENGINE_FILES = {PREFILL: "prefill.engine", DECODE: "decode.engine"}
+ENGINE_META = "engine.json"
+
+
+def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
+    """The sha256 an artifact records for each file it depends on."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()

@@ -7,7 +7,6 @@ decode step, so the loop never copies the cache through numpy.
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -19,14 +18,6 @@ _ORT_DTYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor
                "tensor(int64)": "int64"}
 
 
-def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def verify_graph_files(artifact: Path, manifest: dict) -> dict[str, Path]:
     """Graph paths by name, after checking each exists and matches the manifest's sha256."""
     paths = {}
@@ -35,7 +26,7 @@ def verify_graph_files(artifact: Path, manifest: dict) -> dict[str, Path]:
         path = artifact / entry["file"]
         if not path.is_file():
             raise ArtifactError(f"{artifact} is missing {entry['file']}; re-export the artifact")
-        if sha256_file(path) != entry["sha256"]:
+        if contract.sha256_file(path) != entry["sha256"]:
             raise ArtifactError(f"{path} does not match the sha256 in {contract.MANIFEST}; it was changed "
                                 "after export: re-export the artifact")
         data = artifact / entry["data_file"] if entry.get("data_file") else None

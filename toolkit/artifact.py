@@ -25,7 +25,8 @@ from models import contract
 from models.config import DTYPE_ALIASES
 from models.loading import load_decoder, read_config
 from runtimes.base import ArtifactError, read_manifest
-from runtimes.ort_runtime import OrtRuntime, sha256_file
+from runtimes.ort_runtime import OrtRuntime
+from models.contract import sha256_file
 from runtimes.torch_runtime import TorchRuntime
 from toolkit.parity import TOLERANCES, format_table, run_parity
 

@@ -1,0 +1,130 @@
+"""A static TensorRT compatibility lint of ONNX graphs, runnable anywhere (no TensorRT, no GPU).
+
+Checks what TensorRT's ONNX parser accepts, from onnx/onnx-tensorrt `docs/operators.md` and
+`docs/Changelog.md` and the NVIDIA/TensorRT issues named below:
+- every op is in the parser's support table, and the lowest TensorRT version that parses it;
+- the opset is one the parser reads (9..24; 25 from 11.5);
+- `Attention` carries no cache (past inputs / present outputs: rejected, NVIDIA/TensorRT #4738)
+  and its Q/K/V/mask are 4D;
+- no `If`/`Loop`/`Scan` (#4032, #4739, #4757), no non-default domains (contrib ops);
+- no graph input dim fixed at 0 (TensorRT rejects empty dims in profiles) and no unknown rank.
+The result names each problem and the lowest TensorRT version the graphs need.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import onnx
+
+BASE = "8.6"  # every op below without a version parses in 8.6 and later (operators.md of 8.6)
+OP_MIN_VERSION: dict[str, str] = {
+    **{op: BASE for op in (
+        "Abs Add And ArgMax ArgMin Cast Ceil Clip Concat Constant ConstantOfShape Cos CumSum Div Einsum Equal "
+        "Erf Exp Expand Flatten Floor Gather GatherElements GatherND Gemm Greater GreaterOrEqual Identity IsInf "
+        "IsNaN LayerNormalization Less LessOrEqual Log LogSoftmax MatMul Max Mean Min Mod Mul Neg Not Or Pad Pow "
+        "Range Reciprocal ReduceL2 ReduceMax ReduceMean ReduceMin ReduceProd ReduceSum ReduceSumSquare Relu "
+        "Reshape ScatterElements ScatterND Shape Sigmoid Sign Sin Size Slice Softmax Softplus Split Sqrt Squeeze "
+        "Sub Sum Tanh Tile TopK Transpose Trilu Unsqueeze Where Xor").split()},
+    "Gelu": "10.0",  # opset 20 Gelu: operators.md of 10.0
+    "Attention": "10.14",  # onnx-tensorrt Changelog 10.14
+    "RMSNormalization": "10.15",  # Changelog 10.15
+    "RotaryEmbedding": "10.15",
+    "TensorScatter": "10.15",
+}
+CONTROL_FLOW = ("If", "Loop", "Scan")
+# Parser opset ceiling by release: 20 in 10.0 (operators.md of 10.0); 24 by 10.14, the first to
+# parse Attention (opset 23), which is the earliest release tk can vouch for above 20; 25 from 11.5.
+MAX_OPSET = {"10.0": 20, "10.14": 24, "11.5": 25}
+
+
+def _version_key(v: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in v.split("."))
+
+
+def max_version(versions) -> str:
+    return max(versions, key=_version_key)
+
+
+@dataclass
+class LintProblem:
+    graph: str
+    rule: str
+    node: str
+    message: str
+
+
+@dataclass
+class LintResult:
+    problems: list[LintProblem] = field(default_factory=list)
+    min_tensorrt: str = BASE
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict:
+        return {"ok": self.ok, "min_tensorrt": self.min_tensorrt, "problems": [asdict(p) for p in self.problems]}
+
+
+def _ranks(model: onnx.ModelProto) -> dict[str, int | None]:
+    """Rank of every value shape inference can tell (None: unknown rank)."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    except Exception:  # inference is best effort: a graph it cannot read still gets the other checks
+        inferred = model
+    ranks = {}
+    for v in [*inferred.graph.input, *inferred.graph.output, *inferred.graph.value_info]:
+        t = v.type.tensor_type
+        ranks[v.name] = len(t.shape.dim) if t.HasField("shape") else None
+    return ranks
+
+
+def lint_model(model: onnx.ModelProto, graph: str) -> LintResult:
+    result = LintResult()
+    need = [BASE]
+    add = lambda rule, node, msg: result.problems.append(LintProblem(graph, rule, node, msg))  # noqa: E731
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    if opset < 9:
+        add("opset", "", f"opset {opset} is below 9, the oldest TensorRT's parser reads")
+    fitting = [v for v, top in MAX_OPSET.items() if top >= opset]
+    if not fitting:
+        add("opset", "", f"opset {opset} is newer than any TensorRT parser reads (25 at most, from 11.5)")
+    else:
+        need.append(min(fitting, key=_version_key))
+    ranks = _ranks(model)
+    for node in model.graph.node:
+        name = node.name or node.op_type
+        if node.domain not in ("", "ai.onnx"):
+            add("domain", name, f"op {node.domain}.{node.op_type} is outside the default ONNX domain")
+            continue
+        if node.op_type in CONTROL_FLOW:
+            add("control-flow", name, f"{node.op_type} node: TensorRT fails on control flow in decoders "
+                "(NVIDIA/TensorRT #4032, #4739)")
+            continue
+        if node.op_type not in OP_MIN_VERSION:
+            add("op", name, f"op {node.op_type} is not in TensorRT's ONNX parser support table")
+            continue
+        need.append(OP_MIN_VERSION[node.op_type])
+        if node.op_type == "Attention":
+            if len(node.input) > 4 and any(node.input[4:6]) or len(node.output) > 1 and any(node.output[1:3]):
+                add("attention-cache", name, "Attention carries past/present KV inputs or outputs, which TensorRT "
+                    "rejects (NVIDIA/TensorRT #4738); concatenate the cache outside the op")
+            for i, tensor in enumerate(node.input[:4]):
+                if tensor and ranks.get(tensor) not in (4, None):
+                    add("attention-rank", name, f"Attention input {i} ({tensor}) is {ranks[tensor]}D; "
+                        "TensorRT needs 4D Q/K/V/mask")
+    for v in model.graph.input:
+        t = v.type.tensor_type
+        if not t.HasField("shape"):
+            add("dims", v.name, f"graph input {v.name} has unknown rank; TensorRT needs a fixed rank")
+        elif any(d.HasField("dim_value") and d.dim_value == 0 for d in t.shape.dim):
+            add("dims", v.name, f"graph input {v.name} has a dim fixed at 0; TensorRT rejects empty dims")
+    result.min_tensorrt = max_version(need)
+    return result
+
+
+def lint_graphs(models: dict[str, onnx.ModelProto]) -> LintResult:
+    """Lint every graph of an artifact together: all problems, and the highest minimum version."""
+    results = [lint_model(m, g) for g, m in models.items()]
+    return LintResult([p for r in results for p in r.problems], max_version(r.min_tensorrt for r in results))

@@ -1,0 +1,187 @@
+"""tk parity: every family passes, precisions are told apart, injected bugs fail and are localized,
+the report follows its schema and is stable."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jsonschema
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+from conftest import FAMILY_NAMES
+from models.decoder import RMSNorm, rope_inv_freq
+from models.loading import load_decoder
+from runtimes.torch_runtime import TorchRuntime
+from toolkit.cli import main
+from toolkit.parity import TOLERANCES, random_cases, tolerance_for
+from toolkit.parity_report import SCHEMA_PATH, compare_backends, parity
+
+pytestmark = pytest.mark.slow
+
+
+def run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_fp32_ort_passes_on_every_family(artifacts, family):
+    report = parity(artifacts(family), ["ort"], steps=8)
+    assert report["passed"] and report["backends"]["ort"]["status"] == "passed"
+    assert all(p["passed"] for p in report["backends"]["ort"]["probes"])
+    assert all(m == 8 for c in report["backends"]["ort"]["cases"] for m in c["greedy_match"])
+
+
+def test_fp16_passes_its_table_and_fails_the_fp32_table(artifacts):
+    art = artifacts("llama", "fp16")
+    assert parity(art, ["ort"], steps=6)["passed"]
+    strict = TOLERANCES["float32"]
+    report = parity(art, ["ort"], steps=6, overrides={"max_abs": strict.max_abs, "min_top1": strict.min_top1,
+                                                      "present_abs": strict.present_abs})
+    assert not report["passed"]
+    assert report["backends"]["ort"]["first_divergence"]["step"] == 0
+
+
+def test_report_schema_and_stability(tiny_artifact, tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    for path in (a, b):
+        result = run("parity", tiny_artifact, "--steps", "4", "--report", path, "--seed", "3")
+        assert result.exit_code == 0, result.output
+    schema = json.loads(SCHEMA_PATH.read_text())
+    report = json.loads(a.read_text())
+    jsonschema.validate(report, schema)
+    assert a.read_text() == b.read_text()
+    assert set(report["backends"]) == {"torch", "ort"}
+    bad = dict(report, passed="yes")
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, schema)
+
+
+def test_missing_backend_is_skipped_with_reason_and_require_fails(tiny_artifact, tmp_path):
+    result = run("parity", tiny_artifact, "--backends", "ort,trt", "--steps", "2", "--report", tmp_path / "r.json")
+    assert result.exit_code == 0, result.output
+    trt = json.loads((tmp_path / "r.json").read_text())["backends"]["trt"]
+    assert trt["status"] == "skipped" and "pip install" in trt["reason"]
+    assert "trt: skipped: " in result.stderr
+    required = run("parity", tiny_artifact, "--backends", "ort,trt", "--steps", "2", "--require", "trt")
+    assert required.exit_code == 3
+    assert required.stderr.strip().splitlines()[-1] == "Error: parity failed: required backend trt was skipped"
+
+
+def test_plot_is_written(tiny_artifact, tmp_path):
+    result = run("parity", tiny_artifact, "--steps", "2", "--plot", tmp_path / "p.png")
+    assert result.exit_code == 0
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --- injected bugs: each must fail the gate and be localized -------------------------------
+
+
+class Shifted(torch.nn.Module):
+    """The reference with position ids off by one."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.config = model, model.config
+
+    def forward(self, ids, mask, pos, past=None):
+        return self.model(ids, mask, pos + 1, past)
+
+
+class Fp16SquareNorm(RMSNorm):
+    """A norm that squares in float16: overflows once |x| > 256."""
+
+    def forward(self, x):
+        var = (x.half() ** 2).mean(-1, keepdim=True).float()
+        return (x.float() * torch.rsqrt(var + self.eps) * (self.offset + self.weight.float())).to(x.dtype)
+
+
+def _drop_mask(layer):
+    forward = layer.forward
+    layer.forward = lambda x, cos, sin, mask, past: forward(x, cos, sin, None, past)
+
+
+def _swap_kv(layer, cfg):
+    w = layer.attn.wqkv.weight.data
+    q, kv = cfg.q_size, cfg.kv_size
+    w[q:q + kv], w[q + kv:] = w[q + kv:].clone(), w[q:q + kv].clone()
+
+
+def _mutate(model, kind):
+    cfg = model.config
+    if kind == "rope_base":
+        model.inv_freq = rope_inv_freq(cfg) * 0.5
+    elif kind == "position_off_by_one":
+        return Shifted(model)
+    elif kind == "no_causal_mask":
+        _drop_mask(model.layers[0])
+    elif kind == "swap_kv":
+        _swap_kv(model.layers[1], cfg)
+    elif kind == "scaled_norm":
+        model.layers[1].attn_norm.weight.data *= 1.25
+    elif kind == "fp16_norm_overflow":
+        good = model.layers[1].attn_norm
+        bad = Fp16SquareNorm(cfg.hidden_size, good.eps, good.offset)
+        bad.weight = good.weight
+        model.layers[1].attn_norm = bad
+    return model
+
+
+# kind -> (first divergent cache tensor, layer)
+MUTATIONS = {
+    "rope_base": ("present.0.key", 0),  # keys rotate wrongly from layer 0 on; values do not rotate
+    "position_off_by_one": ("present.0.key", 0),
+    "no_causal_mask": ("present.1.key", 1),  # layer 0's output leaks the future; layer 1 caches it first
+    "swap_kv": ("present.1.key", 1),
+    "scaled_norm": ("present.1.key", 1),
+    "fp16_norm_overflow": ("present.1.key", 1),
+}
+
+
+@pytest.fixture(scope="module")
+def loud_checkpoint(checkpoints, tmp_path_factory):
+    """Llama with layer 0's FFN output scaled so layer 1's norm sees |x| in the hundreds."""
+    d = tmp_path_factory.mktemp("loud") / "ckpt"
+    shutil.copytree(checkpoints("llama"), d)
+    sd = load_file(d / "model.safetensors")
+    sd["model.layers.0.mlp.down_proj.weight"] *= 300
+    save_file(sd, d / "model.safetensors")
+    return d
+
+
+@pytest.mark.parametrize("kind", list(MUTATIONS))
+def test_injected_bug_fails_and_is_localized(checkpoints, loud_checkpoint, kind):
+    folder = loud_checkpoint if kind == "fp16_norm_overflow" else checkpoints("llama")
+    reference = TorchRuntime(load_decoder(folder))
+    cases = random_cases(reference.dims.vocab_size, seed=1)
+    tol = tolerance_for("float32")
+    healthy = TorchRuntime(load_decoder(folder))
+    healthy.name = "healthy"
+    mutant = TorchRuntime(_mutate(load_decoder(folder), kind))
+    mutant.name = "mutant"
+    report = compare_backends(reference, {"healthy": healthy, "mutant": mutant}, cases, tol, steps=3)
+    assert report["backends"]["healthy"]["status"] == "passed"
+    assert report["backends"]["mutant"]["status"] == "failed"
+    where, layer = MUTATIONS[kind]
+    div = report["backends"]["mutant"]["first_divergence"]
+    assert (div["step"], div["where"], div["layer"]) == (0, where, layer), div
+
+
+def test_bug_in_the_reference_exits_3_naming_step_and_layer(tiny, tmp_path):
+    from toolkit.artifact import export_artifact
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny, ckpt)
+    art = tmp_path / "art"
+    export_artifact(ckpt, art, run_validation=False)
+    sd = load_file(ckpt / "model.safetensors")
+    sd["model.layers.1.input_layernorm.weight"] *= 1.25  # the reference changes, the graphs do not
+    save_file(sd, ckpt / "model.safetensors")
+    result = run("parity", art, "--backends", "ort", "--steps", "3")
+    assert result.exit_code == 3
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("Error: parity failed: ort first leaves its tolerance at step 0, row 0, position ")
+    assert "in present.1.key (layer 1)" in line
