@@ -16,8 +16,6 @@ from typing import Callable
 from models import contract
 
 PRECISIONS = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
-INSTALL_HINT = ("on a machine with an NVIDIA GPU, pip install 'tk[gpu]' --extra-index-url https://pypi.nvidia.com "
-                "(TensorRT's libraries come from NVIDIA's index, not PyPI)")
 
 
 class EngineBuildError(RuntimeError):
@@ -70,7 +68,7 @@ def import_tensorrt():
     try:
         import tensorrt as trt
     except ImportError:
-        raise EngineBuildError(f"TensorRT is not installed; {INSTALL_HINT}") from None
+        raise EngineBuildError(f"TensorRT is not installed; {contract.TRT_INSTALL_HINT}") from None
     return trt
 
 

@@ -132,7 +132,9 @@ def position_ids_from_mask(mask):
     """
     return (mask.cumsum(-1) - 1).clip(0)
 
-# TensorRT engines beside the graphs (tk build-engine).
+# TensorRT engines beside the graphs (tk build-engine), and how to get TensorRT where it is missing.
+TRT_INSTALL_HINT = ("on a machine with an NVIDIA GPU, pip install 'tk[gpu]' --extra-index-url https://pypi.nvidia.com "
+                    "(TensorRT's libraries come from NVIDIA's index, not PyPI)")
 ENGINE_FILES = {PREFILL: "prefill.engine", DECODE: "decode.engine"}
 ENGINE_META = "engine.json"
 

@@ -21,8 +21,7 @@ import numpy as np
 from models import contract
 from runtimes.base import ArtifactError, BackendUnavailable, InputError, Runtime, dims_from_manifest, read_manifest
 
-INSTALL = ("TensorRT is not installed; on a machine with an NVIDIA GPU, pip install 'tk[gpu]' "
-           "--extra-index-url https://pypi.nvidia.com")
+INSTALL = f"TensorRT is not installed; {contract.TRT_INSTALL_HINT}"
 _POLY_DTYPES = {"float32": "FLOAT32", "float16": "FLOAT16", "bfloat16": "BFLOAT16", "int64": "INT64"}
 
 

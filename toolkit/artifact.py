@@ -19,7 +19,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Callable
 
+import onnx
+
 from exporters.contract_check import check_graph_file
+from exporters.trt_lint import lint_graphs
 from exporters.onnx_export import DEFAULT_OPSET, MAX_OPSET, MIN_OPSET, export_graph, graph_dims
 from models import contract
 from models.config import DTYPE_ALIASES
@@ -146,6 +149,10 @@ def export_artifact(model_dir: str | Path, out: str | Path, dtype: str = "fp32",
                              "export_s": round(seconds, 2)}
             progress(f"export {graph} (opset {opset}): {seconds:.1f} s, contract ok")
         del model
+        lint = lint_graphs({g: onnx.load(str(tmp / contract.GRAPH_FILES[g]), load_external_data=False)
+                            for g in contract.GRAPHS})
+        progress(f"TensorRT lint: {'ok' if lint.ok else f'{len(lint.problems)} problem(s)'}, needs TensorRT "
+                 f">= {lint.min_tensorrt}")
         copied = [f for f in TOKENIZER_FILES if (model_dir / f).is_file()]
         for f in copied:
             shutil.copy2(model_dir / f, tmp / f)
@@ -160,6 +167,7 @@ def export_artifact(model_dir: str | Path, out: str | Path, dtype: str = "fp32",
             "graphs": graphs,
             "tokenizer_files": copied,
             "versions": versions(),
+            "trt_lint": lint.to_dict(),
             "validation": {"skipped": True},
         }
         _write_manifest(tmp, manifest)

@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 
 from exporters.onnx_export import ExportError
+from exporters.trt_build import EngineBuildError
 from models.config import UnsupportedModelError
 from models.contract import ContractError
 from models.loading import CheckpointError
@@ -24,7 +25,7 @@ from toolkit.artifact import ValidationFailed
 ERRORS: list[tuple[tuple[type[BaseException], ...], int]] = [
     ((ValidationFailed,), 3),
     ((click.UsageError,), 2),
-    ((CheckpointError, UnsupportedModelError, ContractError, ExportError, RuntimeErrorBase,
+    ((CheckpointError, UnsupportedModelError, ContractError, ExportError, EngineBuildError, RuntimeErrorBase,
       FileExistsError, FileNotFoundError, PermissionError, ValueError), 1),
 ]
 
@@ -200,6 +201,41 @@ def parity(artifact: Path, backends: str, steps: int, seed: int, prompts_file: P
     if skipped:
         raise ValidationFailed(f"parity failed: required backend {', '.join(skipped)} was skipped")
     click.echo("parity passed")
+
+
+@main.command("build-engine")
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16"]), help="Default: the graphs' own dtype.")
+@click.option("--max-batch", default=1, show_default=True, type=int)
+@click.option("--max-input-len", type=int, help="Longest prompt [default: half of --max-seq-len].")
+@click.option("--max-seq-len", type=int, help="Prompt + generated tokens [default: the model's context, at most 2048].")
+@click.option("--timing-cache", type=click.Path(dir_okay=False, path_type=Path), help="Load and save this cache.")
+@click.option("--workspace", default=4.0, show_default=True, type=float, help="Builder workspace, GiB.")
+@click.option("--force", is_flag=True, help="Replace existing engines.")
+def build_engine(artifact: Path, precision: str | None, max_batch: int, max_input_len: int | None,
+                 max_seq_len: int | None,
+                 timing_cache: Path | None, workspace: float, force: bool) -> None:
+    """Build TensorRT engines for an exported ARTIFACT (needs TensorRT and an NVIDIA GPU)."""
+    from toolkit.engines import build
+
+    build(artifact, precision, max_batch, max_input_len, max_seq_len, timing_cache, workspace, force, _progress)
+    click.echo(str(artifact))
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def doctor(as_json: bool) -> None:
+    """Which backends, providers, GPUs and versions this machine has."""
+    from toolkit.engines import doctor_report
+
+    report = doctor_report()
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    for name, entry in report.items():
+        state = entry["version"] if entry.get("available") else "missing"
+        extra = "; ".join(f"{k}: {v}" for k, v in entry.items() if k not in ("available", "version"))
+        click.echo(f"{name:12} {state:14} {extra}")
 
 
 @main.command()

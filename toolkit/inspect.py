@@ -50,6 +50,7 @@ def inspect_path(path: str | Path, batch: int = 1, seq_len: int | None = None) -
             io, opset, ops = _io_table(path / manifest["graphs"][graph]["file"])
             graphs[graph] = {"io": io, "opset": opset, "ops": ops}
         info = {"kind": "artifact", "path": str(path), "source": manifest["source"]["path"], "graphs": graphs,
+                "trt_lint": manifest.get("trt_lint"),
                 "validation": {k: v for k, v in manifest["validation"].items() if k != "comparisons"}}
     else:
         cfg = read_config(path)
@@ -83,6 +84,10 @@ def format_info(info: dict) -> str:
         lines.append(f"\n{graph} graph (opset {g['opset']}):")
         lines += [f"  {r['kind']:6} {r['name']:28} {r['dtype']:8} {r['dims']}" for r in g["io"]]
         lines.append("  ops: " + ", ".join(f"{k} {v}" for k, v in g["ops"].items()))
+    if info.get("trt_lint"):
+        lint = info["trt_lint"]
+        lines.append(f"\nTensorRT lint: {'ok' if lint['ok'] else 'FAILED'}; needs TensorRT >= {lint['min_tensorrt']}")
+        lines += [f"  {p['graph']}: [{p['rule']}] {p['message']}" for p in lint["problems"]]
     if "validation" in info:
         v = info["validation"]
         lines.append("\nvalidation: " + ("skipped" if v.get("skipped") else "passed" if v["passed"] else "FAILED"))
