@@ -104,7 +104,7 @@ def test_export_refuses_existing_out_and_unwritable_out(tiny, tmp_path):
 def test_failed_validation_exits_3_and_leaves_nothing(tiny, tmp_path, monkeypatch):
     from toolkit import parity
 
-    monkeypatch.setitem(parity.TOLERANCES, "float32", parity.Tolerance(max_abs=1e-9, min_top1=1.0, tie_margin=0.0))
+    monkeypatch.setitem(parity.TOLERANCES, "float32", parity.tolerance_for("float32", max_abs=1e-9))
     out = tmp_path / "out"
     result = run("export", tiny, "-o", out)
     assert result.exit_code == 3
