@@ -57,6 +57,16 @@ def _version() -> str:
         return "0+unknown"
 
 
+def _backend_list(backends: str, also: tuple[str, ...] = ()) -> list[str]:
+    from toolkit.textgen import BACKENDS
+
+    names = [b.strip() for b in backends.split(",") if b.strip()]
+    unknown = [b for b in [*names, *also] if b not in BACKENDS]
+    if unknown or not names:
+        raise click.UsageError(f"unknown backend {', '.join(unknown) or '(none)'}; use {', '.join(BACKENDS)}")
+    return names
+
+
 def _progress(msg: str) -> None:
     click.echo(f"  {msg}", err=True)
 
@@ -171,13 +181,8 @@ def parity(artifact: Path, backends: str, steps: int, seed: int, prompts_file: P
            present_atol: float | None) -> None:
     """Compare every backend with the float32 PyTorch reference, step by step; exit 3 on drift."""
     from toolkit import parity_report as pr
-    from toolkit.artifact import ValidationFailed
-    from toolkit.textgen import BACKENDS
 
-    names = [b.strip() for b in backends.split(",") if b.strip()]
-    unknown = [b for b in [*names, *required] if b not in BACKENDS]
-    if unknown or not names:
-        raise click.UsageError(f"unknown backend {', '.join(unknown) or '(none)'}; use {', '.join(BACKENDS)}")
+    names = _backend_list(backends, required)
     if plot is not None:
         try:
             import matplotlib  # noqa: F401
@@ -236,6 +241,27 @@ def doctor(as_json: bool) -> None:
         state = entry["version"] if entry.get("available") else "missing"
         extra = "; ".join(f"{k}: {v}" for k, v in entry.items() if k not in ("available", "version"))
         click.echo(f"{name:12} {state:14} {extra}")
+
+
+@main.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--backends", default="torch,ort", show_default=True, help="Comma-separated: torch, ort, trt.")
+@click.option("--prompt-len", default=128, show_default=True, type=int)
+@click.option("--new-tokens", default=128, show_default=True, type=int)
+@click.option("--batch", default=1, show_default=True, type=int)
+@click.option("--repeats", default=3, show_default=True, type=int)
+@click.option("--threads", type=click.IntRange(min=1), help="ONNX Runtime intra-op threads.")
+@click.option("--report", type=click.Path(dir_okay=False, path_type=Path), help="Write the JSON report here.")
+def bench(artifact: Path, backends: str, prompt_len: int, new_tokens: int, batch: int, repeats: int,
+          threads: int | None, report: Path | None) -> None:
+    """Time to first token, decode speed and memory of each backend, side by side in one run."""
+    from toolkit.bench import bench as run_bench
+    from toolkit.bench import format_bench
+
+    result = run_bench(artifact, _backend_list(backends), prompt_len, new_tokens, batch, repeats, threads)
+    click.echo(format_bench(result))
+    if report is not None:
+        report.write_text(json.dumps(result, indent=2))
 
 
 @main.command()

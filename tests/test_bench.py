@@ -1,0 +1,38 @@
+"""tk bench: runs every backend side by side and reports timings, memory and machine load."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from toolkit.cli import main
+
+
+def run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def test_bench_reports_both_backends(tiny_artifact, tmp_path):
+    result = run("bench", tiny_artifact, "--prompt-len", "8", "--new-tokens", "6", "--repeats", "2",
+                 "--batch", "2", "--report", tmp_path / "b.json")
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "b.json").read_text())
+    assert set(report["backends"]) == {"torch", "ort"}
+    for b in report["backends"].values():
+        assert b["decode_ms_per_token"]["min"] <= b["decode_ms_per_token"]["median"] <= b["decode_ms_per_token"]["max"]
+        assert b["ttft_ms"]["median"] > 0 and b["tokens_per_s"]["median"] > 0
+        assert isinstance(b["busy_runs"], list)
+    # KV: 2 (k, v) * 2 layers * batch 2 * 14 tokens * 2 kv heads * 16 head_dim * 4 bytes
+    assert report["predicted"]["kv_bytes"] == 2 * 2 * 2 * 14 * 2 * 16 * 4
+    assert "decode speed of ort relative to torch" in result.stdout
+
+
+def test_bench_bad_input(tiny_artifact):
+    result = run("bench", tiny_artifact, "--new-tokens", "0")
+    assert result.exit_code == 1 and result.stderr.strip() == "Error: --new-tokens must be at least 1, got 0"
+    result = run("bench", tiny_artifact, "--prompt-len", "1000", "--new-tokens", "100")
+    assert result.exit_code == 1
+    assert result.stderr.strip() == ("Error: --prompt-len 1000 + --new-tokens 100 exceeds the model's context of 1024")
+    result = run("bench", tiny_artifact, "--backends", "tpu")
+    assert result.exit_code == 2 and "unknown backend tpu" in result.stderr

@@ -1,0 +1,150 @@
+"""`tk bench`: time to first token, decode ms/token, tokens/s and peak memory per backend, side by
+side in one run.
+
+Backends are loaded once and run alternately (A B A B ...) after a warm-up, so a shift in machine
+load hits all of them alike; the report gives medians and spreads and flags runs during which
+other processes used a noticeable share of the CPUs. Peak memory is sampled from /proc while
+each backend runs and set beside `tk inspect`'s prediction (weights + KV cache).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from models.config import DecoderConfig
+from runtimes.base import BackendUnavailable, read_manifest
+from runtimes.generate import generate
+from toolkit.inspect import memory_plan
+from toolkit.textgen import open_runtime
+
+BUSY_CORES = 0.25  # other processes using more than this many cores on average: the run is flagged
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _cpu_jiffies() -> tuple[int, int]:
+    """(busy jiffies of the whole machine, jiffies of this process)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    busy = sum(fields) - fields[3] - fields[4]  # minus idle and iowait
+    with open("/proc/self/stat") as f:
+        own = f.read().rsplit(")", 1)[1].split()
+    return busy, int(own[11]) + int(own[12])  # utime + stime
+
+
+class _Watch:
+    """Peak RSS and other processes' CPU use while a block runs."""
+
+    def __enter__(self):
+        self.peak, self._stop = _rss(), threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._cpu0, self._t0 = _cpu_jiffies(), time.perf_counter()
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, _rss())
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        (busy0, own0), (busy1, own1) = self._cpu0, _cpu_jiffies()
+        seconds = max(time.perf_counter() - self._t0, 1e-9)
+        self.other_cores = max(0, (busy1 - busy0) - (own1 - own0)) / os.sysconf("SC_CLK_TCK") / seconds
+        self.peak = max(self.peak, _rss())
+
+
+def _spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def bench(artifact: Path, backends: list[str], prompt_len: int = 128, new_tokens: int = 128, batch: int = 1,
+          repeats: int = 3, threads: int | None = None, seed: int = 0) -> dict:
+    for name, value in (("--prompt-len", prompt_len), ("--new-tokens", new_tokens), ("--batch", batch),
+                        ("--repeats", repeats)):
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
+    runtimes, skipped, loaded = {}, {}, {}
+    for name in backends:
+        rt = open_runtime(artifact, name, threads=threads)
+        try:
+            before = _rss()
+            rt.activate()
+            runtimes[name], loaded[name] = rt, _rss() - before  # what holding this backend costs
+        except BackendUnavailable as e:
+            skipped[name] = str(e)
+    if not runtimes:
+        raise BackendUnavailable("no backend could run: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
+    first = next(iter(runtimes.values()))
+    cfg = DecoderConfig.from_dict(read_manifest(artifact)["config"])
+    if prompt_len + new_tokens > first.max_context:
+        raise ValueError(f"--prompt-len {prompt_len} + --new-tokens {new_tokens} exceeds the model's context of "
+                         f"{first.max_context}")
+    rng = np.random.default_rng(seed)
+    prompts = rng.integers(0, first.dims.vocab_size, (batch, prompt_len)).tolist()
+    runs: dict[str, list] = {name: [] for name in runtimes}
+    growth = dict.fromkeys(runtimes, 0)  # peak RSS over the RSS before a run: activations, KV cache, outputs
+    for rt in runtimes.values():  # warm-up: allocator, thread pools, first-call paths
+        generate(rt, prompts, min(new_tokens, 8), ignore_eos=True)
+    for _ in range(repeats):
+        for name, rt in runtimes.items():
+            before = _rss()
+            with _Watch() as w:
+                result = generate(rt, prompts, new_tokens, ignore_eos=True)
+            growth[name] = max(growth[name], w.peak - before)
+            runs[name].append({**result.timings(), "other_cores": w.other_cores})
+    plan = memory_plan(cfg, first.dims.kv_dtype, batch, prompt_len + new_tokens)
+    report = {"artifact": str(artifact), "prompt_len": prompt_len, "new_tokens": new_tokens, "batch": batch,
+              "repeats": repeats, "threads": threads, "cpu_count": os.cpu_count(),
+              "predicted": {k: plan[k] for k in ("weights_bytes", "kv_bytes", "total_bytes")},
+              "backends": {}, "skipped": skipped}
+    for name, rs in runs.items():
+        busy = [i for i, r in enumerate(rs) if r["other_cores"] > BUSY_CORES]
+        report["backends"][name] = {
+            "ttft_ms": _spread([r["ttft_ms"] for r in rs]),
+            "decode_ms_per_token": _spread([r["decode_ms_per_token"] for r in rs]),
+            "tokens_per_s": _spread([r["tokens_per_s"] for r in rs]),
+            "load_rss_bytes": loaded[name],
+            "run_peak_rss_growth_bytes": growth[name],
+            "busy_runs": busy,
+            "max_other_cores": max(r["other_cores"] for r in rs),
+        }
+    for rt in runtimes.values():
+        rt.deactivate()
+    return report
+
+
+def format_bench(report: dict) -> str:
+    mib = lambda n: f"{n / 2**20:.1f}"  # noqa: E731
+    cell = lambda m: f"{m['median']:.2f} ({m['min']:.2f}..{m['max']:.2f})"  # noqa: E731
+    p = report["predicted"]
+    lines = [f"prompt {report['prompt_len']}, {report['new_tokens']} new tokens, batch {report['batch']}: "
+             f"median (min..max) of {report['repeats']} runs, backends alternated",
+             f"{'backend':8} {'ttft ms':>22} {'decode ms/token':>22} {'tokens/s':>24} {'load MiB':>9} "
+             f"{'run MiB':>8}  busy"]
+    for name, b in report["backends"].items():
+        busy = (f"runs {b['busy_runs']}: other processes used up to {b['max_other_cores']:.2f} cores"
+                if b["busy_runs"] else "no")
+        lines.append(f"{name:8} {cell(b['ttft_ms']):>22} {cell(b['decode_ms_per_token']):>22} "
+                     f"{cell(b['tokens_per_s']):>24} {mib(b['load_rss_bytes']):>9} "
+                     f"{mib(b['run_peak_rss_growth_bytes']):>8}  {busy}")
+    lines.append(f"predicted (tk inspect): weights {mib(p['weights_bytes'])} MiB, KV cache {mib(p['kv_bytes'])} MiB; "
+                 "load MiB is RSS added by loading a backend, run MiB the peak RSS added during a run")
+    for name, reason in report["skipped"].items():
+        lines.append(f"{name}: skipped: {reason}")
+    names = list(report["backends"])
+    for other in names[1:]:
+        ratio = (report["backends"][names[0]]["decode_ms_per_token"]["median"]
+                 / report["backends"][other]["decode_ms_per_token"]["median"])
+        lines.append(f"decode speed of {other} relative to {names[0]}: {ratio:.2f}x")
+    return "\n".join(lines)
