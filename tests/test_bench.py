@@ -36,3 +36,17 @@ def test_bench_bad_input(tiny_artifact):
     assert result.stderr.strip() == ("Error: --prompt-len 1000 + --new-tokens 100 exceeds the model's context of 1024")
     result = run("bench", tiny_artifact, "--backends", "tpu")
     assert result.exit_code == 2 and "unknown backend tpu" in result.stderr
+
+
+def test_anchor_script_runs_transformers_on_the_same_tokens(tiny, tiny_artifact):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "examples/bench_anchors.py", str(tiny), str(tiny_artifact),
+                          "--prompt-len", "8", "--new-tokens", "8", "--repeats", "1"],
+                         cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    rows = {ln.split()[0]: ln.split() for ln in out.stdout.splitlines() if ln.startswith(("tk-ort", "transformers"))}
+    assert rows["transformers"][-1] == "True" and rows["tk-ort"][-1] == "True"

@@ -185,3 +185,22 @@ def test_bug_in_the_reference_exits_3_naming_step_and_layer(tiny, tmp_path):
     line = result.stderr.strip().splitlines()[-1]
     assert line.startswith("Error: parity failed: ort first leaves its tolerance at step 0, row 0, position ")
     assert "in present.1.key (layer 1)" in line
+
+
+def test_prompts_file_text_and_ids(tiny_artifact, tmp_path):
+    text = tmp_path / "prompts.txt"
+    text.write_text("Once upon a time\nThe quick brown fox jumps\n")
+    ids = tmp_path / "prompts.json"
+    ids.write_text("[[5, 6, 7], [8, 9, 10, 11, 12]]")
+    for path in (text, ids):
+        result = run("parity", tiny_artifact, "--backends", "ort", "--steps", "3", "--prompts", path,
+                     "--report", tmp_path / "r.json")
+        assert result.exit_code == 0, result.output
+        cases = json.loads((tmp_path / "r.json").read_text())["backends"]["ort"]["cases"]
+        assert [c["case"] for c in cases] == ["file-batch2"]
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n")
+    result = run("parity", tiny_artifact, "--prompts", empty)
+    assert result.exit_code == 1
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"Error: {empty} holds no prompts: one text per line, or a JSON list of token-id lists")

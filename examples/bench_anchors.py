@@ -1,0 +1,145 @@
+"""tk's ORT backend against the anchors, on the same workload in one run: same prompt ids, greedy,
+batch 1, EOS ignored, runs alternated after a warm-up, medians reported with ratios to tk.
+
+    python examples/bench_anchors.py CHECKPOINT ARTIFACT [--genai DIR] [--prompt-len 128] [--new-tokens 128]
+
+Anchors, each only where installed (optional dev dependencies, never tk's own):
+- transformers `generate` (SDPA) on the checkpoint;
+- onnxruntime-genai on a model its builder makes from the same checkpoint (built into --genai if
+  that folder does not exist yet).
+It also checks that every anchor produced the same tokens as tk, so the comparison is like for like.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from runtimes.generate import generate
+from runtimes.ort_runtime import OrtRuntime
+
+
+def tk_ort(artifact: Path, threads: int):
+    rt = OrtRuntime(artifact, threads=threads).activate()
+
+    def run(prompt: list[int], n: int):
+        r = generate(rt, [prompt], n, ignore_eos=True)
+        return r.rows[0].tokens, r.ttft_s * 1e3, r.decode_ms_per_token
+
+    return run
+
+
+def transformers_anchor(checkpoint: Path, threads: int):
+    import torch
+    import transformers
+
+    torch.set_num_threads(threads)
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+
+    def run(prompt: list[int], n: int):
+        ids = torch.tensor([prompt])
+        kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0)
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+            ttft = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+            total = time.perf_counter() - t0
+        return out[0, len(prompt):].tolist(), ttft * 1e3, (total - ttft) * 1e3 / (n - 1)
+
+    return run
+
+
+def genai_anchor(checkpoint: Path, folder: Path, threads: int):
+    import onnxruntime_genai as og
+
+    if not folder.exists():
+        subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-m", str(checkpoint), "-i",
+                        str(checkpoint), "-o", str(folder), "-p", "fp32", "-e", "cpu"], check=True,
+                       capture_output=True)
+        cfg_path = folder / "genai_config.json"
+        cfg = json.loads(cfg_path.read_text())
+        cfg["model"]["decoder"].setdefault("session_options", {})["intra_op_num_threads"] = threads
+        cfg_path.write_text(json.dumps(cfg, indent=2))
+    model = og.Model(str(folder))
+
+    def run(prompt: list[int], n: int):
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=len(prompt) + n, min_length=len(prompt) + n, do_sample=False)
+        gen = og.Generator(model, params)
+        t0 = time.perf_counter()
+        gen.append_tokens(prompt)
+        gen.generate_next_token()
+        ttft = time.perf_counter() - t0
+        steps = []
+        while not gen.is_done():
+            t = time.perf_counter()
+            gen.generate_next_token()
+            steps.append(time.perf_counter() - t)
+        tokens = list(gen.get_sequence(0))[len(prompt):]
+        return tokens, ttft * 1e3, 1e3 * float(np.mean(steps))
+
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("checkpoint", type=Path)
+    ap.add_argument("artifact", type=Path)
+    ap.add_argument("--genai", type=Path, help="onnxruntime-genai model folder (built if missing)")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--report", type=Path)
+    args = ap.parse_args()
+
+    runners = {"tk-ort": tk_ort(args.artifact, args.threads)}
+    for name, make in (("transformers", lambda: transformers_anchor(args.checkpoint, args.threads)),
+                       ("onnxruntime-genai", lambda: genai_anchor(args.checkpoint, args.genai, args.threads))):
+        if name == "onnxruntime-genai" and args.genai is None:
+            print(f"{name}: skipped (pass --genai DIR)")
+            continue
+        try:
+            runners[name] = make()
+        except ImportError as e:
+            print(f"{name}: skipped ({e.name} is not installed)")
+    vocab = json.loads((args.artifact / "manifest.json").read_text())["dims"]["vocab_size"]
+    prompt = np.random.default_rng(0).integers(0, vocab, args.prompt_len).tolist()
+    for run in runners.values():  # warm-up
+        run(prompt, 8)
+    results = {name: [] for name in runners}
+    tokens = {}
+    for _ in range(args.repeats):
+        for name, run in runners.items():  # alternated, so load shifts hit every stack alike
+            toks, ttft, decode = run(prompt, args.new_tokens)
+            tokens[name] = toks
+            results[name].append((ttft, decode))
+    report = {}
+    for name, rs in results.items():
+        report[name] = {"ttft_ms": statistics.median(r[0] for r in rs),
+                        "decode_ms_per_token": statistics.median(r[1] for r in rs),
+                        "decode_spread_ms": [min(r[1] for r in rs), max(r[1] for r in rs)],
+                        "same_tokens_as_tk": tokens[name] == tokens["tk-ort"]}
+    tk = report["tk-ort"]
+    print(f"prompt {args.prompt_len}, {args.new_tokens} new tokens, batch 1, {args.threads} threads, "
+          f"median of {args.repeats}")
+    print(f"{'stack':18} {'ttft ms':>9} {'decode ms/tok':>14} {'tk decode speedup':>18} {'tk ttft speedup':>16} same tokens")
+    for name, r in report.items():
+        print(f"{name:18} {r['ttft_ms']:9.2f} {r['decode_ms_per_token']:14.2f} "
+              f"{r['decode_ms_per_token'] / tk['decode_ms_per_token']:18.2f} {r['ttft_ms'] / tk['ttft_ms']:16.2f} "
+              f"{r['same_tokens_as_tk']}")
+    if args.report:
+        args.report.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
