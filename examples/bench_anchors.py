@@ -1,7 +1,7 @@
 """tk's ORT backend against the anchors, on the same workload in one run: same prompt ids, greedy,
 batch 1, EOS ignored, runs alternated after a warm-up, medians reported with ratios to tk.
 
-    python examples/bench_anchors.py CHECKPOINT ARTIFACT [--genai DIR] [--prompt-len 128] [--new-tokens 128]
+    python examples/bench_anchors.py CHECKPOINT ARTIFACT [--static ARTIFACT] [--genai DIR] [--prompt-len 128]
 
 Anchors, each only where installed (optional dev dependencies, never tk's own):
 - transformers `generate` (SDPA) on the checkpoint;
@@ -23,11 +23,11 @@ from pathlib import Path
 import numpy as np
 
 from runtimes.generate import generate
-from runtimes.ort_runtime import OrtRuntime
+from runtimes.ort_runtime import open_ort
 
 
 def tk_ort(artifact: Path, threads: int):
-    rt = OrtRuntime(artifact, threads=threads).activate()
+    rt = open_ort(artifact, threads=threads).activate()
 
     def run(prompt: list[int], n: int):
         r = generate(rt, [prompt], n, ignore_eos=True)
@@ -95,6 +95,7 @@ def main() -> None:
     ap.add_argument("checkpoint", type=Path)
     ap.add_argument("artifact", type=Path)
     ap.add_argument("--genai", type=Path, help="onnxruntime-genai model folder (built if missing)")
+    ap.add_argument("--static", type=Path, help="also run a static-cache artifact of the same checkpoint")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
@@ -103,6 +104,8 @@ def main() -> None:
     args = ap.parse_args()
 
     runners = {"tk-ort": tk_ort(args.artifact, args.threads)}
+    if args.static:
+        runners["tk-ort-static"] = tk_ort(args.static, args.threads)
     for name, make in (("transformers", lambda: transformers_anchor(args.checkpoint, args.threads)),
                        ("onnxruntime-genai", lambda: genai_anchor(args.checkpoint, args.genai, args.threads))):
         if name == "onnxruntime-genai" and args.genai is None:

@@ -51,15 +51,48 @@ class DecodeGraph(nn.Module):
         return (logits, *[t for kv in present for t in kv])
 
 
-def graph_dims(model: Decoder, kv_dtype: str) -> contract.GraphDims:
+class StaticDecodeGraph(nn.Module):
+    """(input_ids, attention_mask, position_ids, write_indices, cache...) -> (logits, cache...): the
+    cache has a fixed capacity and is written at write_indices (TensorScatter, in place)."""
+
+    def __init__(self, model: Decoder):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, position_ids, write_indices, *past):
+        pkv = [(past[2 * i], past[2 * i + 1]) for i in range(len(past) // 2)]
+        logits, present = self.model(input_ids, attention_mask, position_ids, pkv, write_indices)
+        return (logits, *[t for kv in present for t in kv])
+
+
+def _tensor_scatter(cache, update, write_indices):
+    """tk::kv_write -> ONNX TensorScatter (opset 24; onnxscript's typed opsets stop at 23)."""
+    from onnxscript.values import Opset
+
+    return Opset("", 24).TensorScatter(cache, update, write_indices, axis=-2, mode="linear")
+
+
+STATIC_OPSET = 24  # TensorScatter
+
+
+def graph_dims(model: Decoder, kv_dtype: str, kv_capacity: int | None = None) -> contract.GraphDims:
     c = model.config
-    return contract.GraphDims(c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size, kv_dtype)
+    return contract.GraphDims(c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size, kv_dtype, kv_capacity)
 
 
-def _example(graph: str, model: Decoder):
+def _example(graph: str, model: Decoder, capacity: int | None = None):
     """Example inputs (batch 2, so batch is not specialized to 1) and dynamic shapes."""
     c, B, S, P = model.config, 2, 5, 3
     batch = Dim(contract.BATCH, min=1)
+    if graph == contract.DECODE and capacity is not None:
+        mask = torch.zeros(B, capacity, dtype=torch.int64)
+        mask[:, : P + 1] = 1
+        past = [torch.zeros(B, c.num_kv_heads, capacity, c.head_dim, dtype=model.dtype) for _ in range(2 * c.num_layers)]
+        args = (torch.randint(0, c.vocab_size, (B, 1)), mask, torch.full((B, 1), P, dtype=torch.int64),
+                torch.full((B,), P, dtype=torch.int64), *past)
+        shapes = {"input_ids": {0: batch}, "attention_mask": {0: batch}, "position_ids": {0: batch},
+                  "write_indices": {0: batch}, "past": tuple({0: batch} for _ in past)}
+        return StaticDecodeGraph(model), args, shapes
     if graph == contract.PREFILL:
         seq = Dim(contract.SEQ, min=1)
         ids = torch.randint(0, c.vocab_size, (B, S))
@@ -89,12 +122,18 @@ def _rename_dims(ir_graph) -> None:
         value.shape = ir.Shape(dims)
 
 
-def export_graph(model: Decoder, graph: str, path: Path, opset: int = DEFAULT_OPSET) -> float:
-    """Export one graph to `path` (weights to `path`.data). Returns seconds taken."""
+def export_graph(model: Decoder, graph: str, path: Path, opset: int = DEFAULT_OPSET,
+                 kv_capacity: int | None = None) -> float:
+    """Export one graph to `path` (weights to `path`.data). Returns seconds taken.
+
+    With `kv_capacity` the decode graph gets a static-capacity cache and opset 24 (TensorScatter).
+    """
     if not MIN_OPSET <= opset <= MAX_OPSET:
         raise ExportError(f"opset {opset} is not supported; use {MIN_OPSET}..{MAX_OPSET}")
-    dims = graph_dims(model, str(model.dtype).removeprefix("torch."))
-    module, args, shapes = _example(graph, model)
+    static = graph == contract.DECODE and kv_capacity is not None
+    opset = STATIC_OPSET if static else opset
+    dims = graph_dims(model, str(model.dtype).removeprefix("torch."), kv_capacity)
+    module, args, shapes = _example(graph, model, kv_capacity)
     in_names = [s.name for s in dims.inputs(graph)]
     out_names = [s.name for s in dims.outputs(graph)]
     start = time.perf_counter()
@@ -106,6 +145,7 @@ def export_graph(model: Decoder, graph: str, path: Path, opset: int = DEFAULT_OP
             program = torch.onnx.export(
                 module.eval(), args, dynamo=True, opset_version=opset, dynamic_shapes=shapes,
                 input_names=in_names, output_names=out_names, verbose=False, optimize=True,
+                custom_translation_table={torch.ops.tk.kv_write.default: _tensor_scatter} if static else None,
             )
         except Exception as e:  # the exporter raises many unrelated types; one line is what the user needs
             raise ExportError(f"torch.onnx.export failed for the {graph} graph: {str(e).splitlines()[0]}") from e

@@ -14,7 +14,7 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-CONTRACT_VERSION = 1
+CONTRACT_VERSION = 2  # 2: the static-capacity decode variant (write_indices, fixed-capacity cache)
 
 PREFILL = "prefill"
 DECODE = "decode"
@@ -57,12 +57,25 @@ def present_names(num_layers: int) -> list[str]:
     return [n for i in range(num_layers) for n in kv_names(i, "present")]
 
 
-def _kv(names: list[str], seq_dim: str) -> list[TensorSpec]:
+def _kv(names: list[str], seq_dim: str | int) -> list[TensorSpec]:
     return [TensorSpec(n, KV_DTYPE, (BATCH, "num_kv_heads", seq_dim, "head_dim")) for n in names]
 
 
-def inputs(graph: str, num_layers: int) -> list[TensorSpec]:
-    """Graph inputs, in order (the contract table in DESIGN.md)."""
+def inputs(graph: str, num_layers: int, capacity: int | None = None) -> list[TensorSpec]:
+    """Graph inputs, in order (the contract table in DESIGN.md).
+
+    With `capacity` the decode graph has a static-capacity cache: past and present are
+    [batch, kv_heads, capacity, head_dim] buffers updated in place at `write_indices` (one cache
+    index per row), and `attention_mask` covers the whole buffer (0 beyond what is written).
+    """
+    if graph == DECODE and capacity is not None:
+        return [
+            TensorSpec("input_ids", "int64", (BATCH, 1)),
+            TensorSpec("attention_mask", "int64", (BATCH, capacity)),
+            TensorSpec("position_ids", "int64", (BATCH, 1)),
+            TensorSpec("write_indices", "int64", (BATCH,)),
+            *_kv(past_names(num_layers), capacity),
+        ]
     if graph == PREFILL:
         return [
             TensorSpec("input_ids", "int64", (BATCH, SEQ)),
@@ -79,8 +92,10 @@ def inputs(graph: str, num_layers: int) -> list[TensorSpec]:
     raise ContractError(f"unknown graph {graph!r}; expected one of {', '.join(GRAPHS)}")
 
 
-def outputs(graph: str, num_layers: int) -> list[TensorSpec]:
+def outputs(graph: str, num_layers: int, capacity: int | None = None) -> list[TensorSpec]:
     """Graph outputs, in order. Logits are float32 in every precision."""
+    if graph == DECODE and capacity is not None:
+        return [TensorSpec("logits", "float32", (BATCH, 1, "vocab_size")), *_kv(present_names(num_layers), capacity)]
     if graph == PREFILL:
         return [TensorSpec("logits", "float32", (BATCH, SEQ, "vocab_size")), *_kv(present_names(num_layers), SEQ)]
     if graph == DECODE:
@@ -97,12 +112,15 @@ class GraphDims:
     head_dim: int
     vocab_size: int
     kv_dtype: str  # "float32", "float16" or "bfloat16"
+    kv_capacity: int | None = None  # set: the decode graph has a static-capacity cache of this many positions
 
     def inputs(self, graph: str) -> list[TensorSpec]:
-        return [s.resolve(self.kv_dtype, self.num_kv_heads, self.head_dim, self.vocab_size) for s in inputs(graph, self.num_layers)]
+        return [s.resolve(self.kv_dtype, self.num_kv_heads, self.head_dim, self.vocab_size)
+                for s in inputs(graph, self.num_layers, self.kv_capacity)]
 
     def outputs(self, graph: str) -> list[TensorSpec]:
-        return [s.resolve(self.kv_dtype, self.num_kv_heads, self.head_dim, self.vocab_size) for s in outputs(graph, self.num_layers)]
+        return [s.resolve(self.kv_dtype, self.num_kv_heads, self.head_dim, self.vocab_size)
+                for s in outputs(graph, self.num_layers, self.kv_capacity)]
 
     def kv_bytes_per_token(self, batch: int = 1) -> int:
         """2 (key and value) * layers * kv_heads * head_dim * bytes, per token of context per row."""

@@ -37,8 +37,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return (y * (self.offset + self.weight.float())).to(x.dtype)
+        # The scale goes into rms_norm itself: one RMSNormalization node in the graph, no extra Mul.
+        scale = self.weight.float() if self.offset == 0 else self.offset + self.weight.float()
+        return F.rms_norm(x.float(), (x.shape[-1],), scale, self.eps).to(x.dtype)
 
 
 def rope_inv_freq(cfg: DecoderConfig) -> torch.Tensor:
@@ -68,8 +69,8 @@ def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, dtype: torc
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
+    half = x.shape[-1] // 2  # slices, as Hugging Face writes it: the exporter fuses this into RotaryEmbedding
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -80,22 +81,45 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x_rot * cos + rotate_half(x_rot) * sin, x_pass], dim=-1)
 
 
-def causal_mask(attention_mask: torch.Tensor, q_len: int, sliding_window: int | None) -> torch.Tensor:
-    """(B, T) 0/1 mask of past + new tokens -> (B, 1, S, T) bool, True = may attend.
+def causal_mask(attention_mask: torch.Tensor, q_len: int, sliding_window: int | None,
+                write_index: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, T) 0/1 mask over the cache -> (B, 1, S, T) bool, True = may attend.
 
-    Query i sits at cache index (T - S) + i (lower-right alignment), sees keys at or before it,
-    within the sliding window if any, and never a padding key except itself, so a padding row
-    attends to something and stays finite (its output is never used).
+    Query i sits at cache index (T - S) + i (lower-right alignment), or at write_index[b] + i in
+    a static-capacity cache whose T is its capacity. It sees keys at or before it, within the
+    sliding window if any, and never a padding key except itself, so a padding row attends to
+    something and stays finite (its output is never used).
     """
     total = attention_mask.shape[-1]
     k_idx = torch.arange(total, device=attention_mask.device)  # (T,)
-    q_idx = torch.arange(q_len, device=attention_mask.device) + (total - q_len)  # (S,)
-    dist = q_idx[:, None] - k_idx[None, :]  # (S, T)
+    q_idx = torch.arange(q_len, device=attention_mask.device)  # (S,)
+    if write_index is None:
+        dist = ((q_idx + (total - q_len))[:, None] - k_idx)[None]  # (1, S, T)
+    else:
+        dist = (write_index[:, None] + q_idx)[:, :, None] - k_idx  # (B, S, T)
     visible = dist >= 0
     if sliding_window is not None:
         visible = visible & (dist < sliding_window)
-    real = attention_mask[:, None, None, :].bool()  # (B, 1, 1, T)
-    return visible & (real | (dist == 0))  # (B, 1, S, T)
+    real = attention_mask[:, None, :].bool()  # (B, 1, T)
+    return (visible & (real | (dist == 0)))[:, None]  # (B, 1, S, T)
+
+
+@torch.library.custom_op("tk::kv_write", mutates_args=())
+def kv_write(cache: torch.Tensor, update: torch.Tensor, write_index: torch.Tensor) -> torch.Tensor:
+    """cache (B, H, C, D) with update (B, H, S, D) written at positions write_index[b] .. + S.
+
+    The static-capacity cache update: exported as ONNX TensorScatter (opset 24), which ORT runs
+    in place when the same buffer is bound as input and output and TensorRT maps to its
+    KV-cache update layer. Eager torch returns a new tensor.
+    """
+    B, H, S, D = update.shape
+    pos = write_index[:, None] + torch.arange(S, device=update.device)  # (B, S)
+    return cache.scatter(2, pos[:, None, :, None].expand(B, H, S, D), update)
+
+
+@kv_write.register_fake
+def _(cache, update, write_index):
+    return torch.empty_like(cache)
 
 
 class Attention(nn.Module):
@@ -108,7 +132,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x, cos, sin, mask, past: tuple[torch.Tensor, torch.Tensor] | None):
+    def forward(self, x, cos, sin, mask, past: tuple[torch.Tensor, torch.Tensor] | None,
+                write_index: torch.Tensor | None = None):
         B, S, _ = x.shape
         q, k, v = self.wqkv(x).split(self.splits, dim=-1)
         q = q.view(B, S, self.n_heads, self.head_dim)  # (B, S, H, D)
@@ -118,7 +143,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, S, D)
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, Hkv, S, D)
-        if past is not None:  # the concat stays outside SDPA: TensorRT rejects Attention with past
+        if write_index is not None:  # static capacity: write in place, attend over the whole buffer
+            k = kv_write(past[0], k, write_index)  # (B, Hkv, C, D)
+            v = kv_write(past[1], v, write_index)
+        elif past is not None:  # the concat stays outside SDPA: TensorRT rejects Attention with past
             k = torch.cat([past[0], k], dim=2)  # (B, Hkv, T, D)
             v = torch.cat([past[1], v], dim=2)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
@@ -148,8 +176,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         self.ffn = FeedForward(cfg)
 
-    def forward(self, x, cos, sin, mask, past):
-        a, present = self.attn(self.attn_norm(x), cos, sin, mask, past)
+    def forward(self, x, cos, sin, mask, past, write_index=None):
+        a, present = self.attn(self.attn_norm(x), cos, sin, mask, past, write_index)
         h = x + a
         return h + self.ffn(self.ffn_norm(h)), present
 
@@ -176,15 +204,17 @@ class Decoder(nn.Module):
         attention_mask: torch.Tensor,  # (B, T) int64, T = past + S; 1 = real, 0 = left padding
         position_ids: torch.Tensor,  # (B, S) int64, computed by the caller
         past_key_values: KVCache | None = None,
+        write_index: torch.Tensor | None = None,  # (B,) int64: static-capacity cache, write position per row
     ) -> tuple[torch.Tensor, KVCache]:
         x = self.embed(input_ids)  # (B, S, C)
         if self.config.embed_scale:  # Gemma: the normalizer is rounded to the activation dtype first
             x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
         cos, sin = rope_cos_sin(position_ids, self.inv_freq, x.dtype)
-        mask = causal_mask(attention_mask, input_ids.shape[1], self.config.sliding_window)
+        mask = causal_mask(attention_mask, input_ids.shape[1], self.config.sliding_window, write_index)
         present: KVCache = []
         for i, layer in enumerate(self.layers):
-            x, kv = layer(x, cos, sin, mask, past_key_values[i] if past_key_values is not None else None)
+            past = past_key_values[i] if past_key_values is not None else None
+            x, kv = layer(x, cos, sin, mask, past, write_index)
             present.append(kv)
         logits = self.lm_head(self.norm(x)).float()  # (B, S, V): float32 in every precision
         return logits, present

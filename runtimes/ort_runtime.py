@@ -7,12 +7,13 @@ decode step, so the loop never copies the cache through numpy.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
 
 from models import contract
-from runtimes.base import ArtifactError, BackendUnavailable, Runtime, dims_from_manifest, read_manifest
+from runtimes.base import ArtifactError, BackendUnavailable, InputError, Runtime, dims_from_manifest, read_manifest
 
 _ORT_DTYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(bfloat16)": "bfloat16",
                "tensor(int64)": "int64"}
@@ -103,3 +104,100 @@ class OrtRuntime(Runtime):
 
     def cache_arrays(self, cache):
         return [v.numpy().astype(np.float32) for v in cache]
+
+
+class _StaticCache:
+    """A static-capacity cache and the binding that updates it in place, one per generation."""
+
+    def __init__(self, arrays: list[np.ndarray], values: list, mask: np.ndarray, length: int):
+        self.arrays, self.values, self.mask, self.length = arrays, values, mask, length
+        B = mask.shape[0]
+        self.ids = np.zeros((B, 1), np.int64)
+        self.pos = np.zeros((B, 1), np.int64)
+        self.write = np.zeros((B,), np.int64)
+        self.binding = None
+        self.logits = None
+
+
+class OrtStaticRuntime(OrtRuntime):
+    """ONNX Runtime over a static-capacity artifact (tk export --kv-cache static).
+
+    Prefill runs the ordinary graph; its present is copied once into buffers of the exported
+    capacity. Each decode step then binds those buffers as both past input and present output,
+    so TensorScatter writes the new position in place: no cache copy per step, and the step's
+    cost does not grow with the past. Inputs are numpy arrays bound once and rewritten in place.
+    The interface stays the dynamic one: the loop passes the growing mask as usual.
+    """
+
+    def __init__(self, artifact: str | Path, threads: int | None = None, provider: str = "auto"):
+        super().__init__(artifact, threads, provider)
+        self.graph_dims = self.dims
+        self.capacity = self.dims.kv_capacity
+        self.dims = dataclasses.replace(self.dims, kv_capacity=None)  # what the loop sees: the dynamic contract
+        self.max_context = self.capacity
+
+    def _load(self) -> None:
+        super()._load()
+        if self.device != "cpu":
+            raise BackendUnavailable("static-capacity artifacts run on ONNX Runtime's CPU provider only for now; "
+                                     "use --provider cpu or export without --kv-cache static")
+        import onnxruntime as ort
+
+        self._ortvalue = ort.OrtValue.ortvalue_from_numpy  # on CPU the OrtValue shares the array's memory
+
+    def _prefill(self, input_ids, attention_mask, position_ids):
+        logits, present = super()._prefill(input_ids, attention_mask, position_ids)
+        B, T = input_ids.shape
+        if T >= self.capacity:
+            raise InputError(f"prefill: {T} tokens leave no room in the static cache of {self.capacity}; "
+                             "export with a larger --max-seq-len")
+        arrays = []
+        for value in present:
+            src = value.numpy()
+            buf = np.zeros(src.shape[:2] + (self.capacity,) + src.shape[3:], dtype=src.dtype)
+            buf[:, :, :T] = src
+            arrays.append(buf)
+        mask = np.zeros((B, self.capacity), np.int64)
+        mask[:, :T] = attention_mask
+        cache = _StaticCache(arrays, [self._ortvalue(a) for a in arrays], mask, T)
+        self._bind(cache)
+        return logits, cache
+
+    def _bind(self, cache: _StaticCache) -> None:
+        binding = self.sessions[contract.DECODE].io_binding()
+        cache.logits = np.zeros((cache.mask.shape[0], 1, self.dims.vocab_size), np.float32)
+        for name, array in (("input_ids", cache.ids), ("attention_mask", cache.mask), ("position_ids", cache.pos),
+                            ("write_indices", cache.write)):
+            binding.bind_ortvalue_input(name, self._ortvalue(array))
+        binding.bind_ortvalue_output("logits", self._ortvalue(cache.logits))
+        L = self.dims.num_layers
+        for past, present, value in zip(contract.past_names(L), contract.present_names(L), cache.values):
+            binding.bind_ortvalue_input(past, value)
+            binding.bind_ortvalue_output(present, value)  # the same buffer: updated in place
+        cache.binding = binding
+
+    def _decode(self, input_ids, attention_mask, position_ids, cache: _StaticCache):
+        if cache.length >= self.capacity:
+            raise InputError(f"decode: the static cache holds {self.capacity} positions and is full; "
+                             "export with a larger --max-seq-len")
+        cache.ids[:] = input_ids
+        cache.pos[:] = position_ids
+        cache.write[:] = cache.length
+        cache.mask[:, cache.length] = attention_mask[:, -1]
+        self.sessions[contract.DECODE].run_with_iobinding(cache.binding)
+        cache.length += 1
+        return cache.logits.copy(), cache
+
+    def cache_feeds(self, cache: _StaticCache):
+        shape = cache.arrays[0].shape[:2] + (cache.length,) + cache.arrays[0].shape[3:]
+        dtype = str(cache.arrays[0].dtype)
+        return {n: (shape, dtype) for n in contract.past_names(self.dims.num_layers)}
+
+    def cache_arrays(self, cache: _StaticCache):
+        return [a[:, :, : cache.length].astype(np.float32) for a in cache.arrays]
+
+
+def open_ort(artifact: str | Path, threads: int | None = None, provider: str = "auto") -> OrtRuntime:
+    """The ORT runtime for an artifact, static-capacity or not."""
+    static = read_manifest(Path(artifact))["dims"].get("kv_capacity") is not None
+    return (OrtStaticRuntime if static else OrtRuntime)(artifact, threads, provider)

@@ -28,7 +28,7 @@ from models import contract
 from models.config import DTYPE_ALIASES
 from models.loading import load_decoder, read_config
 from runtimes.base import ArtifactError, read_manifest
-from runtimes.ort_runtime import OrtRuntime
+from runtimes.ort_runtime import open_ort
 from models.contract import sha256_file
 from runtimes.torch_runtime import TorchRuntime
 from toolkit.parity import TOLERANCES, format_table, run_parity
@@ -36,6 +36,7 @@ from toolkit.parity import TOLERANCES, format_table, run_parity
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
 VALIDATION_STEPS = 8
+KV_CACHES = ("dynamic", "static")
 
 
 class ValidationFailed(Exception):
@@ -56,7 +57,13 @@ def versions() -> dict[str, str]:
     return out
 
 
-def _check_options(dtype: str, opset: int) -> str:
+def _check_options(dtype: str, opset: int, kv_cache: str, max_seq_len: int | None) -> str:
+    if kv_cache not in KV_CACHES:
+        raise ValueError(f"unknown kv cache {kv_cache!r}; use one of {', '.join(KV_CACHES)}")
+    if kv_cache == "static" and (max_seq_len is None or max_seq_len < 2):
+        raise ValueError("--kv-cache static needs --max-seq-len N (N >= 2): the capacity of the cache")
+    if kv_cache == "dynamic" and max_seq_len is not None:
+        raise ValueError("--max-seq-len sets the capacity of a static cache; add --kv-cache static")
     if dtype not in DTYPE_ALIASES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of fp32, fp16, bf16")
     if not MIN_OPSET <= opset <= MAX_OPSET:
@@ -114,7 +121,7 @@ def validate(artifact: Path, manifest: dict, steps: int = VALIDATION_STEPS) -> t
     """Export validation: ORT on the artifact vs the float32 PyTorch reference (the parity core).
     Returns the manifest record and a printable table."""
     tol = TOLERANCES[manifest["dtype"]]
-    with reference_runtime(artifact, manifest) as ref, OrtRuntime(artifact) as ort:
+    with reference_runtime(artifact, manifest) as ref, open_ort(artifact) as ort:
         results = run_parity(ref, [ort], tol, steps=steps)
     record = {"passed": all(r.passed for r in results), "reference": "torch float32", "steps": steps,
               "tolerance": dataclasses.asdict(tol), "comparisons": [r.to_dict() for r in results]}
@@ -123,11 +130,19 @@ def validate(artifact: Path, manifest: dict, steps: int = VALIDATION_STEPS) -> t
 
 def export_artifact(model_dir: str | Path, out: str | Path, dtype: str = "fp32", opset: int = DEFAULT_OPSET,
                     run_validation: bool = True, force: bool = False,
-                    progress: Callable[[str], None] = lambda msg: None) -> dict:
-    """Write a complete artifact to `out` and return its manifest."""
+                    progress: Callable[[str], None] = lambda msg: None, kv_cache: str = "dynamic",
+                    max_seq_len: int | None = None) -> dict:
+    """Write a complete artifact to `out` and return its manifest.
+
+    kv_cache "static" exports the decode graph with a cache of capacity `max_seq_len`, updated in
+    place (opset 24 TensorScatter); the prefill graph is the ordinary one.
+    """
     model_dir, out = Path(model_dir), Path(out)
-    dtype = _check_options(dtype, opset)
-    read_config(model_dir)  # fail on a bad checkpoint before touching the filesystem
+    dtype = _check_options(dtype, opset, kv_cache, max_seq_len)
+    config = read_config(model_dir)  # fail on a bad checkpoint before touching the filesystem
+    if max_seq_len is not None and max_seq_len > config.max_position_embeddings:
+        raise ValueError(f"--max-seq-len ({max_seq_len}) is beyond the model's context of "
+                         f"{config.max_position_embeddings}")
     if run_validation and dtype == "bfloat16" and not _ort_has_cuda():
         raise ValueError("bf16 graphs cannot be validated here: ONNX Runtime's CPU provider has no bf16 MatMul; "
                          "export with --no-validate and check on a GPU (tk parity), or use --dtype fp16")
@@ -136,18 +151,19 @@ def export_artifact(model_dir: str | Path, out: str | Path, dtype: str = "fp32",
         t = time.perf_counter()
         model = load_decoder(model_dir, dtype)
         progress(f"load {model_dir} ({dtype}): {time.perf_counter() - t:.1f} s")
-        dims = graph_dims(model, dtype)
+        dims = graph_dims(model, dtype, max_seq_len if kv_cache == "static" else None)
         graphs = {}
         for graph in contract.GRAPHS:
             path = tmp / contract.GRAPH_FILES[graph]
-            seconds = export_graph(model, graph, path, opset)
+            seconds = export_graph(model, graph, path, opset, dims.kv_capacity)
             check_graph_file(path, graph, dims)
             data = path.with_name(path.name + ".data")
             graphs[graph] = {"file": path.name, "sha256": sha256_file(path),
                              "data_file": data.name if data.exists() else None,
                              "data_bytes": data.stat().st_size if data.exists() else 0,
                              "export_s": round(seconds, 2)}
-            progress(f"export {graph} (opset {opset}): {seconds:.1f} s, contract ok")
+            cache = f", static cache of {dims.kv_capacity}" if graph == contract.DECODE and dims.kv_capacity else ""
+            progress(f"export {graph}{cache}: {seconds:.1f} s, contract ok")
         del model
         lint = lint_graphs({g: onnx.load(str(tmp / contract.GRAPH_FILES[g]), load_external_data=False)
                             for g in contract.GRAPHS})
@@ -160,10 +176,11 @@ def export_artifact(model_dir: str | Path, out: str | Path, dtype: str = "fp32",
             "contract_version": contract.CONTRACT_VERSION,
             "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "source": {"path": str(model_dir.resolve()), "config_sha256": sha256_file(model_dir / "config.json")},
-            "config": read_config(model_dir).to_dict(),
+            "config": config.to_dict(),
             "dims": dataclasses.asdict(dims),
             "dtype": dtype,
             "opset": opset,
+            "kv_cache": kv_cache,
             "graphs": graphs,
             "tokenizer_files": copied,
             "versions": versions(),

@@ -87,12 +87,17 @@ def main(ctx: click.Context, debug: bool) -> None:
 @click.option("--opset", default=23, show_default=True, type=int, help="23 (fused Attention/RMSNorm) or 18..22.")
 @click.option("--no-validate", is_flag=True, help="Skip the ORT-vs-PyTorch numeric validation.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
-def export(model_dir: Path, out: Path, dtype: str, opset: int, no_validate: bool, force: bool) -> None:
+@click.option("--kv-cache", default="dynamic", show_default=True,
+              help="dynamic (past in, longer present out) or static (fixed capacity, updated in place).")
+@click.option("--max-seq-len", type=int, help="Capacity of a static cache (with --kv-cache static).")
+def export(model_dir: Path, out: Path, dtype: str, opset: int, no_validate: bool, force: bool, kv_cache: str,
+           max_seq_len: int | None) -> None:
     """Export MODEL_DIR (a Hugging Face checkpoint folder) to prefill/decode ONNX graphs."""
     from toolkit.artifact import export_artifact
 
     click.echo(f"tk export {model_dir} -> {out}", err=True)
-    manifest = export_artifact(model_dir, out, dtype, opset, not no_validate, force, _progress)
+    manifest = export_artifact(model_dir, out, dtype, opset, not no_validate, force, _progress, kv_cache,
+                               max_seq_len)
     v = manifest["validation"]
     if not v.get("skipped"):
         worst = max(s["max_abs"] for c in v["comparisons"] for s in c["steps"])

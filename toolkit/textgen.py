@@ -57,9 +57,9 @@ def open_runtime(artifact: Path, backend: str, threads: int | None = None, devic
 
         return reference_runtime(artifact, manifest, dtype=manifest["dtype"], device=device)
     if backend == "ort":
-        from runtimes.ort_runtime import OrtRuntime
+        from runtimes.ort_runtime import open_ort
 
-        return OrtRuntime(artifact, threads=threads)
+        return open_ort(artifact, threads=threads)
     if backend == "trt":
         from runtimes.trt_runtime import TrtRuntime
 

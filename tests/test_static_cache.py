@@ -1,0 +1,92 @@
+"""tk export --kv-cache static: a fixed-capacity cache updated in place (TensorScatter, opset 24)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from click.testing import CliRunner
+
+from hf_models import load_hf
+from models import contract
+from models.contract import position_ids_from_mask
+from runtimes.base import InputError
+from runtimes.generate import generate
+from runtimes.ort_runtime import OrtStaticRuntime, open_ort
+from toolkit.artifact import export_artifact
+from toolkit.cli import main
+from toolkit.parity_report import parity
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def static_llama(checkpoints, tmp_path_factory):
+    out = tmp_path_factory.mktemp("static") / "artifact"
+    export_artifact(checkpoints("llama"), out, kv_cache="static", max_seq_len=64)
+    return out
+
+
+def test_static_graph_follows_its_contract(static_llama):
+    manifest = json.loads((static_llama / contract.MANIFEST).read_text())
+    assert manifest["kv_cache"] == "static" and manifest["dims"]["kv_capacity"] == 64
+    assert manifest["validation"]["passed"] and manifest["trt_lint"]["ok"]
+    model = onnx.load(str(static_llama / "decode.onnx"), load_external_data=False)
+    assert [i.name for i in model.graph.input][:4] == ["input_ids", "attention_mask", "position_ids", "write_indices"]
+    assert next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx")) == 24
+    assert sum(n.op_type == "TensorScatter" for n in model.graph.node) == 4  # 2 layers, key and value
+    assert "Concat" not in {n.op_type for n in model.graph.node if "past" in " ".join(n.input)}
+
+
+def test_static_tokens_equal_dynamic_and_transformers(checkpoints, artifacts, static_llama):
+    prompts = [[5, 17, 99, 3, 8], [42, 8, 300, 12, 77, 150, 9, 61, 33]]
+    with open_ort(static_llama) as st, open_ort(artifacts("llama")) as dyn:
+        assert isinstance(st, OrtStaticRuntime)
+        a = [r.tokens for r in generate(st, prompts, 24, ignore_eos=True).rows]
+        b = [r.tokens for r in generate(dyn, prompts, 24, ignore_eos=True).rows]
+    assert a == b
+    hf = load_hf(checkpoints("llama"))
+    hf.generation_config.eos_token_id = None
+    ids = torch.tensor([prompts[1]])
+    with torch.no_grad():
+        expected = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                               pad_token_id=1)[0, ids.shape[1]:].tolist()
+    assert a[1] == expected
+
+
+def test_static_cache_is_updated_in_place_and_guards_capacity(static_llama):
+    with open_ort(static_llama) as rt:
+        ids = np.array([[5, 6, 7]])
+        mask = np.ones((1, 3), np.int64)
+        _, cache = rt.prefill(ids, mask, position_ids_from_mask(mask))
+        buffer = cache.arrays[0]
+        assert not buffer[:, :, 3].any()
+        mask = np.ones((1, 4), np.int64)
+        _, cache2 = rt.decode(np.array([[9]]), mask, np.array([[3]]), cache)
+        assert cache2.arrays[0] is buffer and buffer[:, :, 3].any()  # ORT wrote into our buffer: no copy
+        assert rt.max_context == 64
+        with pytest.raises(InputError, match="exceeds the model's context of 64"):
+            generate(rt, [[1] * 10], 60)
+        cache.length = 64
+        with pytest.raises(InputError, match="the static cache holds 64 positions and is full"):
+            rt.decode(np.array([[9]]), np.ones((1, 65), np.int64), np.array([[64]]), cache)
+
+
+def test_static_parity_passes(static_llama):
+    report = parity(static_llama, ["ort"], steps=12)
+    assert report["passed"], report["backends"]["ort"]["first_divergence"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--kv-cache", "static"], "Error: --kv-cache static needs --max-seq-len N (N >= 2): the capacity of the cache"),
+    (["--max-seq-len", "64"], "Error: --max-seq-len sets the capacity of a static cache; add --kv-cache static"),
+    (["--kv-cache", "paged"], "Error: unknown kv cache 'paged'; use one of dynamic, static"),
+    (["--kv-cache", "static", "--max-seq-len", "5000"], "Error: --max-seq-len (5000) is beyond the model's context of 1024"),
+])
+def test_static_export_options(tiny, tmp_path, args, message):
+    result = CliRunner().invoke(main, ["export", str(tiny), "-o", str(tmp_path / "out"), *args])
+    assert result.exit_code == 1 and result.stderr.strip().splitlines()[-1] == message
+    assert not (tmp_path / "out").exists()
