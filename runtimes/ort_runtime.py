@@ -63,6 +63,9 @@ class OrtRuntime(Runtime):
         opts = ort.SessionOptions()
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         opts.log_severity_level = 3
+        # Two sessions, two intra-op pools: spinning threads of one steal the cores the other needs
+        # (measured on 2 cores: time to first token 55 ms with spinning, 30 ms without; decode unchanged).
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if self.threads:
             opts.intra_op_num_threads = self.threads
         try:
