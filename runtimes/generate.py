@@ -59,6 +59,15 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[np.ndar
     return ids, mask
 
 
+def decode_step(runtime: Runtime, tokens: np.ndarray, mask: np.ndarray, cache):
+    """Feed one token per row: the mask grows by a real position, whose id follows from the mask.
+    Returns (logits (B, 1, V), cache, mask)."""
+    mask = np.concatenate([mask, np.ones((mask.shape[0], 1), dtype=np.int64)], axis=1)
+    tokens = np.asarray(tokens, dtype=np.int64).reshape(-1, 1)
+    logits, cache = runtime.decode(tokens, mask, mask.sum(-1, keepdims=True) - 1, cache)
+    return logits, cache, mask
+
+
 def generate(
     runtime: Runtime,
     prompts: Sequence[Sequence[int]],
@@ -114,9 +123,7 @@ def generate(
         if done.all() or step == max_new_tokens - 1:
             break
         tick = time.perf_counter()
-        mask = np.concatenate([mask, np.ones((B, 1), dtype=np.int64)], axis=1)
-        position = mask.sum(-1, keepdims=True) - 1
-        logits, cache = runtime.decode(token[:, None], mask, position, cache)
+        logits, cache, mask = decode_step(runtime, token, mask, cache)
         token = sampler(logits[:, -1], seen)
         decode_s.append(time.perf_counter() - tick)
     return GenerationResult(results, ttft, decode_s)

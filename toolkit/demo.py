@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Callable
 
 from models.presets import write_preset
+from runtimes.generate import left_pad
 from runtimes.sampling import SamplingConfig
 from toolkit.artifact import export_artifact, reference_runtime
 from toolkit.parity import TOLERANCES, compare_traces, run_trace
 from toolkit.textgen import Tokenizer, generate_text, open_runtime
-from runtimes.generate import left_pad
 
 
 def run_demo(preset: str, prompt: str, max_new_tokens: int, echo: Callable[[str], None] = print) -> dict:

@@ -16,7 +16,7 @@ import numpy as np
 
 from models.contract import position_ids_from_mask, present_names
 from runtimes.base import Runtime
-from runtimes.generate import left_pad
+from runtimes.generate import decode_step, left_pad
 
 
 @dataclass(frozen=True)
@@ -95,9 +95,7 @@ def run_trace(runtime: Runtime, ids: np.ndarray, mask: np.ndarray, steps: int,
     for k in range(steps):
         token = forced[:, k] if forced is not None else logits[:, -1].argmax(-1)
         trace.tokens[:, k] = token
-        mask = np.concatenate([mask, np.ones((ids.shape[0], 1), dtype=np.int64)], axis=1)
-        logits, cache = runtime.decode(token[:, None].astype(np.int64), mask,
-                                       mask.sum(-1, keepdims=True) - 1, cache)
+        logits, cache, mask = decode_step(runtime, token, mask, cache)
         trace.logits.append(logits)
         if keep_present:  # only the position this step wrote; earlier ones were compared already
             trace.present.append([a[:, :, -1:] for a in runtime.cache_arrays(cache)])

@@ -15,8 +15,8 @@ import numpy as np
 
 from runtimes.base import BackendUnavailable, Runtime, read_manifest
 from runtimes.generate import left_pad
-from toolkit.parity import (Comparison, Tolerance, compare_traces, first_divergence, format_table, random_cases,
-                            run_trace)
+from toolkit.parity import (Comparison, StepResult, Tolerance, compare_traces, first_divergence, format_table,
+                            random_cases, run_trace)
 from toolkit.probes import run_probes
 
 SCHEMA_VERSION = 1
@@ -137,9 +137,7 @@ def describe_divergence(backend: str, d: dict) -> str:
             f"in {where} of case {d['case']}: max_abs {d['max_abs']:.3g}")
 
 
-def _step(s: dict):
-    from toolkit.parity import StepResult
-
+def _step(s: dict) -> StepResult:
     return StepResult(**s)
 
 

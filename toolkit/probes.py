@@ -17,7 +17,7 @@ import numpy as np
 
 from models.contract import position_ids_from_mask
 from runtimes.base import Runtime
-from runtimes.generate import left_pad
+from runtimes.generate import decode_step, left_pad
 
 
 @dataclass
@@ -69,12 +69,8 @@ def position_drift(rt: Runtime, rng: np.random.Generator, tol: float, n: int = 8
     caches = [rt.prefill(alone_ids, alone_mask, position_ids_from_mask(alone_mask))[1],
               rt.prefill(ids, mask, position_ids_from_mask(mask))[1]]
     for k in range(steps):
-        alone_mask = np.concatenate([alone_mask, [[1]]], axis=1)
-        mask = np.concatenate([mask, np.ones((2, 1), dtype=np.int64)], axis=1)
-        la, caches[0] = rt.decode(np.array([[tokens[k]]]), alone_mask, alone_mask.sum(-1, keepdims=True) - 1,
-                                  caches[0])
-        lb, caches[1] = rt.decode(np.array([[tokens[k]], [tokens[k]]]), mask, mask.sum(-1, keepdims=True) - 1,
-                                  caches[1])
+        la, caches[0], alone_mask = decode_step(rt, tokens[k : k + 1], alone_mask, caches[0])
+        lb, caches[1], mask = decode_step(rt, tokens[[k, k]], mask, caches[1])
         worst = max(worst, np.abs(la[0] - lb[0]).max())
     return _result("position_drift", worst, tol,
                    f"the same {n} tokens at cache offset 0 and {offset}, prefill and {steps} decode steps")
@@ -99,9 +95,7 @@ def finite(rt: Runtime, rng: np.random.Generator, tol: float, steps: int = 4) ->
     logits, cache = rt.prefill(ids, mask, position_ids_from_mask(mask))
     bad = [] if np.isfinite(logits).all() else ["prefill logits"]
     for k in range(steps):
-        mask = np.concatenate([mask, np.ones((2, 1), dtype=np.int64)], axis=1)
-        logits, cache = rt.decode(logits[:, -1].argmax(-1)[:, None].astype(np.int64), mask,
-                                  mask.sum(-1, keepdims=True) - 1, cache)
+        logits, cache, mask = decode_step(rt, logits[:, -1].argmax(-1), mask, cache)
         if not np.isfinite(logits).all():
             bad.append(f"step {k + 1} logits")
     if not all(np.isfinite(a).all() for a in rt.cache_arrays(cache)):
