@@ -8,6 +8,7 @@ decode step, so the loop never copies the cache through numpy.
 from __future__ import annotations
 
 import dataclasses
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -40,11 +41,12 @@ def verify_graph_files(artifact: Path, manifest: dict) -> dict[str, Path]:
 class OrtRuntime(Runtime):
     name = "ort"
 
-    def __init__(self, artifact: str | Path, threads: int | None = None, provider: str = "auto"):
+    def __init__(self, artifact: str | Path, threads: int | None = None, provider: str = "auto",
+                 profile: bool = False):
         self.artifact = Path(artifact)
         self.manifest = read_manifest(self.artifact)
         super().__init__(dims_from_manifest(self.manifest), self.manifest["config"]["max_position_embeddings"])
-        self.threads, self.provider = threads, provider
+        self.threads, self.provider, self.profile = threads, provider, profile
 
     def _load(self) -> None:
         try:
@@ -68,6 +70,9 @@ class OrtRuntime(Runtime):
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if self.threads:
             opts.intra_op_num_threads = self.threads
+        if self.profile:  # ORT's own trace of every run and kernel (tk bench --profile)
+            opts.enable_profiling = True
+            opts.profile_file_prefix = str(Path(tempfile.gettempdir()) / "tk-ort-profile")
         try:
             self.sessions = {g: ort.InferenceSession(str(p), opts, providers=providers) for g, p in paths.items()}
         except Exception as e:  # ORT raises its own pybind types (NotImplemented, Fail, ...)
@@ -76,6 +81,10 @@ class OrtRuntime(Runtime):
                     "needs" if kernel else "ONNX Runtime could not load the graphs")
             raise BackendUnavailable(f"{hint}: {str(e).split(' : ')[-1].strip()}") from None
         self.output_names = {g: [o.name for o in s.get_outputs()] for g, s in self.sessions.items()}
+
+    def end_profiling(self) -> dict[str, Path]:
+        """Stop ORT's profiler; the trace file of each graph's session."""
+        return {g: Path(s.end_profiling()) for g, s in self.sessions.items()}
 
     def _unload(self) -> None:
         self.sessions = {}
@@ -132,8 +141,9 @@ class OrtStaticRuntime(OrtRuntime):
     The interface stays the dynamic one: the loop passes the growing mask as usual.
     """
 
-    def __init__(self, artifact: str | Path, threads: int | None = None, provider: str = "auto"):
-        super().__init__(artifact, threads, provider)
+    def __init__(self, artifact: str | Path, threads: int | None = None, provider: str = "auto",
+                 profile: bool = False):
+        super().__init__(artifact, threads, provider, profile)
         self.graph_dims = self.dims
         self.capacity = self.dims.kv_capacity
         self.dims = dataclasses.replace(self.dims, kv_capacity=None)  # what the loop sees: the dynamic contract
@@ -200,7 +210,8 @@ class OrtStaticRuntime(OrtRuntime):
         return [a[:, :, : cache.length].astype(np.float32) for a in cache.arrays]
 
 
-def open_ort(artifact: str | Path, threads: int | None = None, provider: str = "auto") -> OrtRuntime:
+def open_ort(artifact: str | Path, threads: int | None = None, provider: str = "auto",
+             profile: bool = False) -> OrtRuntime:
     """The ORT runtime for an artifact, static-capacity or not."""
     static = read_manifest(Path(artifact))["dims"].get("kv_capacity") is not None
-    return (OrtStaticRuntime if static else OrtRuntime)(artifact, threads, provider)
+    return (OrtStaticRuntime if static else OrtRuntime)(artifact, threads, provider, profile)

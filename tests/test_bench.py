@@ -28,6 +28,19 @@ def test_bench_reports_both_backends(tiny_artifact, tmp_path):
     assert "decode speed of ort relative to torch" in result.stdout
 
 
+def test_bench_profile_splits_a_decode_step(tiny_artifact):
+    from toolkit.bench import profile_decode
+
+    p = profile_decode(tiny_artifact, prompt_len=8, new_tokens=6)
+    assert p["steps"] == 5 and p["nodes_per_step"] > 20
+    assert p["kernel_ms"] > 0 and p["ort_run_ms"] >= p["kernel_ms"]
+    assert abs(p["python_overhead_ms"] + p["executor_overhead_ms"] + p["kernel_ms"] - p["step_wall_ms"]) < 1e-9
+    assert "MatMul" in p["ops"]
+    result = run("bench", tiny_artifact, "--backends", "ort", "--prompt-len", "8", "--new-tokens", "6",
+                 "--repeats", "1", "--profile")
+    assert result.exit_code == 0 and "ms in " in result.stdout and "kernels" in result.stdout
+
+
 def test_bench_bad_input(tiny_artifact):
     result = run("bench", tiny_artifact, "--new-tokens", "0")
     assert result.exit_code == 1 and result.stderr.strip() == "Error: --new-tokens must be at least 1, got 0"

@@ -9,6 +9,7 @@ each backend runs and set beside `tk inspect`'s prediction (weights + KV cache).
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import threading
@@ -18,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from models.config import DecoderConfig
+from models.contract import DECODE
 from runtimes.base import BackendUnavailable, read_manifest
 from runtimes.generate import generate
 from toolkit.inspect import memory_plan
@@ -147,4 +149,45 @@ def format_bench(report: dict) -> str:
         ratio = (report["backends"][names[0]]["decode_ms_per_token"]["median"]
                  / report["backends"][other]["decode_ms_per_token"]["median"])
         lines.append(f"decode speed of {other} relative to {names[0]}: {ratio:.2f}x")
+    return "\n".join(lines)
+
+
+def profile_decode(artifact: Path, prompt_len: int = 128, new_tokens: int = 64, threads: int | None = None,
+                   top: int = 8) -> dict:
+    """Where a decode step's time goes on ORT: Python and binding overhead (the step's wall time
+    minus ORT's own run time) against ORT's run, and the op types that take the kernel time."""
+    from runtimes.ort_runtime import open_ort
+
+    rt = open_ort(artifact, threads=threads, profile=True).activate()
+    prompt = np.random.default_rng(0).integers(0, rt.dims.vocab_size, prompt_len).tolist()
+    generate(rt, [prompt], 8, ignore_eos=True)  # warm-up, profiled too: dropped below by count
+    result = generate(rt, [prompt], new_tokens, ignore_eos=True)
+    trace = rt.end_profiling()
+    rt.deactivate()
+    events = json.loads(trace[DECODE].read_text())
+    for path in trace.values():
+        path.unlink(missing_ok=True)
+    steps = len(result.decode_s)
+    runs = [e["dur"] for e in events if e.get("name") == "model_run"][-steps:]
+    kernels: dict[str, float] = {}
+    nodes = 0
+    for e in events:
+        if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
+            kernels[e["args"]["op_name"]] = kernels.get(e["args"]["op_name"], 0.0) + e["dur"]
+            nodes += 1
+    total_runs = len([e for e in events if e.get("name") == "model_run"])
+    wall_ms = 1e3 * statistics.median(result.decode_s)
+    run_ms = statistics.median(runs) / 1e3
+    kernel_ms = sum(kernels.values()) / total_runs / 1e3
+    return {"steps": steps, "step_wall_ms": wall_ms, "ort_run_ms": run_ms, "kernel_ms": kernel_ms,
+            "python_overhead_ms": wall_ms - run_ms, "executor_overhead_ms": run_ms - kernel_ms,
+            "nodes_per_step": nodes // total_runs,
+            "ops": {op: us / total_runs / 1e3 for op, us in sorted(kernels.items(), key=lambda kv: -kv[1])[:top]}}
+
+
+def format_profile(p: dict) -> str:
+    lines = [f"decode step on ORT (median of {p['steps']}, profiled, so slower than unprofiled runs): "
+             f"{p['step_wall_ms']:.2f} ms wall = {p['python_overhead_ms']:.2f} ms Python/binding + "
+             f"{p['executor_overhead_ms']:.2f} ms ORT executor + {p['kernel_ms']:.2f} ms in {p['nodes_per_step']} kernels"]
+    lines += [f"  {op:26} {ms:7.3f} ms  {100 * ms / p['kernel_ms']:5.1f}%" for op, ms in p["ops"].items()]
     return "\n".join(lines)

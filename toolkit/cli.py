@@ -257,14 +257,18 @@ def doctor(as_json: bool) -> None:
 @click.option("--repeats", default=3, show_default=True, type=int)
 @click.option("--threads", type=click.IntRange(min=1), help="ONNX Runtime intra-op threads.")
 @click.option("--report", type=click.Path(dir_okay=False, path_type=Path), help="Write the JSON report here.")
+@click.option("--profile", is_flag=True, help="Also split an ORT decode step into Python, executor and kernel time.")
 def bench(artifact: Path, backends: str, prompt_len: int, new_tokens: int, batch: int, repeats: int,
-          threads: int | None, report: Path | None) -> None:
+          threads: int | None, report: Path | None, profile: bool) -> None:
     """Time to first token, decode speed and memory of each backend, side by side in one run."""
     from toolkit.bench import bench as run_bench
-    from toolkit.bench import format_bench
+    from toolkit.bench import format_bench, format_profile, profile_decode
 
     result = run_bench(artifact, _backend_list(backends), prompt_len, new_tokens, batch, repeats, threads)
     click.echo(format_bench(result))
+    if profile:
+        result["decode_profile"] = profile_decode(artifact, prompt_len, new_tokens, threads)
+        click.echo(format_profile(result["decode_profile"]))
     if report is not None:
         report.write_text(json.dumps(result, indent=2))
 
