@@ -136,13 +136,16 @@ class Attention(nn.Module):
                 write_index: torch.Tensor | None = None):
         B, S, _ = x.shape
         q, k, v = self.wqkv(x).split(self.splits, dim=-1)
-        q = q.view(B, S, self.n_heads, self.head_dim)  # (B, S, H, D)
-        k = k.view(B, S, self.n_kv, self.head_dim)  # (B, S, Hkv, D)
-        v = v.view(B, S, self.n_kv, self.head_dim).transpose(1, 2)  # (B, Hkv, S, D)
-        if self.q_norm is not None:
+        # One new token (S is a plain 1 when the decode graph is traced, a symbol for prefill):
+        # moving a size-1 axis is a reshape, so heads go straight to (B, H, 1, D) in one node.
+        single = isinstance(S, int) and S == 1
+        to_heads = (lambda t, h: t.reshape(B, h, 1, self.head_dim)) if single else \
+            (lambda t, h: t.view(B, S, h, self.head_dim).transpose(1, 2))
+        q, k, v = to_heads(q, self.n_heads), to_heads(k, self.n_kv), to_heads(v, self.n_kv)  # (B, H, S, D)
+        if self.q_norm is not None:  # per head, over D: the same in either layout
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, S, D)
-        k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, Hkv, S, D)
+        q = apply_rope(q, cos, sin)  # (B, H, S, D)
+        k = apply_rope(k, cos, sin)  # (B, Hkv, S, D)
         if write_index is not None:  # static capacity: write in place, attend over the whole buffer
             k = kv_write(past[0], k, write_index)  # (B, Hkv, C, D)
             v = kv_write(past[1], v, write_index)
@@ -150,7 +153,7 @@ class Attention(nn.Module):
             k = torch.cat([past[0], k], dim=2)  # (B, Hkv, T, D)
             v = torch.cat([past[1], v], dim=2)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
-        y = y.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim)  # (B, S, H*D)
+        y = (y if single else y.transpose(1, 2)).reshape(B, S, self.n_heads * self.head_dim)  # (B, S, H*D)
         return self.wo(y), (k, v)
 
 
