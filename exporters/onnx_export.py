@@ -26,43 +26,27 @@ class ExportError(RuntimeError):
     """The exporter could not turn the model into the graph the contract asks for."""
 
 
-class PrefillGraph(nn.Module):
-    """(input_ids, attention_mask, position_ids) -> (logits, present.0.key, present.0.value, ...)."""
+class GraphModule(nn.Module):
+    """The decoder as one graph of the contract: flat tensors in, flat tensors out.
 
-    def __init__(self, model: Decoder):
+    prefill: (input_ids, attention_mask, position_ids) -> (logits, present.0.key, ...)
+    decode:  (..., past.0.key, ...) -> (logits, present...), one new token
+    static decode: (..., write_indices, cache...) -> (logits, cache...), cache written in place
+    With output_hidden, each layer's hidden state follows as a debug output (hidden.{i}).
+    """
+
+    def __init__(self, model: Decoder, static: bool = False, output_hidden: bool = False):
         super().__init__()
-        self.model = model
+        self.model, self.static, self.output_hidden = model, static, output_hidden
 
-    def forward(self, input_ids, attention_mask, position_ids):
-        logits, present = self.model(input_ids, attention_mask, position_ids)
-        return (logits, *[t for kv in present for t in kv])
-
-
-class DecodeGraph(nn.Module):
-    """(input_ids, attention_mask, position_ids, past...) -> (logits, present...), one new token."""
-
-    def __init__(self, model: Decoder):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids, attention_mask, position_ids, *past):
-        pkv = [(past[2 * i], past[2 * i + 1]) for i in range(len(past) // 2)]
-        logits, present = self.model(input_ids, attention_mask, position_ids, pkv)
-        return (logits, *[t for kv in present for t in kv])
-
-
-class StaticDecodeGraph(nn.Module):
-    """(input_ids, attention_mask, position_ids, write_indices, cache...) -> (logits, cache...): the
-    cache has a fixed capacity and is written at write_indices (TensorScatter, in place)."""
-
-    def __init__(self, model: Decoder):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids, attention_mask, position_ids, write_indices, *past):
-        pkv = [(past[2 * i], past[2 * i + 1]) for i in range(len(past) // 2)]
-        logits, present = self.model(input_ids, attention_mask, position_ids, pkv, write_indices)
-        return (logits, *[t for kv in present for t in kv])
+    def forward(self, input_ids, attention_mask, position_ids, *rest):
+        write_index = None
+        if self.static:
+            write_index, rest = rest[0], rest[1:]
+        past = [(rest[2 * i], rest[2 * i + 1]) for i in range(len(rest) // 2)] or None
+        out = self.model(input_ids, attention_mask, position_ids, past, write_index, self.output_hidden)
+        hidden = list(out[2]) if self.output_hidden else []
+        return (out[0], *[t for kv in out[1] for t in kv], *hidden)
 
 
 def _tensor_scatter(cache, update, write_indices):
@@ -75,12 +59,14 @@ def _tensor_scatter(cache, update, write_indices):
 STATIC_OPSET = 24  # TensorScatter
 
 
-def graph_dims(model: Decoder, kv_dtype: str, kv_capacity: int | None = None) -> contract.GraphDims:
+def graph_dims(model: Decoder, kv_dtype: str, kv_capacity: int | None = None,
+               debug_outputs: bool = False) -> contract.GraphDims:
     c = model.config
-    return contract.GraphDims(c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size, kv_dtype, kv_capacity)
+    return contract.GraphDims(c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size, kv_dtype, kv_capacity,
+                              c.hidden_size if debug_outputs else None)
 
 
-def _example(graph: str, model: Decoder, capacity: int | None = None):
+def _example(graph: str, model: Decoder, capacity: int | None = None, output_hidden: bool = False):
     """Example inputs (batch 2, so batch is not specialized to 1) and dynamic shapes."""
     c, B, S, P = model.config, 2, 5, 3
     batch = Dim(contract.BATCH, min=1)
@@ -91,8 +77,8 @@ def _example(graph: str, model: Decoder, capacity: int | None = None):
         args = (torch.randint(0, c.vocab_size, (B, 1)), mask, torch.full((B, 1), P, dtype=torch.int64),
                 torch.full((B,), P, dtype=torch.int64), *past)
         shapes = {"input_ids": {0: batch}, "attention_mask": {0: batch}, "position_ids": {0: batch},
-                  "write_indices": {0: batch}, "past": tuple({0: batch} for _ in past)}
-        return StaticDecodeGraph(model), args, shapes
+                  "rest": ({0: batch}, *({0: batch} for _ in past))}  # write_indices, then the cache
+        return GraphModule(model, static=True, output_hidden=output_hidden), args, shapes
     if graph == contract.PREFILL:
         seq = Dim(contract.SEQ, min=1)
         ids = torch.randint(0, c.vocab_size, (B, S))
@@ -100,15 +86,15 @@ def _example(graph: str, model: Decoder, capacity: int | None = None):
         args = (ids, mask, contract.position_ids_from_mask(mask))
         shapes = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq},
                   "position_ids": {0: batch, 1: seq}}
-        return PrefillGraph(model), args, shapes
+        return GraphModule(model, output_hidden=output_hidden), args, shapes
     past_dim = Dim(contract.PAST, min=1)  # never 0: TensorRT rejects empty dims; prefill covers "no past"
     ids = torch.randint(0, c.vocab_size, (B, 1))
     mask = torch.ones(B, P + 1, dtype=torch.int64)
     past = [torch.zeros(B, c.num_kv_heads, P, c.head_dim, dtype=model.dtype) for _ in range(2 * c.num_layers)]
     args = (ids, mask, torch.full((B, 1), P, dtype=torch.int64), *past)
     shapes = {"input_ids": {0: batch}, "attention_mask": {0: batch, 1: past_dim + 1},
-              "position_ids": {0: batch}, "past": tuple({0: batch, 2: past_dim} for _ in past)}
-    return DecodeGraph(model), args, shapes
+              "position_ids": {0: batch}, "rest": tuple({0: batch, 2: past_dim} for _ in past)}
+    return GraphModule(model, output_hidden=output_hidden), args, shapes
 
 
 def _rename_dims(ir_graph) -> None:
@@ -123,7 +109,7 @@ def _rename_dims(ir_graph) -> None:
 
 
 def export_graph(model: Decoder, graph: str, path: Path, opset: int = DEFAULT_OPSET,
-                 kv_capacity: int | None = None) -> float:
+                 kv_capacity: int | None = None, debug_outputs: bool = False) -> float:
     """Export one graph to `path` (weights to `path`.data). Returns seconds taken.
 
     With `kv_capacity` the decode graph gets a static-capacity cache and opset 24 (TensorScatter).
@@ -132,8 +118,8 @@ def export_graph(model: Decoder, graph: str, path: Path, opset: int = DEFAULT_OP
         raise ExportError(f"opset {opset} is not supported; use {MIN_OPSET}..{MAX_OPSET}")
     static = graph == contract.DECODE and kv_capacity is not None
     opset = STATIC_OPSET if static else opset
-    dims = graph_dims(model, str(model.dtype).removeprefix("torch."), kv_capacity)
-    module, args, shapes = _example(graph, model, kv_capacity)
+    dims = graph_dims(model, str(model.dtype).removeprefix("torch."), kv_capacity, debug_outputs)
+    module, args, shapes = _example(graph, model, kv_capacity, debug_outputs)
     in_names = [s.name for s in dims.inputs(graph)]
     out_names = [s.name for s in dims.outputs(graph)]
     start = time.perf_counter()

@@ -57,6 +57,11 @@ def present_names(num_layers: int) -> list[str]:
     return [n for i in range(num_layers) for n in kv_names(i, "present")]
 
 
+def hidden_names(num_layers: int) -> list[str]:
+    """Debug outputs (tk export --debug-outputs): each layer's output hidden state, float32."""
+    return [f"hidden.{i}" for i in range(num_layers)]
+
+
 def _kv(names: list[str], seq_dim: str | int) -> list[TensorSpec]:
     return [TensorSpec(n, KV_DTYPE, (BATCH, "num_kv_heads", seq_dim, "head_dim")) for n in names]
 
@@ -113,14 +118,19 @@ class GraphDims:
     vocab_size: int
     kv_dtype: str  # "float32", "float16" or "bfloat16"
     kv_capacity: int | None = None  # set: the decode graph has a static-capacity cache of this many positions
+    hidden_size: int | None = None  # set: the graphs also output hidden.{i} after the contract's outputs (debug)
 
     def inputs(self, graph: str) -> list[TensorSpec]:
         return [s.resolve(self.kv_dtype, self.num_kv_heads, self.head_dim, self.vocab_size)
                 for s in inputs(graph, self.num_layers, self.kv_capacity)]
 
     def outputs(self, graph: str) -> list[TensorSpec]:
-        return [s.resolve(self.kv_dtype, self.num_kv_heads, self.head_dim, self.vocab_size)
-                for s in outputs(graph, self.num_layers, self.kv_capacity)]
+        specs = [s.resolve(self.kv_dtype, self.num_kv_heads, self.head_dim, self.vocab_size)
+                 for s in outputs(graph, self.num_layers, self.kv_capacity)]
+        if self.hidden_size is not None:
+            seq = SEQ if graph == PREFILL else 1
+            specs += [TensorSpec(n, "float32", (BATCH, seq, self.hidden_size)) for n in hidden_names(self.num_layers)]
+        return specs
 
     def kv_bytes_per_token(self, batch: int = 1) -> int:
         """2 (key and value) * layers * kv_heads * head_dim * bytes, per token of context per row."""

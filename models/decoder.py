@@ -208,16 +208,20 @@ class Decoder(nn.Module):
         position_ids: torch.Tensor,  # (B, S) int64, computed by the caller
         past_key_values: KVCache | None = None,
         write_index: torch.Tensor | None = None,  # (B,) int64: static-capacity cache, write position per row
-    ) -> tuple[torch.Tensor, KVCache]:
+        output_hidden: bool = False,  # also return each layer's output (B, S, C) in float32, for localization
+    ) -> tuple[torch.Tensor, KVCache] | tuple[torch.Tensor, KVCache, list[torch.Tensor]]:
         x = self.embed(input_ids)  # (B, S, C)
         if self.config.embed_scale:  # Gemma: the normalizer is rounded to the activation dtype first
             x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
         cos, sin = rope_cos_sin(position_ids, self.inv_freq, x.dtype)
         mask = causal_mask(attention_mask, input_ids.shape[1], self.config.sliding_window, write_index)
         present: KVCache = []
+        hidden = []
         for i, layer in enumerate(self.layers):
             past = past_key_values[i] if past_key_values is not None else None
             x, kv = layer(x, cos, sin, mask, past, write_index)
             present.append(kv)
+            if output_hidden:
+                hidden.append(x.float())
         logits = self.lm_head(self.norm(x)).float()  # (B, S, V): float32 in every precision
-        return logits, present
+        return (logits, present, hidden) if output_hidden else (logits, present)

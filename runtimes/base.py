@@ -98,6 +98,7 @@ class Runtime(ABC):
         self.dims = dims
         self.max_context = max_context
         self.active = False
+        self.hidden: list[np.ndarray] | None = None  # the last call's per-layer hidden states, where available
 
     def activate(self) -> "Runtime":
         if not self.active:

@@ -100,7 +100,9 @@ class OrtRuntime(Runtime):
             binding.bind_output(name, self.device)
         session.run_with_iobinding(binding)
         outs = binding.get_outputs()
-        return outs[0].numpy(), list(outs[1:])
+        n_kv = 2 * self.dims.num_layers
+        self.hidden = [h.numpy() for h in outs[1 + n_kv:]] or None  # debug exports only
+        return outs[0].numpy(), list(outs[1 : 1 + n_kv])
 
     def _prefill(self, input_ids, attention_mask, position_ids):
         return self._run(contract.PREFILL, {"input_ids": input_ids, "attention_mask": attention_mask,

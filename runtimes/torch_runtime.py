@@ -15,12 +15,12 @@ from runtimes.base import BackendUnavailable, Runtime
 class TorchRuntime(Runtime):
     name = "torch"
 
-    def __init__(self, model, device: str = "cpu"):
+    def __init__(self, model, device: str = "cpu", debug: bool = False):
         c = model.config
         kv_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         super().__init__(contract.GraphDims(c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size, kv_dtype),
                          c.max_position_embeddings)
-        self.model, self.device = model, device
+        self.model, self.device, self.debug = model, device, debug  # debug: keep per-layer hidden states
 
     def _load(self) -> None:
         import torch
@@ -35,8 +35,9 @@ class TorchRuntime(Runtime):
         t = self._torch
         args = [t.from_numpy(np.ascontiguousarray(a)).to(self.device) for a in (input_ids, attention_mask, position_ids)]
         with t.inference_mode():
-            logits, present = self.model(*args, cache)
-        return logits.float().cpu().numpy(), present
+            out = self.model(*args, cache, output_hidden=self.debug)
+        self.hidden = [h.cpu().numpy() for h in out[2]] if self.debug else None
+        return out[0].float().cpu().numpy(), out[1]
 
     def _prefill(self, input_ids, attention_mask, position_ids):
         return self._run(input_ids, attention_mask, position_ids, None)

@@ -87,8 +87,8 @@ class Shifted(torch.nn.Module):
         super().__init__()
         self.model, self.config = model, model.config
 
-    def forward(self, ids, mask, pos, past=None):
-        return self.model(ids, mask, pos + 1, past)
+    def forward(self, ids, mask, pos, past=None, write_index=None, output_hidden=False):
+        return self.model(ids, mask, pos + 1, past, write_index, output_hidden)
 
 
 class Fp16SquareNorm(RMSNorm):
@@ -120,6 +120,8 @@ def _mutate(model, kind):
         _drop_mask(model.layers[0])
     elif kind == "swap_kv":
         _swap_kv(model.layers[1], cfg)
+    elif kind == "scaled_ffn":
+        model.layers[0].ffn.w_down.weight.data *= 1.1
     elif kind == "scaled_norm":
         model.layers[1].attn_norm.weight.data *= 1.25
     elif kind == "fp16_norm_overflow":
@@ -130,14 +132,17 @@ def _mutate(model, kind):
     return model
 
 
-# kind -> (first divergent cache tensor, layer)
+# kind -> (first divergent tensor, layer) from the cache alone, and with hidden states (debug)
 MUTATIONS = {
-    "rope_base": ("present.0.key", 0),  # keys rotate wrongly from layer 0 on; values do not rotate
-    "position_off_by_one": ("present.0.key", 0),
-    "no_causal_mask": ("present.1.key", 1),  # layer 0's output leaks the future; layer 1 caches it first
-    "swap_kv": ("present.1.key", 1),
-    "scaled_norm": ("present.1.key", 1),
-    "fp16_norm_overflow": ("present.1.key", 1),
+    "rope_base": (("present.0.key", 0), ("present.0.key", 0)),  # keys rotate wrongly from layer 0 on
+    "position_off_by_one": (("present.0.key", 0), ("present.0.key", 0)),
+    # layer 0's attention sees the future: its K/V are right, its output is not; without hidden
+    # states layer 1's cache is the first place that shows it
+    "no_causal_mask": (("present.1.key", 1), ("hidden.0", 0)),
+    "swap_kv": (("present.1.key", 1), ("present.1.key", 1)),
+    "scaled_norm": (("present.1.key", 1), ("present.1.key", 1)),
+    "fp16_norm_overflow": (("present.1.key", 1), ("present.1.key", 1)),
+    "scaled_ffn": (("present.1.key", 1), ("hidden.0", 0)),  # layer 0's FFN output
 }
 
 
@@ -152,20 +157,21 @@ def loud_checkpoint(checkpoints, tmp_path_factory):
     return d
 
 
+@pytest.mark.parametrize("hidden", [False, True], ids=["cache", "hidden"])
 @pytest.mark.parametrize("kind", list(MUTATIONS))
-def test_injected_bug_fails_and_is_localized(checkpoints, loud_checkpoint, kind):
+def test_injected_bug_fails_and_is_localized(checkpoints, loud_checkpoint, kind, hidden):
     folder = loud_checkpoint if kind == "fp16_norm_overflow" else checkpoints("llama")
-    reference = TorchRuntime(load_decoder(folder))
+    reference = TorchRuntime(load_decoder(folder), debug=hidden)
     cases = random_cases(reference.dims.vocab_size, seed=1)
     tol = tolerance_for("float32")
-    healthy = TorchRuntime(load_decoder(folder))
+    healthy = TorchRuntime(load_decoder(folder), debug=hidden)
     healthy.name = "healthy"
-    mutant = TorchRuntime(_mutate(load_decoder(folder), kind))
+    mutant = TorchRuntime(_mutate(load_decoder(folder), kind), debug=hidden)
     mutant.name = "mutant"
     report = compare_backends(reference, {"healthy": healthy, "mutant": mutant}, cases, tol, steps=3)
     assert report["backends"]["healthy"]["status"] == "passed"
     assert report["backends"]["mutant"]["status"] == "failed"
-    where, layer = MUTATIONS[kind]
+    where, layer = MUTATIONS[kind][hidden]
     div = report["backends"]["mutant"]["first_divergence"]
     assert (div["step"], div["where"], div["layer"]) == (0, where, layer), div
 
@@ -204,3 +210,21 @@ def test_prompts_file_text_and_ids(tiny_artifact, tmp_path):
     assert result.exit_code == 1
     assert result.stderr.strip().splitlines()[-1] == (
         f"Error: {empty} holds no prompts: one text per line, or a JSON list of token-id lists")
+
+
+def test_debug_export_localizes_to_the_layer_output(tiny, tmp_path):
+    """A debug export's hidden.{i} outputs let tk parity name the layer whose output diverged."""
+    from toolkit.artifact import export_artifact
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny, ckpt)
+    art = tmp_path / "art"
+    manifest = export_artifact(ckpt, art, debug_outputs=True)
+    assert manifest["dims"]["hidden_size"] == 64 and manifest["validation"]["passed"]
+    assert parity(art, ["ort"], steps=3)["passed"]
+    sd = load_file(ckpt / "model.safetensors")
+    sd["model.layers.0.mlp.down_proj.weight"] *= 1.1  # the reference's layer-0 FFN changes, the graphs do not
+    save_file(sd, ckpt / "model.safetensors")
+    result = run("parity", art, "--backends", "ort", "--steps", "3")
+    assert result.exit_code == 3
+    assert "in hidden.0 (layer 0)" in result.stderr.strip().splitlines()[-1]

@@ -104,7 +104,7 @@ def _move_into_place(tmp: Path, out: Path) -> None:
 
 
 def reference_runtime(artifact: Path, manifest: dict | None = None, dtype: str = "float32",
-                      device: str = "cpu") -> TorchRuntime:
+                      device: str = "cpu", debug: bool = False) -> TorchRuntime:
     """The PyTorch backend for an artifact: the reference decoder loaded from the source checkpoint
     recorded in its manifest (tk does not copy the weights a second time)."""
     manifest = manifest or read_manifest(artifact)
@@ -114,7 +114,7 @@ def reference_runtime(artifact: Path, manifest: dict | None = None, dtype: str =
                             "and it is gone; restore it or re-export from its new place")
     if sha256_file(source / "config.json") != manifest["source"]["config_sha256"]:
         raise ArtifactError(f"the checkpoint at {source} changed since export (config.json differs); re-export")
-    return TorchRuntime(load_decoder(source, dtype), device=device)
+    return TorchRuntime(load_decoder(source, dtype), device=device, debug=debug)
 
 
 def validate(artifact: Path, manifest: dict, steps: int = VALIDATION_STEPS) -> tuple[dict, str]:
@@ -131,14 +131,17 @@ def validate(artifact: Path, manifest: dict, steps: int = VALIDATION_STEPS) -> t
 def export_artifact(model_dir: str | Path, out: str | Path, dtype: str = "fp32", opset: int = DEFAULT_OPSET,
                     run_validation: bool = True, force: bool = False,
                     progress: Callable[[str], None] = lambda msg: None, kv_cache: str = "dynamic",
-                    max_seq_len: int | None = None) -> dict:
+                    max_seq_len: int | None = None, debug_outputs: bool = False) -> dict:
     """Write a complete artifact to `out` and return its manifest.
 
     kv_cache "static" exports the decode graph with a cache of capacity `max_seq_len`, updated in
-    place (opset 24 TensorScatter); the prefill graph is the ordinary one.
+    place (opset 24 TensorScatter); the prefill graph is the ordinary one. debug_outputs adds each
+    layer's hidden state as outputs (hidden.{i}), so tk parity can name the exact layer.
     """
     model_dir, out = Path(model_dir), Path(out)
     dtype = _check_options(dtype, opset, kv_cache, max_seq_len)
+    if debug_outputs and kv_cache == "static":
+        raise ValueError("--debug-outputs works with the dynamic cache; drop --kv-cache static for a debug export")
     config = read_config(model_dir)  # fail on a bad checkpoint before touching the filesystem
     if max_seq_len is not None and max_seq_len > config.max_position_embeddings:
         raise ValueError(f"--max-seq-len ({max_seq_len}) is beyond the model's context of "
@@ -151,11 +154,11 @@ def export_artifact(model_dir: str | Path, out: str | Path, dtype: str = "fp32",
         t = time.perf_counter()
         model = load_decoder(model_dir, dtype)
         progress(f"load {model_dir} ({dtype}): {time.perf_counter() - t:.1f} s")
-        dims = graph_dims(model, dtype, max_seq_len if kv_cache == "static" else None)
+        dims = graph_dims(model, dtype, max_seq_len if kv_cache == "static" else None, debug_outputs)
         graphs = {}
         for graph in contract.GRAPHS:
             path = tmp / contract.GRAPH_FILES[graph]
-            seconds = export_graph(model, graph, path, opset, dims.kv_capacity)
+            seconds = export_graph(model, graph, path, opset, dims.kv_capacity, debug_outputs)
             check_graph_file(path, graph, dims)
             data = path.with_name(path.name + ".data")
             graphs[graph] = {"file": path.name, "sha256": sha256_file(path),

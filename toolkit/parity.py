@@ -54,6 +54,7 @@ class Trace:
     tokens: np.ndarray  # (B, steps) int64: the tokens fed to the decode steps
     logits: list[np.ndarray] = field(default_factory=list)  # [prefill (B,S,V), step 1 (B,1,V), ...]
     present: list[list[np.ndarray]] = field(default_factory=list)  # per step, per tensor: what the step wrote
+    hidden: list[list[np.ndarray]] = field(default_factory=list)  # per step, per layer (B, S, C); debug backends
 
 
 @dataclass
@@ -92,6 +93,8 @@ def run_trace(runtime: Runtime, ids: np.ndarray, mask: np.ndarray, steps: int,
     trace = Trace(runtime.name, np.zeros((ids.shape[0], steps), dtype=np.int64), [logits])
     if keep_present:
         trace.present.append(runtime.cache_arrays(cache))
+    if runtime.hidden is not None:
+        trace.hidden.append(runtime.hidden)
     for k in range(steps):
         token = forced[:, k] if forced is not None else logits[:, -1].argmax(-1)
         trace.tokens[:, k] = token
@@ -99,6 +102,8 @@ def run_trace(runtime: Runtime, ids: np.ndarray, mask: np.ndarray, steps: int,
         trace.logits.append(logits)
         if keep_present:  # only the position this step wrote; earlier ones were compared already
             trace.present.append([a[:, :, -1:] for a in runtime.cache_arrays(cache)])
+        if runtime.hidden is not None:
+            trace.hidden.append(runtime.hidden)
     return trace
 
 
@@ -153,25 +158,35 @@ def compare_traces(ref: Trace, test: Trace, mask: np.ndarray, tol: Tolerance, ca
 def first_divergence(ref: Trace, test: Trace, mask: np.ndarray, tol: Tolerance, num_layers: int) -> dict | None:
     """The first (step, position, layer) where `test` leaves its tolerance, or None.
 
-    Within a step the cache is checked layer by layer before the logits: a present.{i} that
-    diverges while present.{i-1} agrees puts the fault in layer i-1's output (attention, FFN or
-    norm) or in layer i's own K/V path; logits diverging after every present agreed put it in
-    the last layer's output, the final norm or the head.
+    Within a step, tensors are checked in the order the model computes them: for each layer its
+    cache (present.{i}: K/V of the layer's input), then its output (hidden.{i}, when both
+    backends expose hidden states: a debug export), then the logits. Without hidden states, a
+    present.{i} that diverges while present.{i-1} agreed puts the fault in layer i-1's output or
+    layer i's own K/V path; logits diverging after every cache agreed put it in the last layer,
+    the final norm or the head.
     """
     names = present_names(num_layers)
     for step, (r, t) in enumerate(zip(ref.logits, test.logits)):
         keep = mask.astype(bool) if step == 0 else np.ones((mask.shape[0], 1), dtype=bool)
         offset = 0 if step == 0 else mask.shape[1] + step - 1  # cache index of the step's position
-        if ref.present and test.present:
-            for i, d in enumerate(_present_diffs(ref.present[step], test.present[step], keep)):
-                if d.max() > tol.present_abs:
-                    b, _, s, _ = np.unravel_index(int(d.argmax()), d.shape)
-                    return {"step": step, "row": int(b), "position": int(s) + offset, "where": names[i],
-                            "layer": i // 2, "max_abs": float(d.max())}
-        single = compare_logits(r, t, keep, tol, step)
-        if not single.passed:
-            diff = np.where(keep[..., None], np.abs(r - np.nan_to_num(t, nan=np.inf)), 0.0)
-            b, s, _ = np.unravel_index(int(diff.argmax()), diff.shape)
+        checks = []  # (where, layer, |diff| reduced to (B, S))
+        kv = _present_diffs(ref.present[step], test.present[step], keep) if ref.present and test.present else []
+        hidden = ref.hidden and test.hidden
+        for layer in range(num_layers):
+            for i in (2 * layer, 2 * layer + 1):
+                if kv:
+                    checks.append((names[i], layer, kv[i].max(axis=(1, 3)), tol.present_abs))
+            if hidden:
+                d = np.abs(ref.hidden[step][layer].astype(np.float64) - np.nan_to_num(test.hidden[step][layer], nan=np.inf))
+                checks.append((f"hidden.{layer}", layer, np.where(keep, d.max(-1), 0.0), tol.present_abs))
+        for where, layer, d, limit in checks:
+            if d.max() > limit:
+                b, s = np.unravel_index(int(d.argmax()), d.shape)
+                return {"step": step, "row": int(b), "position": int(s) + offset, "where": where, "layer": layer,
+                        "max_abs": float(d.max())}
+        if not compare_logits(r, t, keep, tol, step).passed:
+            diff = np.where(keep, np.abs(r - np.nan_to_num(t, nan=np.inf)).max(-1), 0.0)
+            b, s = np.unravel_index(int(diff.argmax()), diff.shape)
             return {"step": step, "row": int(b), "position": int(s) + offset, "where": "logits",
                     "layer": num_layers - 1, "max_abs": float(diff.max())}
     return None
