@@ -18,7 +18,7 @@ from models.loading import load_decoder
 from runtimes.torch_runtime import TorchRuntime
 from toolkit.cli import main
 from toolkit.parity import TOLERANCES, random_cases, tolerance_for
-from toolkit.parity_report import SCHEMA_PATH, compare_backends, parity
+from toolkit.parity_report import SCHEMA_PATH, compare_backends, parity, verdict
 
 pytestmark = pytest.mark.slow
 
@@ -174,6 +174,10 @@ def test_injected_bug_fails_and_is_localized(checkpoints, loud_checkpoint, kind,
     where, layer = MUTATIONS[kind][hidden]
     div = report["backends"]["mutant"]["first_divergence"]
     assert (div["step"], div["where"], div["layer"]) == (0, where, layer), div
+    # the line tk parity exits 3 with names the step and the layer
+    line = verdict(report)
+    assert line.startswith("parity failed: mutant first leaves its tolerance at step 0, row ")
+    assert f"in {where} (layer {layer})" in line
 
 
 def test_bug_in_the_reference_exits_3_naming_step_and_layer(tiny, tmp_path):

@@ -201,16 +201,9 @@ def parity(artifact: Path, backends: str, steps: int, seed: int, prompts_file: P
         report.write_text(json.dumps(result, indent=2))
     if plot is not None:
         pr.plot(result, plot)
-    skipped = [b for b in required if result["backends"].get(b, {}).get("status", "skipped") == "skipped"]
-    failed = [b for b, e in result["backends"].items() if e["status"] == "failed"]
-    if failed:
-        d = result["backends"][failed[0]]["first_divergence"]
-        where = pr.describe_divergence(failed[0], d) if d else f"{failed[0]} failed a probe"
-        raise ValidationFailed(f"parity failed: {where}")
-    if not result["passed"]:
-        raise ValidationFailed("parity failed: the reference backend failed a probe")
-    if skipped:
-        raise ValidationFailed(f"parity failed: required backend {', '.join(skipped)} was skipped")
+    failure = pr.verdict(result, required)
+    if failure:
+        raise ValidationFailed(failure)
     click.echo("parity passed")
 
 

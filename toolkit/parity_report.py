@@ -130,6 +130,22 @@ def summary(report: dict) -> str:
     return "\n".join(lines)
 
 
+def verdict(report: dict, required: tuple[str, ...] = ()) -> str | None:
+    """Why the run fails the gate (tk parity exits 3 with this line), or None when it passes."""
+    failed = [b for b, e in report["backends"].items() if e["status"] == "failed"]
+    if failed:
+        d = report["backends"][failed[0]]["first_divergence"]
+        failing = [p["name"] for p in report["backends"][failed[0]]["probes"] if not p["passed"]]
+        return "parity failed: " + (describe_divergence(failed[0], d) if d else
+                                    f"{failed[0]} failed the probe(s) {', '.join(failing)}")
+    if not report["passed"]:
+        return "parity failed: the reference backend failed a probe"
+    skipped = [b for b in required if report["backends"].get(b, {}).get("status", "skipped") == "skipped"]
+    if skipped:
+        return f"parity failed: required backend {', '.join(skipped)} was skipped"
+    return None
+
+
 def describe_divergence(backend: str, d: dict) -> str:
     where = (f"{d['where']} (layer {d['layer']})" if d["where"] != "logits"
              else f"the logits after every cache tensor agreed (layer {d['layer']}, final norm or head)")
