@@ -10,6 +10,7 @@ Any change to names, order, dtypes or dims bumps CONTRACT_VERSION.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,21 +121,31 @@ class GraphDims:
     kv_capacity: int | None = None  # set: the decode graph has a static-capacity cache of this many positions
     hidden_size: int | None = None  # set: the graphs also output hidden.{i} after the contract's outputs (debug)
 
-    def inputs(self, graph: str) -> list[TensorSpec]:
-        return [s.resolve(self.kv_dtype, self.num_kv_heads, self.head_dim, self.vocab_size)
-                for s in inputs(graph, self.num_layers, self.kv_capacity)]
+    def inputs(self, graph: str) -> tuple[TensorSpec, ...]:
+        return _resolved_inputs(self, graph)  # cached: runtimes check inputs against this every step
 
-    def outputs(self, graph: str) -> list[TensorSpec]:
-        specs = [s.resolve(self.kv_dtype, self.num_kv_heads, self.head_dim, self.vocab_size)
-                 for s in outputs(graph, self.num_layers, self.kv_capacity)]
-        if self.hidden_size is not None:
-            seq = SEQ if graph == PREFILL else 1
-            specs += [TensorSpec(n, "float32", (BATCH, seq, self.hidden_size)) for n in hidden_names(self.num_layers)]
-        return specs
+    def outputs(self, graph: str) -> tuple[TensorSpec, ...]:
+        return _resolved_outputs(self, graph)
 
     def kv_bytes_per_token(self, batch: int = 1) -> int:
         """2 (key and value) * layers * kv_heads * head_dim * bytes, per token of context per row."""
         return 2 * self.num_layers * batch * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.kv_dtype]
+
+
+@functools.lru_cache(maxsize=64)
+def _resolved_inputs(dims: GraphDims, graph: str) -> tuple[TensorSpec, ...]:
+    return tuple(s.resolve(dims.kv_dtype, dims.num_kv_heads, dims.head_dim, dims.vocab_size)
+                 for s in inputs(graph, dims.num_layers, dims.kv_capacity))
+
+
+@functools.lru_cache(maxsize=64)
+def _resolved_outputs(dims: GraphDims, graph: str) -> tuple[TensorSpec, ...]:
+    specs = [s.resolve(dims.kv_dtype, dims.num_kv_heads, dims.head_dim, dims.vocab_size)
+             for s in outputs(graph, dims.num_layers, dims.kv_capacity)]
+    if dims.hidden_size is not None:
+        seq = SEQ if graph == PREFILL else 1
+        specs += [TensorSpec(n, "float32", (BATCH, seq, dims.hidden_size)) for n in hidden_names(dims.num_layers)]
+    return tuple(specs)
 
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8}

@@ -135,13 +135,16 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, mask, past: tuple[torch.Tensor, torch.Tensor] | None,
                 write_index: torch.Tensor | None = None):
         B, S, _ = x.shape
-        q, k, v = self.wqkv(x).split(self.splits, dim=-1)
+        qkv = self.wqkv(x)  # (B, S, (H + 2 Hkv) * D)
         # One new token (S is a plain 1 when the decode graph is traced, a symbol for prefill):
-        # moving a size-1 axis is a reshape, so heads go straight to (B, H, 1, D) in one node.
+        # moving a size-1 axis is a reshape, so all heads go to (B, H + 2 Hkv, 1, D) in one node
+        # and split there: 2 nodes instead of 7 per layer in the decode graph.
         single = isinstance(S, int) and S == 1
-        to_heads = (lambda t, h: t.reshape(B, h, 1, self.head_dim)) if single else \
-            (lambda t, h: t.view(B, S, h, self.head_dim).transpose(1, 2))
-        q, k, v = to_heads(q, self.n_heads), to_heads(k, self.n_kv), to_heads(v, self.n_kv)  # (B, H, S, D)
+        if single:
+            heads = qkv.reshape(B, self.n_heads + 2 * self.n_kv, 1, self.head_dim)
+            q, k, v = heads.split([self.n_heads, self.n_kv, self.n_kv], dim=1)  # (B, H, 1, D)
+        else:
+            q, k, v = (t.view(B, S, -1, self.head_dim).transpose(1, 2) for t in qkv.split(self.splits, dim=-1))
         if self.q_norm is not None:  # per head, over D: the same in either layout
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, cos, sin)  # (B, H, S, D)
