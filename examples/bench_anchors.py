@@ -1,5 +1,6 @@
 """tk's ORT backend against the anchors, on the same workload in one run: same prompt ids, greedy,
-batch 1, EOS ignored, runs alternated after a warm-up, medians reported with ratios to tk.
+batch 1, EOS ignored, runs alternated after a warm-up, medians reported with ratios to tk. Each
+stack runs in its own process (ORT thread pools of two stacks in one process slow each other).
 
     python examples/bench_anchors.py CHECKPOINT ARTIFACT [--static ARTIFACT] [--genai DIR] [--prompt-len 128]
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import statistics
 import subprocess
 import sys
@@ -90,6 +92,23 @@ def genai_anchor(checkpoint: Path, folder: Path, threads: int):
     return run
 
 
+def _worker(name: str, args: argparse.Namespace, conn) -> None:
+    """One stack in its own process: ORT thread pools of different stacks never share a process."""
+    make = {"tk-ort": lambda: tk_ort(args.artifact, args.threads),
+            "tk-ort-static": lambda: tk_ort(args.static, args.threads),
+            "transformers": lambda: transformers_anchor(args.checkpoint, args.threads),
+            "onnxruntime-genai": lambda: genai_anchor(args.checkpoint, args.genai, args.threads)}[name]
+    try:
+        run = make()
+    except ImportError as e:
+        conn.send(("skip", f"{e.name} is not installed"))
+        return
+    conn.send(("ready", None))
+    while (msg := conn.recv()) is not None:
+        prompt, n = msg
+        conn.send(("done", run(prompt, n)))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("checkpoint", type=Path)
@@ -103,29 +122,42 @@ def main() -> None:
     ap.add_argument("--report", type=Path)
     args = ap.parse_args()
 
-    runners = {"tk-ort": tk_ort(args.artifact, args.threads)}
-    if args.static:
-        runners["tk-ort-static"] = tk_ort(args.static, args.threads)
-    for name, make in (("transformers", lambda: transformers_anchor(args.checkpoint, args.threads)),
-                       ("onnxruntime-genai", lambda: genai_anchor(args.checkpoint, args.genai, args.threads))):
-        if name == "onnxruntime-genai" and args.genai is None:
-            print(f"{name}: skipped (pass --genai DIR)")
+    names = ["tk-ort", *(["tk-ort-static"] if args.static else []), "transformers",
+             *(["onnxruntime-genai"] if args.genai else [])]
+    if not args.genai:
+        print("onnxruntime-genai: skipped (pass --genai DIR)")
+    ctx = multiprocessing.get_context("spawn")
+    workers = {}
+    for name in names:  # started one at a time: building or loading never overlaps a measurement
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_worker, args=(name, args, child), daemon=True)
+        proc.start()
+        status, detail = parent.recv()
+        if status == "skip":
+            print(f"{name}: skipped ({detail})")
             continue
-        try:
-            runners[name] = make()
-        except ImportError as e:
-            print(f"{name}: skipped ({e.name} is not installed)")
+        workers[name] = (proc, parent)
     vocab = json.loads((args.artifact / "manifest.json").read_text())["dims"]["vocab_size"]
     prompt = np.random.default_rng(0).integers(0, vocab, args.prompt_len).tolist()
-    for run in runners.values():  # warm-up
-        run(prompt, 8)
-    results = {name: [] for name in runners}
+
+    def run(name: str, n: int):
+        workers[name][1].send((prompt, n))
+        result = workers[name][1].recv()[1]
+        time.sleep(0.2)  # let the stack's idle threads stop spinning before the next one runs
+        return result
+
+    for name in workers:  # warm-up
+        run(name, 8)
+    results = {name: [] for name in workers}
     tokens = {}
     for _ in range(args.repeats):
-        for name, run in runners.items():  # alternated, so load shifts hit every stack alike
-            toks, ttft, decode = run(prompt, args.new_tokens)
+        for name in workers:  # alternated, so load shifts hit every stack alike
+            toks, ttft, decode = run(name, args.new_tokens)
             tokens[name] = toks
             results[name].append((ttft, decode))
+    for proc, conn in workers.values():
+        conn.send(None)
+        proc.join(timeout=10)
     report = {}
     for name, rs in results.items():
         report[name] = {"ttft_ms": statistics.median(r[0] for r in rs),
@@ -134,7 +166,7 @@ def main() -> None:
                         "same_tokens_as_tk": tokens[name] == tokens["tk-ort"]}
     tk = report["tk-ort"]
     print(f"prompt {args.prompt_len}, {args.new_tokens} new tokens, batch 1, {args.threads} threads, "
-          f"median of {args.repeats}")
+          f"median of {args.repeats}, each stack in its own process")
     print(f"{'stack':18} {'ttft ms':>9} {'decode ms/tok':>14} {'tk decode speedup':>18} {'tk ttft speedup':>16} same tokens")
     for name, r in report.items():
         print(f"{name:18} {r['ttft_ms']:9.2f} {r['decode_ms_per_token']:14.2f} "
