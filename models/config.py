@@ -16,6 +16,13 @@ DTYPES = ("float32", "float16", "bfloat16")
 DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", **{d: d for d in DTYPES}}
 
 
+def canonical_dtype(name: str) -> str:
+    """"fp16" -> "float16" etc.; a one-line ValueError for anything else."""
+    if name not in DTYPE_ALIASES:
+        raise ValueError(f"unknown dtype {name!r}; use one of fp32, fp16, bf16")
+    return DTYPE_ALIASES[name]
+
+
 class UnsupportedModelError(ValueError):
     """The checkpoint describes a model tk does not implement."""
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from models.config import DTYPE_ALIASES, DecoderConfig, UnsupportedModelError, config_from_hf
+from models.config import DecoderConfig, UnsupportedModelError, canonical_dtype, config_from_hf
 from models.decoder import Decoder, rope_inv_freq
 
 SINGLE_FILE = "model.safetensors"
@@ -30,10 +30,7 @@ class CheckpointError(ValueError):
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    canonical = DTYPE_ALIASES.get(name)
-    if canonical is None:
-        raise ValueError(f"unknown dtype {name!r}; use one of fp32, fp16, bf16")
-    return getattr(torch, canonical)
+    return getattr(torch, canonical_dtype(name))
 
 
 def weight_map(cfg: DecoderConfig) -> dict[str, list[tuple[str, int]]]:

@@ -22,14 +22,14 @@ from typing import Callable
 import onnx
 
 from exporters.contract_check import check_graph_file
-from exporters.trt_lint import lint_graphs
 from exporters.onnx_export import DEFAULT_OPSET, MAX_OPSET, MIN_OPSET, export_graph, graph_dims
+from exporters.trt_lint import lint_graphs
 from models import contract
-from models.config import DTYPE_ALIASES
+from models.config import canonical_dtype
+from models.contract import sha256_file
 from models.loading import load_decoder, read_config
 from runtimes.base import ArtifactError, read_manifest
 from runtimes.ort_runtime import open_ort
-from models.contract import sha256_file
 from runtimes.torch_runtime import TorchRuntime
 from toolkit.parity import TOLERANCES, format_table, run_parity
 
@@ -64,11 +64,10 @@ def _check_options(dtype: str, opset: int, kv_cache: str, max_seq_len: int | Non
         raise ValueError("--kv-cache static needs --max-seq-len N (N >= 2): the capacity of the cache")
     if kv_cache == "dynamic" and max_seq_len is not None:
         raise ValueError("--max-seq-len sets the capacity of a static cache; add --kv-cache static")
-    if dtype not in DTYPE_ALIASES:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of fp32, fp16, bf16")
+    dtype = canonical_dtype(dtype)
     if not MIN_OPSET <= opset <= MAX_OPSET:
         raise ValueError(f"opset {opset} is not supported; use {MIN_OPSET}..{MAX_OPSET} (default {DEFAULT_OPSET})")
-    return DTYPE_ALIASES[dtype]
+    return dtype
 
 
 def _ort_has_cuda() -> bool:
@@ -164,7 +163,7 @@ def export_artifact(model_dir: str | Path, out: str | Path, dtype: str = "fp32",
             graphs[graph] = {"file": path.name, "sha256": sha256_file(path),
                              "data_file": data.name if data.exists() else None,
                              "data_bytes": data.stat().st_size if data.exists() else 0,
-                             "export_s": round(seconds, 2)}
+                             "opset": onnx_opset(path), "export_s": round(seconds, 2)}
             cache = f", static cache of {dims.kv_capacity}" if graph == contract.DECODE and dims.kv_capacity else ""
             progress(f"export {graph}{cache}: {seconds:.1f} s, contract ok")
         del model
@@ -182,7 +181,7 @@ def export_artifact(model_dir: str | Path, out: str | Path, dtype: str = "fp32",
             "config": config.to_dict(),
             "dims": dataclasses.asdict(dims),
             "dtype": dtype,
-            "opset": opset,
+            "opset": opset,  # asked for; each graph records its own (a static decode graph needs 24)
             "kv_cache": kv_cache,
             "graphs": graphs,
             "tokenizer_files": copied,
@@ -207,6 +206,11 @@ def export_artifact(model_dir: str | Path, out: str | Path, dtype: str = "fp32",
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def onnx_opset(path: Path) -> int:
+    model = onnx.load(str(path), load_external_data=False)
+    return next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
 
 
 def _write_manifest(folder: Path, manifest: dict) -> None:
