@@ -15,3 +15,8 @@ tk build-engine "$work/artifact" --max-batch 4 --max-input-len 64 --max-seq-len 
 tk parity "$work/artifact" --backends torch,ort,trt --require trt --steps 16 --report "$work/parity.json"
 tk generate "$work/artifact" --backend trt --prompt "Once upon a time" --max-new-tokens 24
 echo "report: $work/parity.json"
+
+# The static-capacity cache: TensorRT's in-place KV-cache update layer, from TensorScatter.
+tk export "$ckpt" -o "$work/artifact-static" --kv-cache static --max-seq-len 128
+tk build-engine "$work/artifact-static" --max-batch 4 --max-input-len 64 --timing-cache "$work/timing.cache"
+tk parity "$work/artifact-static" --backends torch,ort,trt --require trt --steps 16

@@ -46,7 +46,8 @@ def compute_profiles(dims: contract.GraphDims, limits: Limits, max_context: int)
     """Per graph, per input: [min, opt, max] shapes.
 
     prefill: batch 1..max_batch, sequence 1..max_input_len. decode: batch 1..max_batch, past
-    1..max_seq_len-1 (never 0: the prefill graph covers "no past", and TensorRT rejects empty dims).
+    1..max_seq_len-1 (never 0: the prefill graph covers "no past", and TensorRT rejects empty dims);
+    with a static cache the decode shapes are fixed at its capacity and only the batch varies.
     Opt is the midpoint of each range (batch max_batch//2, prompt max_input_len//2, past
     (max_seq_len-1)//2): TensorRT tunes its kernels for opt and they stay valid over the range,
     so the midpoint bounds how far any shape actually run is from the tuned one.
@@ -61,6 +62,14 @@ def compute_profiles(dims: contract.GraphDims, limits: Limits, max_context: int)
               "position_ids": [[1, 1], [ob, 1], [B, 1]]}
     for name in contract.past_names(dims.num_layers):
         decode[name] = [[1, H, 1, D], [ob, H, op, D], [B, H, S - 1, D]]
+    if dims.kv_capacity is not None:  # static cache: only the batch varies; TensorRT updates it in place
+        if S != dims.kv_capacity:
+            raise ValueError(f"the graphs have a static cache of {dims.kv_capacity} positions; --max-seq-len must be "
+                             f"{dims.kv_capacity} (or left out)")
+        decode["attention_mask"] = [[1, S], [ob, S], [B, S]]
+        decode["write_indices"] = [[1], [ob], [B]]
+        for name in contract.past_names(dims.num_layers):
+            decode[name] = [[1, H, S, D], [ob, H, S, D], [B, H, S, D]]
     return {contract.PREFILL: prefill, contract.DECODE: decode}
 
 

@@ -13,6 +13,7 @@ tested without a GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -122,7 +123,18 @@ class _Cache:
         self.current, self.spare, self.batch, self.length = current, spare, batch, length
 
 
+class _StaticCache:
+    """One buffer per cache tensor at the engine's capacity, written in place by the decode engine."""
+
+    def __init__(self, buffers: list, mask: np.ndarray, length: int):
+        self.buffers, self.mask, self.length, self.batch = buffers, mask, length, mask.shape[0]
+
+
 class TrtRuntime(Runtime):
+    """Over a static-capacity artifact, decode binds each cache buffer as both the past input and the
+    present output: TensorRT's KV-cache update layer (from TensorScatter) writes one position in
+    place. The loop still sees the dynamic interface."""
+
     name = "trt"
 
     def __init__(self, artifact: str | Path):
@@ -131,7 +143,9 @@ class TrtRuntime(Runtime):
         has_engines = (self.artifact / contract.ENGINE_META).is_file()
         self.meta = read_engine_meta(self.artifact) if has_engines else None
         max_context = self.meta["limits"]["max_seq_len"] if self.meta else self.manifest["config"]["max_position_embeddings"]
-        super().__init__(dims_from_manifest(self.manifest), max_context)
+        dims = dims_from_manifest(self.manifest)
+        self.capacity = dims.kv_capacity
+        super().__init__(dataclasses.replace(dims, kv_capacity=None), max_context)  # the loop sees the dynamic contract
 
     def _load(self) -> None:
         env = trt_environment()  # first: on a machine without TensorRT, that is what the user must fix
@@ -155,7 +169,8 @@ class TrtRuntime(Runtime):
                                     f"tk build-engine {self.artifact} --force")
             self.engines[graph], self.contexts[graph] = engine, engine.create_execution_context()
         self.stream = cuda.Stream()
-        self.inputs = {g: cuda.DeviceArray.raw((0,)) for g in ("input_ids", "attention_mask", "position_ids")}
+        self.inputs = {g: cuda.DeviceArray.raw((0,))
+                       for g in ("input_ids", "attention_mask", "position_ids", "write_indices")}
         self.logits = cuda.DeviceArray.raw((0,))
 
     def _unload(self) -> None:
@@ -172,12 +187,13 @@ class TrtRuntime(Runtime):
     def _view(self, buf, shape, dtype: str):
         return buf.view(shape=tuple(shape), dtype=getattr(self._dt, _POLY_DTYPES[dtype]))
 
-    def _run(self, graph: str, arrays: dict[str, np.ndarray], past: list | None, present: list, length: int):
-        """Run one engine; `length` is the sequence length of the present it writes."""
+    def _run(self, graph: str, arrays: dict[str, np.ndarray], past: list | None, present: list,
+             past_len: int | None):
+        """Run one engine; `past_len` is the sequence dim of the past it reads (None: prefill)."""
         shapes = {n: a.shape for n, a in arrays.items()}
         B = arrays["input_ids"].shape[0]
         if past is not None:
-            shapes.update({n: (B, self.dims.num_kv_heads, length - 1, self.dims.head_dim)
+            shapes.update({n: (B, self.dims.num_kv_heads, past_len, self.dims.head_dim)
                            for n in contract.past_names(self.dims.num_layers)})
         problem = profile_problem(graph, self.meta["profiles"][graph], shapes, self.meta["limits"])
         if problem:
@@ -208,29 +224,63 @@ class TrtRuntime(Runtime):
         B, S = input_ids.shape
         cache = _Cache(self._kv_buffers(B), self._kv_buffers(B), B, S)
         logits = self._run(contract.PREFILL, {"input_ids": input_ids, "attention_mask": attention_mask,
-                                                 "position_ids": position_ids}, None, cache.current, S)
-        return logits, cache
+                                              "position_ids": position_ids}, None, cache.current, None)
+        if self.capacity is None:
+            return logits, cache
+        if S >= self.capacity:
+            raise InputError(f"prefill: {S} tokens leave no room in the static cache of {self.capacity}; "
+                             "export with a larger --max-seq-len")
+        self._widen(cache.current, cache.spare, B, S)  # (B, H, S, D) rows into (B, H, capacity, D) buffers
+        for buf in cache.current:
+            buf.free()
+        mask = np.zeros((B, self.capacity), np.int64)
+        mask[:, :S] = attention_mask
+        return logits, _StaticCache(cache.spare, mask, S)
 
-    def _decode(self, input_ids, attention_mask, position_ids, cache: _Cache):
-        logits = self._run(contract.DECODE, {"input_ids": input_ids, "attention_mask": attention_mask,
-                                                "position_ids": position_ids}, cache.current, cache.spare,
-                              cache.length + 1)
-        cache.current, cache.spare = cache.spare, cache.current
+    def _widen(self, src: list, dst: list, batch: int, length: int) -> None:
+        d = self.dims
+        row = length * d.head_dim * contract.DTYPE_BYTES[d.kv_dtype]
+        stride = self.capacity * d.head_dim * contract.DTYPE_BYTES[d.kv_dtype]
+        copy, kind = self._cuda.wrapper().memcpy, self._cuda.MemcpyKind.DeviceToDevice
+        for s, t in zip(src, dst):
+            for bh in range(batch * d.num_kv_heads):
+                copy(t.ptr + bh * stride, s.ptr + bh * row, row, kind, self.stream.ptr)
+
+    def _decode(self, input_ids, attention_mask, position_ids, cache):
+        if self.capacity is None:
+            logits = self._run(contract.DECODE, {"input_ids": input_ids, "attention_mask": attention_mask,
+                                                 "position_ids": position_ids}, cache.current, cache.spare,
+                               cache.length)
+            cache.current, cache.spare = cache.spare, cache.current
+            cache.length += 1
+            return logits, cache
+        if cache.length >= self.capacity:
+            raise InputError(f"decode: the static cache holds {self.capacity} positions and is full; "
+                             "export with a larger --max-seq-len")
+        cache.mask[:, cache.length] = attention_mask[:, -1]
+        arrays = {"input_ids": input_ids, "attention_mask": cache.mask, "position_ids": position_ids,
+                  "write_indices": np.full((cache.batch,), cache.length, dtype=np.int64)}
+        logits = self._run(contract.DECODE, arrays, cache.buffers, cache.buffers, self.capacity)  # in place
         cache.length += 1
         return logits, cache
 
-    def cache_feeds(self, cache: _Cache):
+    def _buffers(self, cache) -> list:
+        return cache.buffers if isinstance(cache, _StaticCache) else cache.current
+
+    def cache_feeds(self, cache):
         shape = (cache.batch, self.dims.num_kv_heads, cache.length, self.dims.head_dim)
         return {n: (shape, self.dims.kv_dtype) for n in contract.past_names(self.dims.num_layers)}
 
-    def cache_arrays(self, cache: _Cache):
-        shape = (cache.batch, self.dims.num_kv_heads, cache.length, self.dims.head_dim)
+    def cache_arrays(self, cache):
+        d = self.dims
+        seq = self.capacity if isinstance(cache, _StaticCache) else cache.length  # the buffer's layout
+        shape = (cache.batch, d.num_kv_heads, seq, d.head_dim)
         out = []
-        for buf in cache.current:
-            raw = np.empty(int(np.prod(shape)) * contract.DTYPE_BYTES[self.dims.kv_dtype], dtype=np.uint8)
+        for buf in self._buffers(cache):
+            raw = np.empty(int(np.prod(shape)) * contract.DTYPE_BYTES[d.kv_dtype], dtype=np.uint8)
             buf.view(shape=(raw.size,), dtype=self._dt.UINT8).copy_to(raw, self.stream)
             self.stream.synchronize()
-            out.append(_to_float32(raw, self.dims.kv_dtype).reshape(shape))
+            out.append(_to_float32(raw, d.kv_dtype).reshape(shape)[:, :, : cache.length])
         return out
 
 

@@ -212,3 +212,26 @@ def test_build_engines_and_parity_on_gpu(tiny_artifact, tmp_path):
     assert run("build-engine", art, "--max-batch", "4", "--max-input-len", "32", "--max-seq-len", "64").exit_code == 0
     result = run("parity", art, "--backends", "torch,ort,trt", "--require", "trt", "--steps", "8")
     assert result.exit_code == 0, result.output
+
+
+def test_static_cache_profiles_fix_the_capacity():
+    dims = contract.GraphDims(2, 2, 16, 512, "float32", kv_capacity=256)
+    p = compute_profiles(dims, Limits(max_batch=4, max_input_len=128, max_seq_len=256), max_context=1024)
+    assert p["decode"]["attention_mask"] == [[1, 256], [2, 256], [4, 256]]
+    assert p["decode"]["write_indices"] == [[1], [2], [4]]
+    assert p["decode"]["past_key_values.0.key"] == [[1, 2, 256, 16], [2, 2, 256, 16], [4, 2, 256, 16]]
+    assert p["prefill"]["input_ids"] == [[1, 1], [2, 64], [4, 128]]
+    with pytest.raises(ValueError, match="static cache of 256 positions; --max-seq-len must be 256"):
+        compute_profiles(dims, Limits(4, 128, 512), max_context=1024)
+
+
+@pytest.mark.trt
+def test_static_cache_engines_and_parity_on_gpu(tiny, tmp_path):
+    pytest.importorskip("tensorrt", reason="needs TensorRT (pip install 'tk[gpu]' from NVIDIA's index) and a GPU")
+    from toolkit.artifact import export_artifact
+
+    art = tmp_path / "art"
+    export_artifact(tiny, art, kv_cache="static", max_seq_len=64)
+    assert run("build-engine", art, "--max-batch", "4", "--max-input-len", "32").exit_code == 0
+    result = run("parity", art, "--backends", "ort,trt", "--require", "trt", "--steps", "8")
+    assert result.exit_code == 0, result.output

@@ -20,10 +20,8 @@ def build(artifact: Path, precision: str | None, max_batch: int, max_input_len: 
           timing_cache: Path | None, workspace: float, force: bool, progress: Callable[[str], None]) -> dict:
     """Unset lengths default to the model's context (at most 2048) and half of it for prompts."""
     manifest = read_manifest(artifact)
-    if manifest.get("kv_cache") == "static":
-        raise ValueError("tk build-engine takes dynamic-cache artifacts for now; export without --kv-cache static "
-                         "(tk's TensorRT runtime does not drive the in-place KV-cache layer yet)")
-    max_seq_len = max_seq_len or min(manifest["config"]["max_position_embeddings"], 2048)
+    capacity = manifest["dims"].get("kv_capacity")
+    max_seq_len = max_seq_len or capacity or min(manifest["config"]["max_position_embeddings"], 2048)
     limits = Limits(max_batch, max_input_len or max(1, max_seq_len // 2), max_seq_len)
     compute_profiles(dims_from_manifest(manifest), limits, manifest["config"]["max_position_embeddings"])  # flags first
     if (artifact / contract.ENGINE_META).exists() and not force:
