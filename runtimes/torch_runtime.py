@@ -1,6 +1,6 @@
 """PyTorch backend over the reference decoder, given by the caller (runtimes never import models).
 
-CPU always; CUDA when asked for and present. The cache is the decoder's own list of (key, value)
+device "auto" takes CUDA when torch sees a GPU, else the CPU; "cuda" insists on a GPU. The cache is the decoder's own list of (key, value)
 tensors and stays on the device between steps.
 """
 
@@ -15,7 +15,7 @@ from runtimes.base import BackendUnavailable, Runtime
 class TorchRuntime(Runtime):
     name = "torch"
 
-    def __init__(self, model, device: str = "cpu", debug: bool = False):
+    def __init__(self, model, device: str = "auto", debug: bool = False):
         c = model.config
         kv_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         super().__init__(contract.GraphDims(c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size, kv_dtype),
@@ -25,6 +25,8 @@ class TorchRuntime(Runtime):
     def _load(self) -> None:
         import torch
 
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise BackendUnavailable("the torch backend was asked for CUDA but torch sees no CUDA device; "
                                      "use --device cpu or install a CUDA build of torch on a GPU machine")

@@ -185,3 +185,14 @@ def test_debug_flag_shows_the_traceback(tmp_path):
     assert plain.exit_code == 1 and "Traceback" not in plain.output
     debug = CliRunner().invoke(main, ["--debug", "inspect", str(tmp_path / "nope")])
     assert debug.exit_code == 1 and type(debug.exception).__name__ == "CheckpointError"
+
+
+def test_torch_backend_cuda_without_a_gpu(tiny_artifact):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device; the test covers machines without one")
+    result = run("generate", tiny_artifact, "--backend", "torch", "--device", "cuda", "--prompt-ids", "1,2")
+    assert result.exit_code == 1
+    assert error_line(result) == ("Error: the torch backend was asked for CUDA but torch sees no CUDA device; "
+                                  "use --device cpu or install a CUDA build of torch on a GPU machine")

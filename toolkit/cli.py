@@ -134,10 +134,13 @@ def inspect(path: Path, batch: int, seq_len: int | None, as_json: bool) -> None:
 @click.option("--stop", "stops", multiple=True, help="Stop when this text appears (repeatable).")
 @click.option("--ignore-eos", is_flag=True, help="Generate exactly --max-new-tokens.")
 @click.option("--threads", type=click.IntRange(min=1), help="ONNX Runtime intra-op threads.")
+@click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]),
+              help="Device of the torch backend (auto: CUDA when present).")
 @click.option("--json", "as_json", is_flag=True, help="Print tokens, text, finish reason and timings as JSON.")
 def generate(artifact: Path, backend: str, prompts: tuple[str, ...], prompt_ids: tuple[str, ...],
              max_new_tokens: int, temperature: float, top_k: int, top_p: float, repetition_penalty: float,
-             seed: int, stops: tuple[str, ...], ignore_eos: bool, threads: int | None, as_json: bool) -> None:
+             seed: int, stops: tuple[str, ...], ignore_eos: bool, threads: int | None, device: str,
+             as_json: bool) -> None:
     """Generate text from an exported ARTIFACT on one backend."""
     from runtimes.base import read_manifest
     from runtimes.sampling import SamplingConfig
@@ -146,7 +149,7 @@ def generate(artifact: Path, backend: str, prompts: tuple[str, ...], prompt_ids:
     if bool(prompts) == bool(prompt_ids):
         raise click.UsageError("give either --prompt or --prompt-ids")
     manifest = read_manifest(artifact)
-    runtime = open_runtime(artifact, backend, threads)
+    runtime = open_runtime(artifact, backend, threads, device)
     tokenizer = Tokenizer(artifact) if prompts else Tokenizer.find(artifact)
     ids = [tokenizer.encode(p) for p in prompts] if prompts else [parse_ids(p) for p in prompt_ids]
     sampling = SamplingConfig(temperature, top_k, top_p, repetition_penalty, seed)

@@ -49,7 +49,7 @@ class Tokenizer:
         return self._decode(list(ids))
 
 
-def open_runtime(artifact: Path, backend: str, threads: int | None = None, device: str = "cpu") -> Runtime:
+def open_runtime(artifact: Path, backend: str, threads: int | None = None, device: str = "auto") -> Runtime:
     """A runtime for `backend` over the artifact (not yet activated)."""
     manifest = read_manifest(artifact)
     if backend == "torch":
