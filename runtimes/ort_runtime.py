@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from models import contract
-from runtimes.base import ArtifactError, BackendUnavailable, InputError, Runtime, dims_from_manifest, read_manifest
+from runtimes.base import (ArtifactError, BackendUnavailable, InputError, Runtime, dims_from_manifest, dtype_name,
+                           read_manifest)
 
 _ORT_DTYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(bfloat16)": "bfloat16",
                "tensor(int64)": "int64"}
@@ -216,7 +217,7 @@ class OrtStaticRuntime(OrtRuntime):
 
     def cache_feeds(self, cache: _StaticCache):
         shape = cache.arrays[0].shape[:2] + (cache.length,) + cache.arrays[0].shape[3:]
-        dtype = str(cache.arrays[0].dtype)
+        dtype = dtype_name(cache.arrays[0].dtype)
         return {n: (shape, dtype) for n in contract.past_names(self.dims.num_layers)}
 
     def cache_arrays(self, cache: _StaticCache):
