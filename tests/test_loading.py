@@ -157,3 +157,17 @@ def test_tiny_preset_roundtrip(tiny):
     assert (tiny / "tokenizer.json").is_file()
     # every vector is jittered: a loader that dropped a norm weight would not notice ones
     assert not torch.allclose(model.layers[0].attn_norm.weight, torch.ones(64))
+
+
+def test_bf16_checkpoint_loads_in_float32(checkpoints, tmp_path):
+    """Real checkpoints usually ship bf16 safetensors; loading them in fp32 upcasts exactly."""
+    hf = load_hf(checkpoints("qwen3")).to(torch.bfloat16)
+    hf.save_pretrained(tmp_path)
+    hf32 = load_hf(tmp_path)  # transformers upcasts the bf16 weights to fp32
+    ours = load_decoder(tmp_path, "fp32")
+    assert ours.embed.weight.dtype == torch.float32
+    ids = torch.randint(0, 300, (1, 10))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        assert_close(ours(ids, mask, position_ids_from_mask(mask))[0],
+                     hf32(input_ids=ids, attention_mask=mask).logits, 1e-4, "bf16 checkpoint")
