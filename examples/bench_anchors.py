@@ -94,6 +94,10 @@ def genai_anchor(checkpoint: Path, folder: Path, threads: int):
 
 def _worker(name: str, args: argparse.Namespace, conn) -> None:
     """One stack in its own process: ORT thread pools of different stacks never share a process."""
+    if name.startswith("tk"):
+        from runtimes.ort_runtime import use_shared_thread_pool
+
+        use_shared_thread_pool()  # this worker process is tk's alone, as in the tk command
     make = {"tk-ort": lambda: tk_ort(args.artifact, args.threads),
             "tk-ort-static": lambda: tk_ort(args.static, args.threads),
             "transformers": lambda: transformers_anchor(args.checkpoint, args.threads),

@@ -8,7 +8,6 @@ decode step, so the loop never copies the cache through numpy.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import tempfile
 from pathlib import Path
 
@@ -40,13 +39,14 @@ def verify_graph_files(artifact: Path, manifest: dict) -> dict[str, Path]:
     return paths
 
 
-@functools.cache
-def _shared_thread_pool(threads: int) -> None:
-    """Size ORT's process-wide intra-op pool, once per process (the first runtime's --threads wins;
-    0 lets ORT choose)."""
-    import onnxruntime as ort
+_SHARED_POOL: dict = {"wanted": False, "threads": None}  # ORT's own process-wide state, mirrored
 
-    ort.set_global_thread_pool_sizes(threads, 1)
+
+def use_shared_thread_pool() -> None:
+    """Run every tk ORT session of this process on ORT's process-wide thread pool, sized by the
+    first runtime's thread count. Call it before any ORT session exists, and only in a process
+    where every ORT session is tk's: ORT then refuses sessions that keep a pool of their own."""
+    _SHARED_POOL["wanted"] = True
 
 
 class OrtRuntime(Runtime):
@@ -76,12 +76,20 @@ class OrtRuntime(Runtime):
         opts = ort.SessionOptions()
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         opts.log_severity_level = 3
-        # Prefill and decode share one process-wide thread pool. With a pool each, the spinning
-        # threads of one steal the cores the other needs (55M model, 2 cores: time to first token
-        # 57 ms with two pools, 28 ms shared; decode 4.0 -> 3.8 ms/token; 30 ms / 4.2 ms with two
-        # pools that do not spin).
-        _shared_thread_pool(self.threads or 0)
-        opts.use_per_session_threads = False
+        # Prefill and decode each have a session. With a thread pool each, the spinning threads of
+        # one steal the cores the other needs (55M model, 2 cores: time to first token 57 ms).
+        # Without spinning: 30 ms. Sharing ORT's process-wide pool is faster still (28 ms, and
+        # decode 3.8 instead of 4.1 ms/token) but binds every ORT session in the process to it,
+        # so only a process that is tk's own opts in (the tk command does).
+        if _SHARED_POOL["wanted"]:
+            if _SHARED_POOL["threads"] is None:
+                ort.set_global_thread_pool_sizes(self.threads or 0, 1)  # 0: ORT chooses
+                _SHARED_POOL["threads"] = self.threads or 0
+            opts.use_per_session_threads = False
+        else:
+            opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            if self.threads:
+                opts.intra_op_num_threads = self.threads
         if self.profile:  # ORT's own trace of every run and kernel (tk bench --profile)
             opts.enable_profiling = True
             opts.profile_file_prefix = str(Path(tempfile.gettempdir()) / "tk-ort-profile")

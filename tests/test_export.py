@@ -44,6 +44,27 @@ def test_fp32_export_validates_and_ort_greedy_matches_transformers(checkpoints, 
     with OrtRuntime(art) as ort:
         got = generate(ort, [prompt[0].tolist()], 32, ignore_eos=True).rows[0].tokens
     assert got == expected
+    assert plain_ort_greedy(art, prompt[0].tolist(), 32) == expected
+
+
+def plain_ort_greedy(art, prompt: list[int], n: int) -> list[int]:
+    """Greedy decoding with nothing but onnxruntime and numpy: the graphs stand on their own."""
+    import onnxruntime as ort
+
+    prefill = ort.InferenceSession(str(art / "prefill.onnx"))
+    decode = ort.InferenceSession(str(art / "decode.onnx"))
+    ids = np.array([prompt], dtype=np.int64)
+    mask = np.ones_like(ids)
+    out = prefill.run(None, {"input_ids": ids, "attention_mask": mask, "position_ids": np.arange(len(prompt))[None]})
+    tokens = []
+    for _ in range(n):
+        tokens.append(int(out[0][0, -1].argmax()))
+        mask = np.ones((1, mask.shape[1] + 1), dtype=np.int64)
+        feeds = {"input_ids": np.array([[tokens[-1]]]), "attention_mask": mask,
+                 "position_ids": np.array([[mask.shape[1] - 1]])}
+        feeds.update({i.name: v for i, v in zip(decode.get_inputs()[3:], out[1:])})
+        out = decode.run(None, feeds)
+    return tokens
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

@@ -281,5 +281,13 @@ def demo(preset: str, prompt: str, max_new_tokens: int) -> None:
     run_demo(preset, prompt, max_new_tokens, echo=lambda msg: click.echo(msg))
 
 
+def entry() -> None:
+    """The `tk` console script: this process is tk's own, so its ORT sessions share one thread pool."""
+    from runtimes.ort_runtime import use_shared_thread_pool
+
+    use_shared_thread_pool()
+    main()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())
