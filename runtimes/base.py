@@ -104,6 +104,8 @@ class Runtime(ABC):
 
     def __init__(self, dims: contract.GraphDims, max_context: int):
         self.dims = dims
+        self.past_names = contract.past_names(dims.num_layers)  # named once, bound every decode step
+        self.present_names = contract.present_names(dims.num_layers)
         self.max_context = max_context
         self.active = False
         self.hidden: list[np.ndarray] | None = None  # the last call's per-layer hidden states, where available

@@ -114,7 +114,7 @@ class OrtRuntime(Runtime):
         binding = session.io_binding()
         for name, value in arrays.items():
             binding.bind_cpu_input(name, np.ascontiguousarray(value))
-        for name, value in zip(contract.past_names(self.dims.num_layers), cache or []):
+        for name, value in zip(self.past_names, cache or []):
             binding.bind_ortvalue_input(name, value)
         for name in self.output_names[graph]:
             binding.bind_output(name, self.device)
@@ -133,8 +133,8 @@ class OrtRuntime(Runtime):
                                            "position_ids": position_ids}, cache)
 
     def cache_feeds(self, cache):
-        names = contract.past_names(self.dims.num_layers)
-        return {n: (tuple(v.shape()), _ORT_DTYPES.get(v.data_type(), v.data_type())) for n, v in zip(names, cache)}
+        return {n: (tuple(v.shape()), _ORT_DTYPES.get(v.data_type(), v.data_type()))
+                for n, v in zip(self.past_names, cache)}
 
     def cache_arrays(self, cache):
         return [v.numpy().astype(np.float32) for v in cache]
@@ -205,8 +205,7 @@ class OrtStaticRuntime(OrtRuntime):
                             ("write_indices", cache.write)):
             binding.bind_ortvalue_input(name, self._ortvalue(array))
         binding.bind_ortvalue_output("logits", self._ortvalue(cache.logits))
-        L = self.dims.num_layers
-        for past, present, value in zip(contract.past_names(L), contract.present_names(L), cache.values):
+        for past, present, value in zip(self.past_names, self.present_names, cache.values):
             binding.bind_ortvalue_input(past, value)
             binding.bind_ortvalue_output(present, value)  # the same buffer: updated in place
         cache.binding = binding
@@ -226,7 +225,7 @@ class OrtStaticRuntime(OrtRuntime):
     def cache_feeds(self, cache: _StaticCache):
         shape = cache.arrays[0].shape[:2] + (cache.length,) + cache.arrays[0].shape[3:]
         dtype = dtype_name(cache.arrays[0].dtype)
-        return {n: (shape, dtype) for n in contract.past_names(self.dims.num_layers)}
+        return {n: (shape, dtype) for n in self.past_names}
 
     def cache_arrays(self, cache: _StaticCache):
         return [a[:, :, : cache.length].astype(np.float32) for a in cache.arrays]

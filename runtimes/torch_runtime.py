@@ -48,9 +48,8 @@ class TorchRuntime(Runtime):
         return self._run(input_ids, attention_mask, position_ids, cache)
 
     def cache_feeds(self, cache):
-        names = contract.past_names(self.dims.num_layers)
         flat = [t for kv in cache for t in kv]
-        return {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in zip(names, flat)}
+        return {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in zip(self.past_names, flat)}
 
     def cache_arrays(self, cache):
         return [t.float().cpu().numpy() for kv in cache for t in kv]

@@ -194,7 +194,7 @@ class TrtRuntime(Runtime):
         B = arrays["input_ids"].shape[0]
         if past is not None:
             shapes.update({n: (B, self.dims.num_kv_heads, past_len, self.dims.head_dim)
-                           for n in contract.past_names(self.dims.num_layers)})
+                           for n in self.past_names})
         problem = profile_problem(graph, self.meta["profiles"][graph], shapes, self.meta["limits"])
         if problem:
             raise InputError(problem)
@@ -204,14 +204,14 @@ class TrtRuntime(Runtime):
             buf.copy_from(np.ascontiguousarray(array).view(np.uint8).reshape(-1), self.stream)
             ctx.set_input_shape(name, array.shape)
             ctx.set_tensor_address(name, buf.ptr)
-        for name, buf in zip(contract.past_names(self.dims.num_layers), past or []):
+        for name, buf in zip(self.past_names, past or []):
             ctx.set_input_shape(name, shapes[name])
             ctx.set_tensor_address(name, buf.ptr)
         S = arrays["input_ids"].shape[1]
         logits_shape = (B, S, self.dims.vocab_size)
         self.logits.resize((int(np.prod(logits_shape)) * 4,))
         ctx.set_tensor_address("logits", self.logits.ptr)
-        for name, buf in zip(contract.present_names(self.dims.num_layers), present):
+        for name, buf in zip(self.present_names, present):
             ctx.set_tensor_address(name, buf.ptr)
         if not ctx.execute_async_v3(self.stream.ptr):
             raise InputError(f"{graph}: TensorRT failed to run the engine for inputs {shapes}")
@@ -269,7 +269,7 @@ class TrtRuntime(Runtime):
 
     def cache_feeds(self, cache):
         shape = (cache.batch, self.dims.num_kv_heads, cache.length, self.dims.head_dim)
-        return {n: (shape, self.dims.kv_dtype) for n in contract.past_names(self.dims.num_layers)}
+        return {n: (shape, self.dims.kv_dtype) for n in self.past_names}
 
     def cache_arrays(self, cache):
         d = self.dims

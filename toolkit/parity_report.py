@@ -7,6 +7,7 @@ runs with the same seed on the same machine write the same report.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from pathlib import Path
@@ -16,7 +17,7 @@ import numpy as np
 from runtimes.base import BackendUnavailable, Runtime, read_manifest
 from runtimes.generate import left_pad
 from toolkit.parity import (Comparison, StepResult, Tolerance, compare_traces, first_divergence, format_table,
-                            random_cases, run_trace)
+                            random_cases, run_trace, tolerance_for)
 from toolkit.probes import run_probes
 
 SCHEMA_VERSION = 1
@@ -83,25 +84,22 @@ def parity(artifact: Path, backends: list[str], steps: int = 16, seed: int = 0, 
            overrides: dict | None = None) -> dict:
     """The whole `tk parity` run on an artifact; backends that cannot load are reported as skipped."""
     from toolkit.artifact import reference_runtime
-    from toolkit.parity import tolerance_for
     from toolkit.textgen import open_runtime
 
     if steps < 1:
         raise ValueError(f"--steps must be at least 1, got {steps}")
     manifest_dtype = read_manifest(artifact)["dtype"]
-    ref = reference_runtime(artifact, debug=True).activate()  # hidden states: used where a backend has them too
     tol = tolerance_for(manifest_dtype, **(overrides or {}))
-    runtimes: dict[str, Runtime | str] = {}
-    for name in backends:
-        try:
-            runtimes[name] = open_runtime(artifact, name).activate()
-        except BackendUnavailable as e:  # not installed here, or (trt) no engines built yet
-            runtimes[name] = str(e)
-    cases = artifact_cases(artifact, prompts_file, ref.dims.vocab_size, seed)
-    report = compare_backends(ref, runtimes, cases, tol, steps, seed)
-    for rt in runtimes.values():
-        if isinstance(rt, Runtime):
-            rt.deactivate()
+    with contextlib.ExitStack() as active:  # every loaded runtime is closed, whatever happens
+        ref = active.enter_context(reference_runtime(artifact, debug=True))  # hidden states, where others have them
+        runtimes: dict[str, Runtime | str] = {}
+        for name in backends:
+            try:
+                runtimes[name] = active.enter_context(open_runtime(artifact, name))
+            except BackendUnavailable as e:  # not installed here, or (trt) no engines built yet
+                runtimes[name] = str(e)
+        cases = artifact_cases(artifact, prompts_file, ref.dims.vocab_size, seed)
+        report = compare_backends(ref, runtimes, cases, tol, steps, seed)
     return {"schema_version": SCHEMA_VERSION, "artifact": str(artifact), "dtype": manifest_dtype, "steps": steps,
             "seed": seed, "tolerance": dataclasses.asdict(tol), **report}
 
@@ -109,7 +107,7 @@ def parity(artifact: Path, backends: list[str], steps: int = 16, seed: int = 0, 
 def summary(report: dict) -> str:
     """A readable table of every step, then one line per backend and probe failures."""
     comparisons = [Comparison(b, report["reference"]["backend"], c["case"],
-                              [_step(s) for s in c["steps"]])
+                              [StepResult(**s) for s in c["steps"]])
                    for b, e in report["backends"].items() for c in e.get("cases", [])]
     lines = [format_table(comparisons), ""]
     for probe in report["reference"]["probes"]:
@@ -151,10 +149,6 @@ def describe_divergence(backend: str, d: dict) -> str:
              else f"the logits after every cache tensor agreed (layer {d['layer']}, final norm or head)")
     return (f"{backend} first leaves its tolerance at step {d['step']}, row {d['row']}, position {d['position']}, "
             f"in {where} of case {d['case']}: max_abs {d['max_abs']:.3g}")
-
-
-def _step(s: dict) -> StepResult:
-    return StepResult(**s)
 
 
 def plot(report: dict, path: Path) -> None:
