@@ -1,6 +1,7 @@
 """Check a written ONNX graph against the contract: I/O names, order, dtypes and dims.
 
-Also the structural rules every tk graph keeps (no control flow, no contrib-domain ops). This is
+Also the structural rules every tk graph keeps (no control flow, no contrib-domain ops beyond the
+few a --target ort export asks for). This is
 the exporter's own check of what it wrote; numerics are the parity core's job (toolkit/).
 """
 
@@ -23,8 +24,10 @@ def describe_value(value: onnx.ValueInfoProto) -> tuple[str, str, tuple]:
     return value.name, _ELEM.get(t.elem_type, f"elem_type {t.elem_type}"), dims
 
 
-def graph_problems(model: onnx.ModelProto, graph: str, dims: contract.GraphDims) -> list[str]:
-    """Every way `model` departs from the contract for `graph`; empty when it conforms."""
+def graph_problems(model: onnx.ModelProto, graph: str, dims: contract.GraphDims,
+                   allowed_ops: frozenset[tuple[str, str]] = frozenset()) -> list[str]:
+    """Every way `model` departs from the contract for `graph`; empty when it conforms.
+    allowed_ops: (domain, op) pairs outside the default domain that this export may use."""
     problems = []
     for kind, got, want in (("input", model.graph.input, dims.inputs(graph)),
                             ("output", model.graph.output, dims.outputs(graph))):
@@ -42,15 +45,16 @@ def graph_problems(model: onnx.ModelProto, graph: str, dims: contract.GraphDims)
     for node in model.graph.node:
         if node.op_type in FORBIDDEN_OPS:
             problems.append(f"{graph} has a {node.op_type} node ({node.name}); tk graphs have no control flow")
-        if node.domain not in ("", "ai.onnx"):
+        if node.domain not in ("", "ai.onnx") and (node.domain, node.op_type) not in allowed_ops:
             problems.append(f"{graph} has op {node.domain}.{node.op_type}; tk graphs use the default domain only")
     return problems
 
 
-def check_graph_file(path: Path, graph: str, dims: contract.GraphDims) -> None:
+def check_graph_file(path: Path, graph: str, dims: contract.GraphDims,
+                     allowed_ops: frozenset[tuple[str, str]] = frozenset()) -> None:
     """Raise ContractError naming every departure of the graph at `path` from the contract."""
     model = onnx.load(str(path), load_external_data=False)
-    problems = graph_problems(model, graph, dims)
+    problems = graph_problems(model, graph, dims, allowed_ops)
     if problems:
         raise contract.ContractError("; ".join(problems))
 

@@ -20,6 +20,10 @@ from models import contract
 from models.decoder import Decoder
 
 MIN_OPSET, DEFAULT_OPSET, MAX_OPSET = 18, 23, 23
+TARGETS = ("portable", "ort")  # ort: ONNX Runtime's fused contrib kernels, ONNX Runtime only
+MS_DOMAIN = "com.microsoft"
+CONTRIB_OPS = {"portable": frozenset(),  # what each target may use outside the default domain
+               "ort": frozenset({(MS_DOMAIN, "SkipSimplifiedLayerNormalization"), (MS_DOMAIN, "GroupQueryAttention")})}
 
 
 class ExportError(RuntimeError):
@@ -35,16 +39,16 @@ class GraphModule(nn.Module):
     With output_hidden, each layer's hidden state follows as a debug output (hidden.{i}).
     """
 
-    def __init__(self, model: Decoder, static: bool = False, output_hidden: bool = False):
+    def __init__(self, model: Decoder, static: bool = False, output_hidden: bool = False, fused: bool = False):
         super().__init__()
-        self.model, self.static, self.output_hidden = model, static, output_hidden
+        self.model, self.static, self.output_hidden, self.fused = model, static, output_hidden, fused
 
     def forward(self, input_ids, attention_mask, position_ids, *rest):
         write_index = None
         if self.static:
             write_index, rest = rest[0], rest[1:]
         past = [(rest[2 * i], rest[2 * i + 1]) for i in range(len(rest) // 2)] or None
-        out = self.model(input_ids, attention_mask, position_ids, past, write_index, self.output_hidden)
+        out = self.model(input_ids, attention_mask, position_ids, past, write_index, self.output_hidden, self.fused)
         hidden = list(out[2]) if self.output_hidden else []
         return (out[0], *[t for kv in out[1] for t in kv], *hidden)
 
@@ -59,6 +63,70 @@ def _tensor_scatter(cache, update, write_indices):
 STATIC_OPSET = 24  # TensorScatter
 
 
+def _register_contrib_schemas() -> None:
+    """The exporter builds nodes from onnx.defs schemas; ONNX Runtime's contrib ops have none there.
+    Declare the two tk emits, with their inputs and outputs in ONNX Runtime's order."""
+    import onnx
+    from onnx.defs import OpSchema
+
+    P, optional = OpSchema.FormalParameter, OpSchema.FormalParameterOption.Optional
+    floats = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
+    attr = OpSchema.Attribute
+    schemas = [
+        OpSchema("SkipSimplifiedLayerNormalization", MS_DOMAIN, 1,
+                 inputs=[P("input", "T"), P("skip", "T"), P("gamma", "T")],
+                 outputs=[P("output", "T"), P("mean", "U", param_option=optional),
+                          P("inv_std_var", "U", param_option=optional),
+                          P("input_skip_bias_sum", "T", param_option=optional)],
+                 type_constraints=[("T", floats, ""), ("U", ["tensor(float)"], "")],
+                 attributes=[attr("epsilon", OpSchema.AttrType.FLOAT, "")]),
+        OpSchema("GroupQueryAttention", MS_DOMAIN, 1,
+                 inputs=[P("query", "T"), P("key", "T", param_option=optional), P("value", "T", param_option=optional),
+                         P("past_key", "T"), P("past_value", "T"), P("seqlens_k", "M"),
+                         P("total_sequence_length", "M"), P("cos_cache", "T"), P("sin_cache", "T"),
+                         P("position_ids", "I"), P("attention_bias", "T")],
+                 outputs=[P("output", "T"), P("present_key", "T"), P("present_value", "T")],
+                 type_constraints=[("T", floats, ""), ("M", ["tensor(int32)"], ""), ("I", ["tensor(int64)"], "")],
+                 attributes=[attr("num_heads", OpSchema.AttrType.INT, ""), attr("kv_num_heads", OpSchema.AttrType.INT, ""),
+                             attr("do_rotary", OpSchema.AttrType.INT, ""), attr("scale", OpSchema.AttrType.FLOAT, "")]),
+    ]
+    for schema in schemas:
+        if not onnx.defs.has(schema.name, schema.domain):
+            onnx.defs.register_schema(schema)
+
+
+def _skip_simplified_layer_norm(h, delta, scale, eps: float):
+    """tk::add_rms_norm -> com.microsoft SkipSimplifiedLayerNormalization (output 3 is h + delta)."""
+    from onnxscript.values import Opset
+
+    out, _, _, total = Opset(MS_DOMAIN, 1).SkipSimplifiedLayerNormalization(delta, h, scale, epsilon=eps)
+    return out, total
+
+
+def _group_query_attention(qkv, past_k, past_v, seqlens_k, total, cos_cache, sin_cache, position_ids, bias,
+                           num_heads: int, kv_num_heads: int, static: bool):
+    """tk::gqa -> com.microsoft GroupQueryAttention on packed qkv, with RoPE (do_rotary)."""
+    from onnxscript.values import Opset
+
+    head_dim = cos_cache.shape[-1] * 2
+    return Opset(MS_DOMAIN, 1).GroupQueryAttention(
+        qkv, None, None, past_k, past_v, seqlens_k, total, cos_cache, sin_cache, position_ids, bias,
+        num_heads=num_heads, kv_num_heads=kv_num_heads, do_rotary=1, scale=float(head_dim) ** -0.5)
+
+
+def check_target(model: Decoder, target: str) -> None:
+    """What the ort target's kernels cannot express, refused before any export work."""
+    if target not in TARGETS:
+        raise ExportError(f"unknown target {target!r}; use one of {', '.join(TARGETS)}")
+    c = model.config
+    if target == "ort":
+        unsupported = [why for why, bad in (("partial rotary embeddings", c.rotary_dim != c.head_dim),
+                                             ("per-head q/k norms", c.qk_norm)) if bad]
+        if unsupported:
+            raise ExportError(f"--target ort does not support {' or '.join(unsupported)} "
+                              f"({c.architecture}); export with --target portable")
+
+
 def graph_dims(model: Decoder, kv_dtype: str, kv_capacity: int | None = None,
                debug_outputs: bool = False) -> contract.GraphDims:
     c = model.config
@@ -66,7 +134,8 @@ def graph_dims(model: Decoder, kv_dtype: str, kv_capacity: int | None = None,
                               c.hidden_size if debug_outputs else None)
 
 
-def _example(graph: str, model: Decoder, capacity: int | None = None, output_hidden: bool = False):
+def _example(graph: str, model: Decoder, capacity: int | None = None, output_hidden: bool = False,
+             fused: bool = False):
     """Example inputs (batch 2, so batch is not specialized to 1) and dynamic shapes."""
     c, B, S, P = model.config, 2, 5, 3
     batch = Dim(contract.BATCH, min=1)
@@ -78,7 +147,7 @@ def _example(graph: str, model: Decoder, capacity: int | None = None, output_hid
                 torch.full((B,), P, dtype=torch.int64), *past)
         shapes = {"input_ids": {0: batch}, "attention_mask": {0: batch}, "position_ids": {0: batch},
                   "rest": ({0: batch}, *({0: batch} for _ in past))}  # write_indices, then the cache
-        return GraphModule(model, static=True, output_hidden=output_hidden), args, shapes
+        return GraphModule(model, static=True, output_hidden=output_hidden, fused=fused), args, shapes
     if graph == contract.PREFILL:
         seq = Dim(contract.SEQ, min=1)
         ids = torch.randint(0, c.vocab_size, (B, S))
@@ -86,7 +155,7 @@ def _example(graph: str, model: Decoder, capacity: int | None = None, output_hid
         args = (ids, mask, contract.position_ids_from_mask(mask))
         shapes = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq},
                   "position_ids": {0: batch, 1: seq}}
-        return GraphModule(model, output_hidden=output_hidden), args, shapes
+        return GraphModule(model, output_hidden=output_hidden, fused=fused), args, shapes
     past_dim = Dim(contract.PAST, min=1)  # never 0: TensorRT rejects empty dims; prefill covers "no past"
     ids = torch.randint(0, c.vocab_size, (B, 1))
     mask = torch.ones(B, P + 1, dtype=torch.int64)
@@ -94,7 +163,7 @@ def _example(graph: str, model: Decoder, capacity: int | None = None, output_hid
     args = (ids, mask, torch.full((B, 1), P, dtype=torch.int64), *past)
     shapes = {"input_ids": {0: batch}, "attention_mask": {0: batch, 1: past_dim + 1},
               "position_ids": {0: batch}, "rest": tuple({0: batch, 2: past_dim} for _ in past)}
-    return GraphModule(model, output_hidden=output_hidden), args, shapes
+    return GraphModule(model, output_hidden=output_hidden, fused=fused), args, shapes
 
 
 def _rename_dims(ir_graph) -> None:
@@ -109,17 +178,28 @@ def _rename_dims(ir_graph) -> None:
 
 
 def export_graph(model: Decoder, graph: str, path: Path, opset: int = DEFAULT_OPSET,
-                 kv_capacity: int | None = None, debug_outputs: bool = False) -> float:
+                 kv_capacity: int | None = None, debug_outputs: bool = False, target: str = "portable") -> float:
     """Export one graph to `path` (weights to `path`.data). Returns seconds taken.
 
     With `kv_capacity` the decode graph gets a static-capacity cache and opset 24 (TensorScatter).
+    target "ort" fuses residual add + RMSNorm (both graphs) and the decode step's RoPE, cache write
+    and attention into ONNX Runtime's contrib kernels; the graphs' inputs and outputs do not change.
     """
     if not MIN_OPSET <= opset <= MAX_OPSET:
         raise ExportError(f"opset {opset} is not supported; use {MIN_OPSET}..{MAX_OPSET}")
+    check_target(model, target)
+    fused = target == "ort"
     static = graph == contract.DECODE and kv_capacity is not None
-    opset = STATIC_OPSET if static else opset
+    opset = STATIC_OPSET if static and not fused else opset
     dims = graph_dims(model, str(model.dtype).removeprefix("torch."), kv_capacity, debug_outputs)
-    module, args, shapes = _example(graph, model, kv_capacity, debug_outputs)
+    module, args, shapes = _example(graph, model, kv_capacity, debug_outputs, fused)
+    table = {}
+    if static:
+        table[torch.ops.tk.kv_write.default] = _tensor_scatter
+    if fused:
+        _register_contrib_schemas()
+        table[torch.ops.tk.add_rms_norm.default] = _skip_simplified_layer_norm
+        table[torch.ops.tk.gqa.default] = _group_query_attention
     in_names = [s.name for s in dims.inputs(graph)]
     out_names = [s.name for s in dims.outputs(graph)]
     start = time.perf_counter()
@@ -131,7 +211,7 @@ def export_graph(model: Decoder, graph: str, path: Path, opset: int = DEFAULT_OP
             program = torch.onnx.export(
                 module.eval(), args, dynamo=True, opset_version=opset, dynamic_shapes=shapes,
                 input_names=in_names, output_names=out_names, verbose=False, optimize=True,
-                custom_translation_table={torch.ops.tk.kv_write.default: _tensor_scatter} if static else None,
+                custom_translation_table=table or None,
             )
         except Exception as e:  # the exporter raises many unrelated types; one line is what the user needs
             raise ExportError(f"torch.onnx.export failed for the {graph} graph: {str(e).splitlines()[0]}") from e

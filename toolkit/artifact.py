@@ -22,7 +22,8 @@ from typing import Callable
 import onnx
 
 from exporters.contract_check import check_graph_file
-from exporters.onnx_export import DEFAULT_OPSET, MAX_OPSET, MIN_OPSET, export_graph, graph_dims
+from exporters.onnx_export import (CONTRIB_OPS, DEFAULT_OPSET, MAX_OPSET, MIN_OPSET, TARGETS, check_target, export_graph,
+                                   graph_dims)
 from exporters.trt_lint import lint_graphs
 from models import contract
 from models.config import canonical_dtype
@@ -57,7 +58,9 @@ def versions() -> dict[str, str]:
     return out
 
 
-def _check_options(dtype: str, opset: int, kv_cache: str, max_seq_len: int | None) -> str:
+def _check_options(dtype: str, opset: int, kv_cache: str, max_seq_len: int | None, target: str) -> str:
+    if target not in TARGETS:
+        raise ValueError(f"unknown target {target!r}; use one of {', '.join(TARGETS)}")
     if kv_cache not in KV_CACHES:
         raise ValueError(f"unknown kv cache {kv_cache!r}; use one of {', '.join(KV_CACHES)}")
     if kv_cache == "static" and (max_seq_len is None or max_seq_len < 2):
@@ -130,17 +133,19 @@ def validate(artifact: Path, manifest: dict, steps: int = VALIDATION_STEPS) -> t
 def export_artifact(model_dir: str | Path, out: str | Path, dtype: str = "fp32", opset: int = DEFAULT_OPSET,
                     run_validation: bool = True, force: bool = False,
                     progress: Callable[[str], None] = lambda msg: None, kv_cache: str = "dynamic",
-                    max_seq_len: int | None = None, debug_outputs: bool = False) -> dict:
+                    max_seq_len: int | None = None, debug_outputs: bool = False, target: str = "portable") -> dict:
     """Write a complete artifact to `out` and return its manifest.
 
     kv_cache "static" exports the decode graph with a cache of capacity `max_seq_len`, updated in
     place (opset 24 TensorScatter); the prefill graph is the ordinary one. debug_outputs adds each
-    layer's hidden state as outputs (hidden.{i}), so tk parity can name the exact layer.
+    layer's hidden state as outputs (hidden.{i}), so tk parity can name the exact layer. target "ort"
+    uses ONNX Runtime's fused kernels (same inputs and outputs; ONNX Runtime only, no TensorRT).
     """
     model_dir, out = Path(model_dir), Path(out)
-    dtype = _check_options(dtype, opset, kv_cache, max_seq_len)
-    if debug_outputs and kv_cache == "static":
-        raise ValueError("--debug-outputs works with the dynamic cache; drop --kv-cache static for a debug export")
+    dtype = _check_options(dtype, opset, kv_cache, max_seq_len, target)
+    if debug_outputs and (kv_cache == "static" or target != "portable"):
+        raise ValueError("--debug-outputs works with the dynamic cache and the portable target; drop --kv-cache "
+                         "static and --target for a debug export")
     config = read_config(model_dir)  # fail on a bad checkpoint before touching the filesystem
     if max_seq_len is not None and max_seq_len > config.max_position_embeddings:
         raise ValueError(f"--max-seq-len ({max_seq_len}) is beyond the model's context of "
@@ -152,20 +157,22 @@ def export_artifact(model_dir: str | Path, out: str | Path, dtype: str = "fp32",
     try:
         t = time.perf_counter()
         model = load_decoder(model_dir, dtype)
+        check_target(model, target)
         progress(f"load {model_dir} ({dtype}): {time.perf_counter() - t:.1f} s")
         dims = graph_dims(model, dtype, max_seq_len if kv_cache == "static" else None, debug_outputs)
         graphs = {}
         for graph in contract.GRAPHS:
             path = tmp / contract.GRAPH_FILES[graph]
-            seconds = export_graph(model, graph, path, opset, dims.kv_capacity, debug_outputs)
-            check_graph_file(path, graph, dims)
+            seconds = export_graph(model, graph, path, opset, dims.kv_capacity, debug_outputs, target)
+            check_graph_file(path, graph, dims, CONTRIB_OPS[target])
             data = path.with_name(path.name + ".data")
             graphs[graph] = {"file": path.name, "sha256": sha256_file(path),
                              "data_file": data.name if data.exists() else None,
                              "data_bytes": data.stat().st_size if data.exists() else 0,
                              "opset": onnx_opset(path), "export_s": round(seconds, 2)}
             cache = f", static cache of {dims.kv_capacity}" if graph == contract.DECODE and dims.kv_capacity else ""
-            progress(f"export {graph}{cache}: {seconds:.1f} s, contract ok")
+            fused = ", ONNX Runtime fused kernels" if target == "ort" else ""
+            progress(f"export {graph}{cache}{fused}: {seconds:.1f} s, contract ok")
         del model
         lint = lint_graphs({g: onnx.load(str(tmp / contract.GRAPH_FILES[g]), load_external_data=False)
                             for g in contract.GRAPHS})
@@ -183,6 +190,7 @@ def export_artifact(model_dir: str | Path, out: str | Path, dtype: str = "fp32",
             "dtype": dtype,
             "opset": opset,  # asked for; each graph records its own (a static decode graph needs 24)
             "kv_cache": kv_cache,
+            "target": target,
             "graphs": graphs,
             "tokenizer_files": copied,
             "versions": versions(),

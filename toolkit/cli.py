@@ -91,14 +91,17 @@ def main(ctx: click.Context, debug: bool) -> None:
               help="dynamic (past in, longer present out) or static (fixed capacity, updated in place).")
 @click.option("--max-seq-len", type=int, help="Capacity of a static cache (with --kv-cache static).")
 @click.option("--debug-outputs", is_flag=True, help="Also output every layer's hidden state (for tk parity).")
+@click.option("--target", default="portable", show_default=True,
+              help="portable (standard ONNX: ONNX Runtime and TensorRT) or ort (ONNX Runtime's fused kernels: "
+                   "faster on ONNX Runtime, not loadable by TensorRT).")
 def export(model_dir: Path, out: Path, dtype: str, opset: int, no_validate: bool, force: bool, kv_cache: str,
-           max_seq_len: int | None, debug_outputs: bool) -> None:
+           max_seq_len: int | None, debug_outputs: bool, target: str) -> None:
     """Export MODEL_DIR (a Hugging Face checkpoint folder) to prefill/decode ONNX graphs."""
     from toolkit.artifact import export_artifact
 
     click.echo(f"tk export {model_dir} -> {out}", err=True)
     manifest = export_artifact(model_dir, out, dtype, opset, not no_validate, force, _progress, kv_cache,
-                               max_seq_len, debug_outputs)
+                               max_seq_len, debug_outputs, target)
     v = manifest["validation"]
     if not v.get("skipped"):
         worst = max(s["max_abs"] for c in v["comparisons"] for s in c["steps"])

@@ -20,6 +20,9 @@ def build(artifact: Path, precision: str | None, max_batch: int, max_input_len: 
           timing_cache: Path | None, workspace: float, force: bool, progress: Callable[[str], None]) -> dict:
     """Unset lengths default to the model's context (at most 2048) and half of it for prompts."""
     manifest = read_manifest(artifact)
+    if manifest.get("target", "portable") != "portable":
+        raise ArtifactError(f"{artifact} was exported with --target {manifest['target']} (ONNX Runtime's own fused "
+                            "kernels), which TensorRT cannot parse; export with --target portable for TensorRT")
     capacity = manifest["dims"].get("kv_capacity")
     max_seq_len = max_seq_len or capacity or min(manifest["config"]["max_position_embeddings"], 2048)
     limits = Limits(max_batch, max_input_len or max(1, max_seq_len // 2), max_seq_len)
