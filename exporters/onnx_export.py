@@ -39,16 +39,19 @@ class GraphModule(nn.Module):
     With output_hidden, each layer's hidden state follows as a debug output (hidden.{i}).
     """
 
-    def __init__(self, model: Decoder, static: bool = False, output_hidden: bool = False, fused: bool = False):
+    def __init__(self, model: Decoder, static: bool = False, output_hidden: bool = False, fused: bool = False,
+                 last_only: bool = False):
         super().__init__()
         self.model, self.static, self.output_hidden, self.fused = model, static, output_hidden, fused
+        self.last_only = last_only
 
     def forward(self, input_ids, attention_mask, position_ids, *rest):
         write_index = None
         if self.static:
             write_index, rest = rest[0], rest[1:]
         past = [(rest[2 * i], rest[2 * i + 1]) for i in range(len(rest) // 2)] or None
-        out = self.model(input_ids, attention_mask, position_ids, past, write_index, self.output_hidden, self.fused)
+        out = self.model(input_ids, attention_mask, position_ids, past, write_index, self.output_hidden, self.fused,
+                         self.last_only)
         hidden = list(out[2]) if self.output_hidden else []
         return (out[0], *[t for kv in out[1] for t in kv], *hidden)
 
@@ -127,17 +130,17 @@ def check_target(model: Decoder, target: str) -> None:
                               f"({c.architecture}); export with --target portable")
 
 
-def graph_dims(model: Decoder, kv_dtype: str, kv_capacity: int | None = None,
-               debug_outputs: bool = False) -> contract.GraphDims:
+def graph_dims(model: Decoder, kv_dtype: str, kv_capacity: int | None = None, debug_outputs: bool = False,
+               prefill_logits: str = "all") -> contract.GraphDims:
     c = model.config
     return contract.GraphDims(c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size, kv_dtype, kv_capacity,
-                              c.hidden_size if debug_outputs else None)
+                              c.hidden_size if debug_outputs else None, prefill_logits)
 
 
-def _example(graph: str, model: Decoder, capacity: int | None = None, output_hidden: bool = False,
-             fused: bool = False):
+def _example(graph: str, model: Decoder, dims: contract.GraphDims, fused: bool = False):
     """Example inputs (batch 2, so batch is not specialized to 1) and dynamic shapes."""
     c, B, S, P = model.config, 2, 5, 3
+    capacity, output_hidden = dims.kv_capacity, dims.hidden_size is not None
     batch = Dim(contract.BATCH, min=1)
     if graph == contract.DECODE and capacity is not None:
         mask = torch.zeros(B, capacity, dtype=torch.int64)
@@ -155,7 +158,8 @@ def _example(graph: str, model: Decoder, capacity: int | None = None, output_hid
         args = (ids, mask, contract.position_ids_from_mask(mask))
         shapes = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq},
                   "position_ids": {0: batch, 1: seq}}
-        return GraphModule(model, output_hidden=output_hidden, fused=fused), args, shapes
+        last = dims.prefill_logits == "last"
+        return GraphModule(model, output_hidden=output_hidden, fused=fused, last_only=last), args, shapes
     past_dim = Dim(contract.PAST, min=1)  # never 0: TensorRT rejects empty dims; prefill covers "no past"
     ids = torch.randint(0, c.vocab_size, (B, 1))
     mask = torch.ones(B, P + 1, dtype=torch.int64)
@@ -177,11 +181,12 @@ def _rename_dims(ir_graph) -> None:
         value.shape = ir.Shape(dims)
 
 
-def export_graph(model: Decoder, graph: str, path: Path, opset: int = DEFAULT_OPSET,
-                 kv_capacity: int | None = None, debug_outputs: bool = False, target: str = "portable") -> float:
-    """Export one graph to `path` (weights to `path`.data). Returns seconds taken.
+def export_graph(model: Decoder, graph: str, path: Path, dims: contract.GraphDims, opset: int = DEFAULT_OPSET,
+                 target: str = "portable") -> float:
+    """Export one graph of the contract `dims` describes to `path` (weights to `path`.data).
+    Returns seconds taken.
 
-    With `kv_capacity` the decode graph gets a static-capacity cache and opset 24 (TensorScatter).
+    With `dims.kv_capacity` the decode graph gets a static-capacity cache and opset 24 (TensorScatter).
     target "ort" fuses residual add + RMSNorm (both graphs) and the decode step's RoPE, cache write
     and attention into ONNX Runtime's contrib kernels; the graphs' inputs and outputs do not change.
     """
@@ -189,10 +194,9 @@ def export_graph(model: Decoder, graph: str, path: Path, opset: int = DEFAULT_OP
         raise ExportError(f"opset {opset} is not supported; use {MIN_OPSET}..{MAX_OPSET}")
     check_target(model, target)
     fused = target == "ort"
-    static = graph == contract.DECODE and kv_capacity is not None
+    static = graph == contract.DECODE and dims.kv_capacity is not None
     opset = STATIC_OPSET if static and not fused else opset
-    dims = graph_dims(model, str(model.dtype).removeprefix("torch."), kv_capacity, debug_outputs)
-    module, args, shapes = _example(graph, model, kv_capacity, debug_outputs, fused)
+    module, args, shapes = _example(graph, model, dims, fused)
     table = {}
     if static:
         table[torch.ops.tk.kv_write.default] = _tensor_scatter

@@ -98,12 +98,18 @@ def inputs(graph: str, num_layers: int, capacity: int | None = None) -> list[Ten
     raise ContractError(f"unknown graph {graph!r}; expected one of {', '.join(GRAPHS)}")
 
 
-def outputs(graph: str, num_layers: int, capacity: int | None = None) -> list[TensorSpec]:
-    """Graph outputs, in order. Logits are float32 in every precision."""
+def outputs(graph: str, num_layers: int, capacity: int | None = None, prefill_last: bool = False) -> list[TensorSpec]:
+    """Graph outputs, in order. Logits are float32 in every precision.
+
+    With `prefill_last` the prefill graph returns the logits of the last position only (B, 1, V):
+    all that generation needs, and the LM head then costs one position instead of S. The
+    present cache still covers every position.
+    """
     if graph == DECODE and capacity is not None:
         return [TensorSpec("logits", "float32", (BATCH, 1, "vocab_size")), *_kv(present_names(num_layers), capacity)]
     if graph == PREFILL:
-        return [TensorSpec("logits", "float32", (BATCH, SEQ, "vocab_size")), *_kv(present_names(num_layers), SEQ)]
+        return [TensorSpec("logits", "float32", (BATCH, 1 if prefill_last else SEQ, "vocab_size")),
+                *_kv(present_names(num_layers), SEQ)]
     if graph == DECODE:
         return [TensorSpec("logits", "float32", (BATCH, 1, "vocab_size")), *_kv(present_names(num_layers), TOTAL)]
     raise ContractError(f"unknown graph {graph!r}; expected one of {', '.join(GRAPHS)}")
@@ -120,6 +126,7 @@ class GraphDims:
     kv_dtype: str  # "float32", "float16" or "bfloat16"
     kv_capacity: int | None = None  # set: the decode graph has a static-capacity cache of this many positions
     hidden_size: int | None = None  # set: the graphs also output hidden.{i} after the contract's outputs (debug)
+    prefill_logits: str = "all"  # "last": prefill returns the last position's logits only (B, 1, V)
 
     def inputs(self, graph: str) -> tuple[TensorSpec, ...]:
         return _resolved_inputs(self, graph)  # cached: runtimes check inputs against this every step
@@ -141,7 +148,7 @@ def _resolved_inputs(dims: GraphDims, graph: str) -> tuple[TensorSpec, ...]:
 @functools.lru_cache(maxsize=64)
 def _resolved_outputs(dims: GraphDims, graph: str) -> tuple[TensorSpec, ...]:
     specs = [s.resolve(dims.kv_dtype, dims.num_kv_heads, dims.head_dim, dims.vocab_size)
-             for s in outputs(graph, dims.num_layers, dims.kv_capacity)]
+             for s in outputs(graph, dims.num_layers, dims.kv_capacity, dims.prefill_logits == "last")]
     if dims.hidden_size is not None:
         seq = SEQ if graph == PREFILL else 1
         specs += [TensorSpec(n, "float32", (BATCH, seq, dims.hidden_size)) for n in hidden_names(dims.num_layers)]

@@ -315,6 +315,7 @@ class Decoder(nn.Module):
         write_index: torch.Tensor | None = None,  # (B,) int64: static-capacity cache, write position per row
         output_hidden: bool = False,  # also return each layer's output (B, S, C) in float32, for localization
         fused: bool = False,  # route through ONNX Runtime's fused kernels' ops (tk export --target ort)
+        last_only: bool = False,  # logits for the last position only (B, 1, V): what generation needs
     ) -> tuple[torch.Tensor, KVCache] | tuple[torch.Tensor, KVCache, list[torch.Tensor]]:
         x = self.embed(input_ids)  # (B, S, C)
         if self.config.embed_scale:  # Gemma: the normalizer is rounded to the activation dtype first
@@ -337,6 +338,8 @@ class Decoder(nn.Module):
             present.append(kv)
             if output_hidden:
                 hidden.append((h + delta).float())
+        if last_only:  # left padding puts every row's newest token last
+            h, delta = h[:, -1:], delta[:, -1:]
         x, _ = add_norm(self.norm, h, delta, fused)
         logits = self.lm_head(x).float()  # (B, S, V): float32 in every precision
         return (logits, present, hidden) if output_hidden else (logits, present)

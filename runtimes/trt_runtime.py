@@ -208,6 +208,8 @@ class TrtRuntime(Runtime):
             ctx.set_input_shape(name, shapes[name])
             ctx.set_tensor_address(name, buf.ptr)
         S = arrays["input_ids"].shape[1]
+        if graph == contract.PREFILL and self.dims.prefill_logits == "last":
+            S = 1
         logits_shape = (B, S, self.dims.vocab_size)
         self.logits.resize((int(np.prod(logits_shape)) * 4,))
         ctx.set_tensor_address("logits", self.logits.ptr)

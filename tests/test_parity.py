@@ -101,7 +101,7 @@ class Fp16SquareNorm(RMSNorm):
 
 def _drop_mask(layer):
     forward = layer.forward
-    layer.forward = lambda x, cos, sin, mask, past, write_index=None: forward(x, cos, sin, None, past, write_index)
+    layer.forward = lambda h, delta, cos, sin, mask, *rest: forward(h, delta, cos, sin, None, *rest)
 
 
 def _swap_kv(layer, cfg):

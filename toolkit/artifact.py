@@ -38,6 +38,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
 VALIDATION_STEPS = 8
 KV_CACHES = ("dynamic", "static")
+PREFILL_LOGITS = ("all", "last")
 
 
 class ValidationFailed(Exception):
@@ -58,9 +59,12 @@ def versions() -> dict[str, str]:
     return out
 
 
-def _check_options(dtype: str, opset: int, kv_cache: str, max_seq_len: int | None, target: str) -> str:
+def _check_options(dtype: str, opset: int, kv_cache: str, max_seq_len: int | None, target: str,
+                   prefill_logits: str) -> str:
     if target not in TARGETS:
         raise ValueError(f"unknown target {target!r}; use one of {', '.join(TARGETS)}")
+    if prefill_logits not in PREFILL_LOGITS:
+        raise ValueError(f"unknown prefill logits {prefill_logits!r}; use one of {', '.join(PREFILL_LOGITS)}")
     if kv_cache not in KV_CACHES:
         raise ValueError(f"unknown kv cache {kv_cache!r}; use one of {', '.join(KV_CACHES)}")
     if kv_cache == "static" and (max_seq_len is None or max_seq_len < 2):
@@ -133,16 +137,18 @@ def validate(artifact: Path, manifest: dict, steps: int = VALIDATION_STEPS) -> t
 def export_artifact(model_dir: str | Path, out: str | Path, dtype: str = "fp32", opset: int = DEFAULT_OPSET,
                     run_validation: bool = True, force: bool = False,
                     progress: Callable[[str], None] = lambda msg: None, kv_cache: str = "dynamic",
-                    max_seq_len: int | None = None, debug_outputs: bool = False, target: str = "portable") -> dict:
+                    max_seq_len: int | None = None, debug_outputs: bool = False, target: str = "portable",
+                    prefill_logits: str = "all") -> dict:
     """Write a complete artifact to `out` and return its manifest.
 
     kv_cache "static" exports the decode graph with a cache of capacity `max_seq_len`, updated in
     place (opset 24 TensorScatter); the prefill graph is the ordinary one. debug_outputs adds each
     layer's hidden state as outputs (hidden.{i}), so tk parity can name the exact layer. target "ort"
     uses ONNX Runtime's fused kernels (same inputs and outputs; ONNX Runtime only, no TensorRT).
+    prefill_logits "last" has prefill return the last position's logits only (faster first token).
     """
     model_dir, out = Path(model_dir), Path(out)
-    dtype = _check_options(dtype, opset, kv_cache, max_seq_len, target)
+    dtype = _check_options(dtype, opset, kv_cache, max_seq_len, target, prefill_logits)
     if debug_outputs and (kv_cache == "static" or target != "portable"):
         raise ValueError("--debug-outputs works with the dynamic cache and the portable target; drop --kv-cache "
                          "static and --target for a debug export")
@@ -159,11 +165,11 @@ def export_artifact(model_dir: str | Path, out: str | Path, dtype: str = "fp32",
         model = load_decoder(model_dir, dtype)
         check_target(model, target)
         progress(f"load {model_dir} ({dtype}): {time.perf_counter() - t:.1f} s")
-        dims = graph_dims(model, dtype, max_seq_len if kv_cache == "static" else None, debug_outputs)
+        dims = graph_dims(model, dtype, max_seq_len if kv_cache == "static" else None, debug_outputs, prefill_logits)
         graphs = {}
         for graph in contract.GRAPHS:
             path = tmp / contract.GRAPH_FILES[graph]
-            seconds = export_graph(model, graph, path, opset, dims.kv_capacity, debug_outputs, target)
+            seconds = export_graph(model, graph, path, dims, opset, target)
             check_graph_file(path, graph, dims, CONTRIB_OPS[target])
             data = path.with_name(path.name + ".data")
             graphs[graph] = {"file": path.name, "sha256": sha256_file(path),

@@ -94,14 +94,17 @@ def main(ctx: click.Context, debug: bool) -> None:
 @click.option("--target", default="portable", show_default=True,
               help="portable (standard ONNX: ONNX Runtime and TensorRT) or ort (ONNX Runtime's fused kernels: "
                    "faster on ONNX Runtime, not loadable by TensorRT).")
+@click.option("--prefill-logits", default="all", show_default=True,
+              help="all (every prompt position) or last (the last position only: what generation needs, and a "
+                   "faster first token).")
 def export(model_dir: Path, out: Path, dtype: str, opset: int, no_validate: bool, force: bool, kv_cache: str,
-           max_seq_len: int | None, debug_outputs: bool, target: str) -> None:
+           max_seq_len: int | None, debug_outputs: bool, target: str, prefill_logits: str) -> None:
     """Export MODEL_DIR (a Hugging Face checkpoint folder) to prefill/decode ONNX graphs."""
     from toolkit.artifact import export_artifact
 
     click.echo(f"tk export {model_dir} -> {out}", err=True)
     manifest = export_artifact(model_dir, out, dtype, opset, not no_validate, force, _progress, kv_cache,
-                               max_seq_len, debug_outputs, target)
+                               max_seq_len, debug_outputs, target, prefill_logits)
     v = manifest["validation"]
     if not v.get("skipped"):
         worst = max(s["max_abs"] for c in v["comparisons"] for s in c["steps"])

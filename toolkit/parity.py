@@ -144,6 +144,14 @@ def _present_diffs(ref: list[np.ndarray], test: list[np.ndarray], rows_keep: np.
     return out
 
 
+def _common_positions(ref: np.ndarray, test: np.ndarray, keep: np.ndarray):
+    """The logit positions both backends return: all of them, or the trailing ones where one
+    backend's prefill returns the last position only (tk export --prefill-logits last; its cache
+    still covers every position). -> (ref, test, keep, index of the first position kept)."""
+    n = min(ref.shape[1], test.shape[1])
+    return ref[:, -n:], test[:, -n:], keep[:, -n:], ref.shape[1] - n
+
+
 def compare_traces(ref: Trace, test: Trace, mask: np.ndarray, tol: Tolerance, case: str) -> Comparison:
     results = []
     for step, (r, t) in enumerate(zip(ref.logits, test.logits)):
@@ -151,7 +159,8 @@ def compare_traces(ref: Trace, test: Trace, mask: np.ndarray, tol: Tolerance, ca
         pmax = None
         if ref.present and test.present:
             pmax = [float(d.max()) for d in _present_diffs(ref.present[step], test.present[step], keep)]
-        results.append(compare_logits(r, t, keep, tol, step, pmax))
+        r, t, logits_keep, _ = _common_positions(r, t, keep)
+        results.append(compare_logits(r, t, logits_keep, tol, step, pmax))
     return Comparison(test.backend, ref.backend, case, results)
 
 
@@ -184,10 +193,11 @@ def first_divergence(ref: Trace, test: Trace, mask: np.ndarray, tol: Tolerance, 
                 b, s = np.unravel_index(int(d.argmax()), d.shape)
                 return {"step": step, "row": int(b), "position": int(s) + offset, "where": where, "layer": layer,
                         "max_abs": float(d.max())}
+        r, t, keep, first = _common_positions(r, t, keep)
         if not compare_logits(r, t, keep, tol, step).passed:
             diff = np.where(keep, np.abs(r - np.nan_to_num(t, nan=np.inf)).max(-1), 0.0)
             b, s = np.unravel_index(int(diff.argmax()), diff.shape)
-            return {"step": step, "row": int(b), "position": int(s) + offset, "where": "logits",
+            return {"step": step, "row": int(b), "position": int(s) + offset + first, "where": "logits",
                     "layer": num_layers - 1, "max_abs": float(diff.max())}
     return None
 

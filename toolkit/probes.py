@@ -7,6 +7,9 @@ matter, and reports the largest difference:
 - position_drift: the same text at a different cache offset (more left padding) must not move;
 - cache_vs_recompute: prefill of N tokens equals prefill of N-k then k decode steps;
 - finite: no NaN or Inf in any logit or cache tensor.
+
+A backend whose prefill returns the last position's logits only (tk export --prefill-logits last)
+is compared on the positions it returns, and on its cache, which covers every position.
 """
 
 from __future__ import annotations
@@ -31,8 +34,14 @@ class ProbeResult:
         return asdict(self)
 
 
-def _prefill(rt: Runtime, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    return rt.prefill(ids, mask, position_ids_from_mask(mask))[0]
+def _prefill(rt: Runtime, ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    """-> (logits (B, S or 1, V), the cache as arrays (B, H, S, D))."""
+    logits, cache = rt.prefill(ids, mask, position_ids_from_mask(mask))
+    return logits, rt.cache_arrays(cache)
+
+
+def _cache_diff(a: list[np.ndarray], b: list[np.ndarray], row: int, positions: slice) -> float:
+    return max(float(np.abs(x[row, :, positions] - y[row, :, positions]).max()) for x, y in zip(a, b))
 
 
 def _result(name: str, diff: float, tol: float, detail: str) -> ProbeResult:
@@ -44,9 +53,13 @@ def future_leak(rt: Runtime, rng: np.random.Generator, tol: float, n: int = 12, 
     other = ids.copy()
     other[0, t:] = (ids[0, t:] + 1 + rng.integers(0, rt.dims.vocab_size - 1, n - t)) % rt.dims.vocab_size
     mask = np.ones_like(ids)
-    a, b = _prefill(rt, ids, mask), _prefill(rt, other, mask)
-    return _result("future_leak", np.abs(a[0, :t] - b[0, :t]).max(), tol,
-                   f"tokens {t}..{n - 1} changed; logits at positions 0..{t - 1} compared")
+    (a, cache_a), (b, cache_b) = _prefill(rt, ids, mask), _prefill(rt, other, mask)
+    first = n - a.shape[1]  # the first position whose logits the backend returns
+    diff = _cache_diff(cache_a, cache_b, 0, slice(0, t))
+    if first < t:
+        diff = max(diff, float(np.abs(a[0, : t - first] - b[0, : t - first]).max()))
+    logits = f"logits at positions {first}..{t - 1} and " if first < t else ""
+    return _result("future_leak", diff, tol, f"tokens {t}..{n - 1} changed; {logits}the cache at 0..{t - 1} compared")
 
 
 def padding_leak(rt: Runtime, rng: np.random.Generator, tol: float, pad: int = 5, n: int = 8) -> ProbeResult:
@@ -54,8 +67,10 @@ def padding_leak(rt: Runtime, rng: np.random.Generator, tol: float, pad: int = 5
                           rng.integers(0, rt.dims.vocab_size, n).tolist()])
     other = ids.copy()
     other[1, :pad] = rng.integers(0, rt.dims.vocab_size, pad)
-    a, b = _prefill(rt, ids, mask), _prefill(rt, other, mask)
-    return _result("padding_leak", np.abs(a[1, pad:] - b[1, pad:]).max(), tol,
+    (a, cache_a), (b, cache_b) = _prefill(rt, ids, mask), _prefill(rt, other, mask)
+    real = min(n, a.shape[1])  # the row's real tokens are its last n
+    diff = max(float(np.abs(a[1, -real:] - b[1, -real:]).max()), _cache_diff(cache_a, cache_b, 1, slice(pad, None)))
+    return _result("padding_leak", diff, tol,
                    f"content under {pad} padding tokens changed; the real tokens of the row compared")
 
 
@@ -64,7 +79,8 @@ def position_drift(rt: Runtime, rng: np.random.Generator, tol: float, n: int = 8
     prompt = rng.integers(0, rt.dims.vocab_size, n).tolist()
     alone_ids, alone_mask = left_pad([prompt])
     ids, mask = left_pad([prompt, rng.integers(0, rt.dims.vocab_size, n + offset).tolist()])
-    worst = np.abs(_prefill(rt, alone_ids, alone_mask)[0] - _prefill(rt, ids, mask)[0, offset:]).max()
+    alone = _prefill(rt, alone_ids, alone_mask)[0][0]
+    worst = np.abs(alone - _prefill(rt, ids, mask)[0][0, -len(alone):]).max()  # the same text, its last positions
     tokens = rng.integers(0, rt.dims.vocab_size, steps)
     caches = [rt.prefill(alone_ids, alone_mask, position_ids_from_mask(alone_mask))[1],
               rt.prefill(ids, mask, position_ids_from_mask(mask))[1]]
@@ -78,15 +94,21 @@ def position_drift(rt: Runtime, rng: np.random.Generator, tol: float, n: int = 8
 
 def cache_vs_recompute(rt: Runtime, rng: np.random.Generator, tol: float, n: int = 12, k: int = 4) -> ProbeResult:
     ids = rng.integers(0, rt.dims.vocab_size, (1, n))
-    full = _prefill(rt, ids, np.ones_like(ids))
+    full, full_cache = _prefill(rt, ids, np.ones_like(ids))
+    first = n - full.shape[1]  # the first position whose logits the full prefill returns
     mask = np.ones((1, n - k), dtype=np.int64)
     logits, cache = rt.prefill(ids[:, : n - k], mask, position_ids_from_mask(mask))
-    worst = np.abs(full[0, : n - k] - logits[0]).max()
+    positions = range(n - k - logits.shape[1], n - k)  # those the short prefill returns
+    worst = max((np.abs(full[0, p - first] - logits[0, i]).max() for i, p in enumerate(positions) if p >= first),
+                default=0.0)
     for t in range(n - k, n):
         mask = np.ones((1, t + 1), dtype=np.int64)
         logits, cache = rt.decode(ids[:, t : t + 1], mask, np.array([[t]]), cache)
-        worst = max(worst, np.abs(full[0, t] - logits[0, 0]).max())
-    return _result("cache_vs_recompute", worst, tol, f"prefill {n} vs prefill {n - k} + {k} decode steps")
+        if t >= first:
+            worst = max(worst, np.abs(full[0, t - first] - logits[0, 0]).max())
+    worst = max(worst, _cache_diff(full_cache, rt.cache_arrays(cache), 0, slice(None)))
+    return _result("cache_vs_recompute", worst, tol,
+                   f"prefill {n} vs prefill {n - k} + {k} decode steps, logits and cache")
 
 
 def finite(rt: Runtime, rng: np.random.Generator, tol: float, steps: int = 4) -> ProbeResult:
