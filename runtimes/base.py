@@ -59,10 +59,11 @@ def check_inputs(graph: str, dims: contract.GraphDims, feeds: dict[str, tuple[tu
     """Check named (shape, dtype) pairs against the contract before a run (Polygraphy's check_inputs).
 
     Symbolic dims must agree wherever they recur: batch everywhere, the decode mask one longer
-    than the past. Messages name the tensor and both shapes.
+    than the past. Messages name the tensor and both shapes. The first past tensor stands for
+    the cache (`GraphDims.checked_inputs`): this runs before every decode step.
     """
     bound: dict[str, int] = {}
-    for spec in dims.inputs(graph):
+    for spec in dims.checked_inputs(graph):
         if spec.name not in feeds:
             raise InputError(f"{graph}: input {spec.name} is missing")
         shape, dtype = feeds[spec.name]
@@ -143,7 +144,7 @@ class Runtime(ABC):
     def decode(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, cache):
         """-> (logits float32 (B, 1, V), cache)."""
         feeds = self._feeds(input_ids, attention_mask, position_ids)
-        feeds.update(self.cache_feeds(cache))
+        feeds[self.past_names[0]] = self.cache_feed(cache)
         check_inputs(contract.DECODE, self.dims, feeds)
         check_token_ids(input_ids, self.dims.vocab_size)
         return self._decode(input_ids, attention_mask, position_ids, cache)
@@ -161,8 +162,8 @@ class Runtime(ABC):
     def _decode(self, input_ids, attention_mask, position_ids, cache): ...
 
     @abstractmethod
-    def cache_feeds(self, cache) -> dict[str, tuple[tuple, str]]:
-        """(shape, dtype) of each past tensor the cache would feed, by contract name (no copy)."""
+    def cache_feed(self, cache) -> tuple[tuple, str]:
+        """(shape, dtype) of the past tensors the cache would feed, all alike (no copy)."""
 
     @abstractmethod
     def cache_arrays(self, cache) -> list[np.ndarray]:

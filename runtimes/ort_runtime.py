@@ -132,9 +132,8 @@ class OrtRuntime(Runtime):
         return self._run(contract.DECODE, {"input_ids": input_ids, "attention_mask": attention_mask,
                                            "position_ids": position_ids}, cache)
 
-    def cache_feeds(self, cache):
-        return {n: (tuple(v.shape()), _ORT_DTYPES.get(v.data_type(), v.data_type()))
-                for n, v in zip(self.past_names, cache)}
+    def cache_feed(self, cache):
+        return tuple(cache[0].shape()), _ORT_DTYPES.get(cache[0].data_type(), cache[0].data_type())
 
     def cache_arrays(self, cache):
         return [v.numpy().astype(np.float32) for v in cache]
@@ -222,10 +221,9 @@ class OrtStaticRuntime(OrtRuntime):
         cache.length += 1
         return cache.logits.copy(), cache
 
-    def cache_feeds(self, cache: _StaticCache):
+    def cache_feed(self, cache: _StaticCache):
         shape = cache.arrays[0].shape[:2] + (cache.length,) + cache.arrays[0].shape[3:]
-        dtype = dtype_name(cache.arrays[0].dtype)
-        return {n: (shape, dtype) for n in self.past_names}
+        return shape, dtype_name(cache.arrays[0].dtype)
 
     def cache_arrays(self, cache: _StaticCache):
         return [a[:, :, : cache.length].astype(np.float32) for a in cache.arrays]

@@ -41,7 +41,7 @@ class Sampler:
     def __call__(self, logits: np.ndarray, seen: np.ndarray | None = None) -> np.ndarray:
         """logits (B, V) float32; seen (B, V) bool of tokens already in each row -> ids (B,) int64."""
         c = self.config
-        logits = logits.astype(np.float32, copy=True)
+        logits = logits.astype(np.float32, copy=False)  # nothing below writes in place
         if c.repetition_penalty != 1.0 and seen is not None:
             penalized = np.where(logits > 0, logits / c.repetition_penalty, logits * c.repetition_penalty)
             logits = np.where(seen, penalized, logits)

@@ -47,9 +47,9 @@ class TorchRuntime(Runtime):
     def _decode(self, input_ids, attention_mask, position_ids, cache):
         return self._run(input_ids, attention_mask, position_ids, cache)
 
-    def cache_feeds(self, cache):
-        flat = [t for kv in cache for t in kv]
-        return {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in zip(self.past_names, flat)}
+    def cache_feed(self, cache):
+        key = cache[0][0]
+        return tuple(key.shape), str(key.dtype).removeprefix("torch.")
 
     def cache_arrays(self, cache):
         return [t.float().cpu().numpy() for kv in cache for t in kv]

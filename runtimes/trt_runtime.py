@@ -269,9 +269,8 @@ class TrtRuntime(Runtime):
     def _buffers(self, cache) -> list:
         return cache.buffers if isinstance(cache, _StaticCache) else cache.current
 
-    def cache_feeds(self, cache):
-        shape = (cache.batch, self.dims.num_kv_heads, cache.length, self.dims.head_dim)
-        return {n: (shape, self.dims.kv_dtype) for n in self.past_names}
+    def cache_feed(self, cache):
+        return (cache.batch, self.dims.num_kv_heads, cache.length, self.dims.head_dim), self.dims.kv_dtype
 
     def cache_arrays(self, cache):
         d = self.dims
