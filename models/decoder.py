@@ -188,7 +188,11 @@ def gqa(qkv: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor, seqlens_k
         past_k, past_v = (F.pad(t, (0, 0, 0, grow)) for t in (past_k, past_v))
     start = seqlens_k.long() - S + 1
     present_k, present_v = kv_write(past_k, k, start), kv_write(past_v, v, start)
-    y = F.scaled_dot_product_attention(q, present_k[:, :, :T], present_v[:, :, :T], attn_mask=bias[..., :T],
+    # causal within the step, and nothing past a row's newest token, whatever the bias says
+    query_at = start[:, None, None] + torch.arange(S)[:, None]  # (B, S, 1)
+    beyond = (torch.arange(T) > query_at)[:, None]  # (B, 1, S, T)
+    bias = bias[..., :T].masked_fill(beyond, torch.finfo(bias.dtype).min)
+    y = F.scaled_dot_product_attention(q, present_k[:, :, :T], present_v[:, :, :T], attn_mask=bias,
                                        enable_gqa=num_heads != kv_num_heads)
     return y.transpose(1, 2).reshape(B, S, num_heads * D), present_k, present_v
 
@@ -202,18 +206,21 @@ def _(qkv, past_k, past_v, seqlens_k, total, cos_cache, sin_cache, position_ids,
 
 
 def fused_attention_inputs(inv_freq: torch.Tensor, positions: int, attention_mask: torch.Tensor,
-                           position_ids: torch.Tensor, mask: torch.Tensor, write_index: torch.Tensor | None,
+                           position_ids: torch.Tensor, sliding_window: int | None, write_index: torch.Tensor | None,
                            dtype: torch.dtype) -> FusedAttentionInputs:
-    """GroupQueryAttention's side inputs for one decode step, from the contract's inputs and the
-    (B, 1, 1, T) bool mask of `causal_mask`; positions: how many rows the RoPE tables need."""
+    """GroupQueryAttention's side inputs for one decode step; positions: how many rows the RoPE
+    tables need. The kernel itself never looks past a row's new token (seqlens_k), so the bias
+    only carries what else `causal_mask` hides: padding (except the token itself) and keys
+    beyond the sliding window. Fewer nodes than the full mask, run once per step."""
     B, T = attention_mask.shape
     freqs = torch.arange(positions, dtype=torch.float32)[:, None] * inv_freq  # (N, R/2)
-    if write_index is None:
-        seqlens_k = torch.full((B,), T - 1, dtype=torch.int32)
-    else:
-        seqlens_k = write_index.to(torch.int32)
-    bias = torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)
-    return FusedAttentionInputs(seqlens_k, torch.full((), T, dtype=torch.int32), freqs.cos().to(dtype),
+    new = torch.full((B,), T - 1, dtype=torch.int64) if write_index is None else write_index  # the new token's index
+    dist = new[:, None] - torch.arange(T)  # (B, T): how far each key lies behind the new token
+    visible = attention_mask.bool() | (dist == 0)
+    if sliding_window is not None:
+        visible = visible & (dist < sliding_window)
+    bias = torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)[:, None, None, :]  # (B, 1, 1, T)
+    return FusedAttentionInputs(new.to(torch.int32), torch.full((), T, dtype=torch.int32), freqs.cos().to(dtype),
                                 freqs.sin().to(dtype), position_ids, bias, write_index is not None)
 
 
@@ -320,15 +327,15 @@ class Decoder(nn.Module):
         x = self.embed(input_ids)  # (B, S, C)
         if self.config.embed_scale:  # Gemma: the normalizer is rounded to the activation dtype first
             x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
-        mask = causal_mask(attention_mask, input_ids.shape[1], self.config.sliding_window, write_index)
         fused_attn = None
-        if fused and past_key_values is not None:  # decode: GroupQueryAttention does RoPE itself
+        if fused and past_key_values is not None:  # decode: GroupQueryAttention does RoPE and masking itself
             positions = attention_mask.shape[1] if write_index is not None else self.config.max_position_embeddings
-            fused_attn = fused_attention_inputs(self.inv_freq, positions, attention_mask, position_ids, mask,
-                                                write_index, x.dtype)
-            cos = sin = None
+            fused_attn = fused_attention_inputs(self.inv_freq, positions, attention_mask, position_ids,
+                                                self.config.sliding_window, write_index, x.dtype)
+            cos = sin = mask = None
         else:
             cos, sin = rope_cos_sin(position_ids, self.inv_freq, x.dtype)
+            mask = causal_mask(attention_mask, input_ids.shape[1], self.config.sliding_window, write_index)
         present: KVCache = []
         hidden = []
         h, delta = x, None
