@@ -1,0 +1,189 @@
+"""tk export --target ort (ONNX Runtime's fused kernels) and --prefill-logits last.
+
+The fused graphs keep the contract's inputs and outputs; what changes is how the decoder is
+written into ONNX. Both are checked for real: the eager fused path against the reference
+layers, the exported graphs against torch (parity) and transformers (tokens).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from click.testing import CliRunner
+
+from hf_models import load_hf
+from models import contract
+from models.contract import position_ids_from_mask
+from models.loading import load_decoder
+from runtimes.generate import generate, left_pad
+from runtimes.ort_runtime import open_ort
+from runtimes.torch_runtime import TorchRuntime
+from toolkit.artifact import export_artifact
+from toolkit.cli import main
+from toolkit.parity_report import parity
+from toolkit.probes import run_probes
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [[5, 17, 99, 3, 8], [42, 8, 300, 12, 77, 150, 9, 61, 33, 7, 21, 64, 90, 2]]  # 14 > mistral's window 12
+
+
+def run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def _decode_both(model, ids, mask, steps, capacity=None):
+    """Prefill, then `steps` decode steps through the reference layers and through the fused ops,
+    with the same tokens; -> max |diff| over logits and caches."""
+    worst = 0.0
+    with torch.no_grad():
+        pos = position_ids_from_mask(mask)
+        a, cache_a = model(ids, mask, pos)
+        b, cache_b = model(ids, mask, pos, fused=True)
+        worst = max(worst, (a - b).abs().max().item())
+        B, T = mask.shape
+        if capacity is not None:  # static: the caches as fixed-capacity buffers
+            widen = lambda c: [tuple(torch.nn.functional.pad(t, (0, 0, 0, capacity - T)) for t in kv) for kv in c]
+            cache_a, cache_b = widen(cache_a), widen(cache_b)
+        for step in range(steps):
+            token = a[:, -1].argmax(-1, keepdim=True)
+            mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype)], 1)
+            pos = mask.sum(-1, keepdim=True) - 1
+            if capacity is None:
+                args = (mask, pos)
+                write = None
+            else:
+                args = (torch.nn.functional.pad(mask, (0, capacity - mask.shape[1])), pos)
+                write = torch.full((B,), T + step)
+            a, cache_a = model(token, *args, cache_a, write)
+            b, cache_b = model(token, *args, cache_b, write, fused=True)
+            worst = max(worst, (a - b).abs().max().item(),
+                        max((x - y).abs().max().item() for ka, kb in zip(cache_a, cache_b) for x, y in zip(ka, kb)))
+    return worst
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma"])
+@pytest.mark.parametrize("capacity", [None, 32], ids=["dynamic", "static"])
+def test_fused_ops_compute_what_the_reference_layers_compute(checkpoints, family, capacity):
+    """The eager bodies of tk::add_rms_norm and tk::gqa against the reference layers, on a
+    left-padded batch long enough to cross Mistral's sliding window (12)."""
+    model = load_decoder(checkpoints(family))
+    ids, mask = (torch.from_numpy(a) for a in left_pad(PROMPTS))
+    assert _decode_both(model, ids, mask, steps=6, capacity=capacity) < 1e-5
+
+
+@pytest.fixture(scope="module")
+def fused_llama(checkpoints, tmp_path_factory):
+    out = tmp_path_factory.mktemp("fused") / "artifact"
+    export_artifact(checkpoints("llama"), out, kv_cache="static", max_seq_len=64, target="ort",
+                    prefill_logits="last")
+    return out
+
+
+def test_fused_graphs_use_ort_kernels_and_keep_the_contract(fused_llama):
+    manifest = json.loads((fused_llama / contract.MANIFEST).read_text())
+    assert manifest["target"] == "ort" and manifest["dims"]["prefill_logits"] == "last"
+    assert manifest["validation"]["passed"]
+    assert not manifest["trt_lint"]["ok"]  # contrib ops: TensorRT cannot parse them, and the lint says so
+    assert any(p["rule"] == "domain" for p in manifest["trt_lint"]["problems"])
+    ops = {}
+    for graph in contract.GRAPHS:
+        model = onnx.load(str(fused_llama / contract.GRAPH_FILES[graph]), load_external_data=False)
+        ops[graph] = [(n.domain, n.op_type) for n in model.graph.node]
+    ms = "com.microsoft"
+    assert ops["decode"].count((ms, "GroupQueryAttention")) == 2  # one per layer: RoPE, cache write, attention
+    assert ops["decode"].count((ms, "SkipSimplifiedLayerNormalization")) == 4  # residual add + norm, fused
+    assert ops["prefill"].count((ms, "SkipSimplifiedLayerNormalization")) == 4
+    assert not {"TensorScatter", "Attention", "RotaryEmbedding"} & {op for _, op in ops["decode"]}
+    prefill = onnx.load(str(fused_llama / "prefill.onnx"), load_external_data=False)
+    logits = prefill.graph.output[0].type.tensor_type.shape.dim
+    assert [d.dim_param or d.dim_value for d in logits] == ["batch_size", 1, 384]
+
+
+def test_fused_tokens_equal_portable_and_transformers(checkpoints, artifacts, fused_llama):
+    with open_ort(fused_llama) as fused, open_ort(artifacts("llama")) as portable:
+        a = [r.tokens for r in generate(fused, PROMPTS, 24, ignore_eos=True).rows]
+        b = [r.tokens for r in generate(portable, PROMPTS, 24, ignore_eos=True).rows]
+        ids, mask = left_pad(PROMPTS)
+        last, cache = fused.prefill(ids, mask, position_ids_from_mask(mask))
+        full, _ = portable.prefill(ids, mask, position_ids_from_mask(mask))
+        assert last.shape == (2, 1, 384)
+        np.testing.assert_allclose(last[:, 0], full[:, -1], atol=1e-4)
+        buffer = cache.arrays[0]
+        _, cache = fused.decode(np.array([[9], [9]]), np.ones((2, 15), np.int64), np.array([[5], [14]]), cache)
+        assert cache.arrays[0] is buffer and buffer[:, :, 14].any()  # GroupQueryAttention wrote into tk's buffer
+    assert a == b
+    hf = load_hf(checkpoints("llama"))
+    hf.generation_config.eos_token_id = None
+    ids = torch.tensor([PROMPTS[1]])
+    with torch.no_grad():
+        expected = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                               pad_token_id=1)[0, ids.shape[1]:].tolist()
+    assert a[1] == expected
+
+
+def test_fused_parity_and_probes_pass(fused_llama):
+    report = parity(fused_llama, ["ort"], steps=12)
+    assert report["passed"], report["backends"]["ort"]["first_divergence"]
+    probes = {p["name"]: p for p in report["backends"]["ort"]["probes"]}
+    assert "the cache at 0..5 compared" in probes["future_leak"]["detail"]
+
+
+def test_fused_dynamic_cache_with_sliding_window(checkpoints, tmp_path):
+    """Mistral's window lives in the attention bias of the fused decode graph; 12 + 8 steps cross it."""
+    out = tmp_path / "mistral"
+    manifest = export_artifact(checkpoints("mistral"), out, target="ort")
+    assert manifest["validation"]["passed"] and manifest["kv_cache"] == "dynamic"
+    report = parity(out, ["ort"], steps=16)
+    assert report["passed"], report["backends"]["ort"]["first_divergence"]
+
+
+@pytest.mark.parametrize("family, why", [("qwen3", "per-head q/k norms"), ("phi3", "partial rotary embeddings")])
+def test_ort_target_refuses_what_its_kernels_cannot_express(checkpoints, tmp_path, family, why):
+    result = run("export", checkpoints(family), "-o", tmp_path / "out", "--target", "ort")
+    assert result.exit_code == 1
+    assert result.stderr.strip().splitlines()[-1].startswith(f"Error: --target ort does not support {why}")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--target", "tensorrt"], "Error: unknown target 'tensorrt'; use one of portable, ort"),
+    (["--prefill-logits", "first"], "Error: unknown prefill logits 'first'; use one of all, last"),
+    (["--target", "ort", "--debug-outputs"], "Error: --debug-outputs works with the dynamic cache and the portable "
+                                             "target; drop --kv-cache static and --target for a debug export"),
+])
+def test_export_option_errors(tiny, tmp_path, args, message):
+    result = run("export", tiny, "-o", tmp_path / "out", *args)
+    assert result.exit_code == 1 and result.stderr.strip().splitlines()[-1] == message
+    assert not (tmp_path / "out").exists()
+
+
+def test_build_engine_refuses_an_ort_target_artifact(fused_llama):
+    result = run("build-engine", fused_llama)
+    assert result.exit_code == 1
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"Error: {fused_llama} was exported with --target ort (ONNX Runtime's own fused kernels), which TensorRT "
+        "cannot parse; export with --target portable for TensorRT")
+
+
+class LastOnly(TorchRuntime):
+    """A backend whose prefill returns the last position's logits only, as --prefill-logits last does."""
+
+    def _prefill(self, input_ids, attention_mask, position_ids):
+        logits, cache = super()._prefill(input_ids, attention_mask, position_ids)
+        return logits[:, -1:], cache
+
+
+def test_probes_still_catch_a_leak_when_prefill_returns_the_last_position_only(checkpoints):
+    healthy = LastOnly(load_decoder(checkpoints("llama")))
+    assert all(p.passed for p in run_probes(healthy, 1e-4)), run_probes(healthy, 1e-4)
+    leaky = load_decoder(checkpoints("llama"))
+    forward = leaky.layers[0].forward
+    leaky.layers[0].forward = lambda h, delta, cos, sin, mask, *rest: forward(h, delta, cos, sin, None, *rest)
+    results = {p.name: p for p in run_probes(LastOnly(leaky), 1e-4)}
+    assert not results["future_leak"].passed  # seen in layer 1's cache at the earlier positions
+    assert "the cache at 0..5 compared" in results["future_leak"].detail
