@@ -2,13 +2,19 @@
 batch 1, EOS ignored, runs alternated after a warm-up, medians reported with ratios to tk. Each
 stack runs in its own process (ORT thread pools of two stacks in one process slow each other).
 
-    python examples/bench_anchors.py CHECKPOINT ARTIFACT [--static ARTIFACT] [--genai DIR] [--prompt-len 128]
+    python examples/bench_anchors.py CHECKPOINT ARTIFACT [ARTIFACT ...] [--genai DIR] [--prompt-len 128]
 
-Anchors, each only where installed (optional dev dependencies, never tk's own):
+Every ARTIFACT is a `tk export` of CHECKPOINT (say the portable default and a `--target ort
+--kv-cache static --prefill-logits last` one); each runs as its own stack. Anchors, each only
+where installed (optional dev dependencies, never tk's own):
 - transformers `generate` (SDPA) on the checkpoint;
 - onnxruntime-genai on a model its builder makes from the same checkpoint (built into --genai if
   that folder does not exist yet).
-It also checks that every anchor produced the same tokens as tk, so the comparison is like for like.
+It checks that every stack produced the same tokens. Ratios are anchor / tk (above 1: tk is
+faster), taken per repeat between runs next to each other, then the median: drift of the
+machine's speed during the run cancels out. The decode bound is the bytes a decode step must
+read (every weight but the embedding table, plus the KV cache) over this machine's read
+bandwidth, measured between the rounds with as many threads as the benchmark uses.
 """
 
 from __future__ import annotations
@@ -98,10 +104,9 @@ def _worker(name: str, args: argparse.Namespace, conn) -> None:
         from runtimes.ort_runtime import use_shared_thread_pool
 
         use_shared_thread_pool()  # this worker process is tk's alone, as in the tk command
-    make = {"tk-ort": lambda: tk_ort(args.artifact, args.threads),
-            "tk-ort-static": lambda: tk_ort(args.static, args.threads),
-            "transformers": lambda: transformers_anchor(args.checkpoint, args.threads),
-            "onnxruntime-genai": lambda: genai_anchor(args.checkpoint, args.genai, args.threads)}[name]
+    make = {"transformers": lambda: transformers_anchor(args.checkpoint, args.threads),
+            "onnxruntime-genai": lambda: genai_anchor(args.checkpoint, args.genai, args.threads),
+            **{label: (lambda a=a: tk_ort(a, args.threads)) for label, a in args.tk.items()}}[name]
     try:
         run = make()
     except ImportError as e:
@@ -113,21 +118,56 @@ def _worker(name: str, args: argparse.Namespace, conn) -> None:
         conn.send(("done", run(prompt, n)))
 
 
+def _label(artifact: Path) -> str:
+    m = json.loads((artifact / "manifest.json").read_text())
+    return " ".join(["tk", m.get("target", "portable"), m.get("kv_cache", "dynamic"),
+                     *(["last-logits"] if m["dims"].get("prefill_logits") == "last" else [])])
+
+
+def read_bandwidth_gbs(threads: int, mib: int = 1024, repeats: int = 5) -> float:
+    """Bytes/s this machine streams from memory on `threads` threads: the best of a few sums over
+    a float32 tensor far larger than any cache (PyTorch's vectorized, threaded reduction)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    x = torch.ones(mib * 2**18)
+    best = 0.0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        best = max(best, x.numel() * 4 / (time.perf_counter() - t0))
+    return best / 1e9
+
+
+def decode_bytes(checkpoint: Path, context: int) -> int:
+    """What one decode step must read: every weight but the embedding table (one row is
+    gathered; a tied head reads the whole table anyway), plus the KV cache of `context` tokens."""
+    from models.loading import read_config
+    from toolkit.inspect import memory_plan
+
+    cfg = read_config(checkpoint)
+    plan = memory_plan(cfg, "float32", 1, context)
+    embed = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.hidden_size * 4
+    return plan["weights_bytes"] - embed + plan["kv_bytes"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("checkpoint", type=Path)
-    ap.add_argument("artifact", type=Path)
+    ap.add_argument("artifacts", type=Path, nargs="+", help="tk exports of CHECKPOINT, each run as a stack")
     ap.add_argument("--genai", type=Path, help="onnxruntime-genai model folder (built if missing)")
-    ap.add_argument("--static", type=Path, help="also run a static-cache artifact of the same checkpoint")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--report", type=Path)
     args = ap.parse_args()
 
-    names = ["tk-ort", *(["tk-ort-static"] if args.static else []), "transformers",
-             *(["onnxruntime-genai"] if args.genai else [])]
+    args.tk = {}
+    for artifact in args.artifacts:
+        label = _label(artifact)
+        args.tk[label if label not in args.tk else f"{label} ({artifact.name})"] = artifact
+    names = [*args.tk, "transformers", *(["onnxruntime-genai"] if args.genai else [])]
     if not args.genai:
         print("onnxruntime-genai: skipped (pass --genai DIR)")
     ctx = multiprocessing.get_context("spawn")
@@ -141,7 +181,7 @@ def main() -> None:
             print(f"{name}: skipped ({detail})")
             continue
         workers[name] = (proc, parent)
-    vocab = json.loads((args.artifact / "manifest.json").read_text())["dims"]["vocab_size"]
+    vocab = json.loads((args.artifacts[0] / "manifest.json").read_text())["dims"]["vocab_size"]
     prompt = np.random.default_rng(0).integers(0, vocab, args.prompt_len).tolist()
 
     def run(name: str, n: int):
@@ -154,28 +194,48 @@ def main() -> None:
         run(name, 8)
     results = {name: [] for name in workers}
     tokens = {}
+    bandwidths = []  # measured between the rounds: the machine's bandwidth drifts with its neighbours
     for _ in range(args.repeats):
         for name in workers:  # alternated, so load shifts hit every stack alike
             toks, ttft, decode = run(name, args.new_tokens)
             tokens[name] = toks
             results[name].append((ttft, decode))
+        bandwidths.append(read_bandwidth_gbs(args.threads, repeats=3))
     for proc, conn in workers.values():
         conn.send(None)
         proc.join(timeout=10)
-    report = {}
+    first = next(iter(args.tk))
+    bandwidth = statistics.median(bandwidths)
+    bound_ms = decode_bytes(args.checkpoint, args.prompt_len + args.new_tokens // 2) / (bandwidth * 1e9) * 1e3
+    report = {"workload": {"prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "batch": 1,
+                           "threads": args.threads, "repeats": args.repeats},
+              "read_bandwidth_gbs": bandwidth, "decode_bound_ms": bound_ms, "stacks": {}}
     for name, rs in results.items():
-        report[name] = {"ttft_ms": statistics.median(r[0] for r in rs),
-                        "decode_ms_per_token": statistics.median(r[1] for r in rs),
-                        "decode_spread_ms": [min(r[1] for r in rs), max(r[1] for r in rs)],
-                        "same_tokens_as_tk": tokens[name] == tokens["tk-ort"]}
-    tk = report["tk-ort"]
+        decode = statistics.median(r[1] for r in rs)
+        report["stacks"][name] = {"ttft_ms": statistics.median(r[0] for r in rs), "decode_ms_per_token": decode,
+                                  "decode_spread_ms": [min(r[1] for r in rs), max(r[1] for r in rs)],
+                                  "fraction_of_decode_bound": bound_ms / decode,
+                                  "same_tokens_as_first": tokens[name] == tokens[first]}
     print(f"prompt {args.prompt_len}, {args.new_tokens} new tokens, batch 1, {args.threads} threads, "
           f"median of {args.repeats}, each stack in its own process")
-    print(f"{'stack':18} {'ttft ms':>9} {'decode ms/tok':>14} {'tk decode speedup':>18} {'tk ttft speedup':>16} same tokens")
-    for name, r in report.items():
-        print(f"{name:18} {r['ttft_ms']:9.2f} {r['decode_ms_per_token']:14.2f} "
-              f"{r['decode_ms_per_token'] / tk['decode_ms_per_token']:18.2f} {r['ttft_ms'] / tk['ttft_ms']:16.2f} "
-              f"{r['same_tokens_as_tk']}")
+    print(f"{'stack':32} {'ttft ms':>8} {'decode ms/tok':>14} {'of bound':>9}  same tokens")
+    for name, r in report["stacks"].items():
+        print(f"{name:32} {r['ttft_ms']:8.2f} {r['decode_ms_per_token']:14.2f} {r['fraction_of_decode_bound']:9.2f}  "
+              f"{r['same_tokens_as_first']}")
+    print(f"decode bound: {bound_ms:.2f} ms/token ({decode_bytes(args.checkpoint, 0) / 1e6:.0f} MB of weights and "
+          f"the cache per token at {bandwidth:.1f} GB/s read bandwidth)")
+    ratios = {}
+    for anchor in (n for n in workers if n not in args.tk):
+        for tk in args.tk:
+            if tk not in workers:
+                continue
+            pairs = list(zip(results[anchor], results[tk]))
+            r = {"decode": statistics.median(a[1] / t[1] for a, t in pairs),
+                 "ttft": statistics.median(a[0] / t[0] for a, t in pairs)}
+            ratios[f"{anchor} / {tk}"] = r
+            print(f"{anchor} / {tk}: decode {r['decode']:.3f}, time to first token {r['ttft']:.3f} "
+                  f"(median of {len(pairs)} paired runs; above 1: tk is faster)")
+    report["ratios"] = ratios
     if args.report:
         args.report.write_text(json.dumps(report, indent=2))
 

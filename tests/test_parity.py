@@ -180,13 +180,15 @@ def test_injected_bug_fails_and_is_localized(checkpoints, loud_checkpoint, kind,
     assert f"in {where} (layer {layer})" in line
 
 
-def test_bug_in_the_reference_exits_3_naming_step_and_layer(tiny, tmp_path):
+@pytest.mark.parametrize("prefill_logits", ["all", "last"])
+def test_bug_in_the_reference_exits_3_naming_step_and_layer(tiny, tmp_path, prefill_logits):
+    """With --prefill-logits last the prefill's cache, which covers every position, still names the layer."""
     from toolkit.artifact import export_artifact
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(tiny, ckpt)
     art = tmp_path / "art"
-    export_artifact(ckpt, art, run_validation=False)
+    export_artifact(ckpt, art, run_validation=False, prefill_logits=prefill_logits)
     sd = load_file(ckpt / "model.safetensors")
     sd["model.layers.1.input_layernorm.weight"] *= 1.25  # the reference changes, the graphs do not
     save_file(sd, ckpt / "model.safetensors")

@@ -50,6 +50,8 @@ def inspect_path(path: str | Path, batch: int = 1, seq_len: int | None = None) -
             io, opset, ops = _io_table(path / manifest["graphs"][graph]["file"])
             graphs[graph] = {"io": io, "opset": opset, "ops": ops}
         info = {"kind": "artifact", "path": str(path), "source": manifest["source"]["path"], "graphs": graphs,
+                "target": manifest.get("target", "portable"), "kv_cache": manifest.get("kv_cache", "dynamic"),
+                "prefill_logits": manifest["dims"].get("prefill_logits", "all"),
                 "trt_lint": manifest.get("trt_lint"),
                 "validation": {k: v for k, v in manifest["validation"].items() if k != "comparisons"}}
     else:
@@ -80,6 +82,8 @@ def format_info(info: dict) -> str:
         f"memory ({m['dtype']}, batch {m['batch']}, seq {m['seq_len']}): weights {_mib(m['weights_bytes'])} + "
         f"KV {_mib(m['kv_bytes'])} = {_mib(m['total_bytes'])}  (KV per token {m['kv_bytes_per_token']:,} B)",
     ]
+    if "target" in info:
+        lines.append(f"target {info['target']}  kv cache {info['kv_cache']}  prefill logits {info['prefill_logits']}")
     for graph, g in info.get("graphs", {}).items():
         lines.append(f"\n{graph} graph (opset {g['opset']}):")
         lines += [f"  {r['kind']:6} {r['name']:28} {r['dtype']:8} {r['dims']}" for r in g["io"]]
