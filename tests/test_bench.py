@@ -51,15 +51,21 @@ def test_bench_bad_input(tiny_artifact):
     assert result.exit_code == 2 and "unknown backend tpu" in result.stderr
 
 
-def test_anchor_script_runs_transformers_on_the_same_tokens(tiny, tiny_artifact):
+def test_anchor_script_runs_transformers_on_the_same_tokens(tiny, tiny_artifact, tmp_path):
+    import json
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
+    report = tmp_path / "anchors.json"
     out = subprocess.run([sys.executable, "examples/bench_anchors.py", str(tiny), str(tiny_artifact),
-                          "--prompt-len", "8", "--new-tokens", "8", "--repeats", "1"],
+                          "--prompt-len", "8", "--new-tokens", "8", "--repeats", "2", "--report", str(report)],
                          cwd=root, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    rows = {ln.split()[0]: ln.split() for ln in out.stdout.splitlines() if ln.startswith(("tk-ort", "transformers"))}
-    assert rows["transformers"][-1] == "True" and rows["tk-ort"][-1] == "True"
+    r = json.loads(report.read_text())
+    assert set(r["stacks"]) >= {"tk portable dynamic", "transformers"}
+    assert all(s["same_tokens_as_first"] for s in r["stacks"].values())
+    ratio = r["ratios"]["transformers / tk portable dynamic"]
+    assert ratio["decode"] > 0 and ratio["ttft"] > 0
+    assert r["read_bandwidth_gbs"] > 0 and 0 < r["stacks"]["tk portable dynamic"]["fraction_of_decode_bound"]
