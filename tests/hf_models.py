@@ -80,3 +80,13 @@ def load_hf(folder: Path):
     import transformers
 
     return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def hf_greedy(folder: Path, prompt: list[int], n: int, hf=None) -> list[int]:
+    """transformers' own greedy `generate`: exactly n new tokens for one unpadded prompt."""
+    hf = hf or load_hf(folder)
+    hf.generation_config.eos_token_id = None  # exactly n tokens, as tk with ignore_eos
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=1)
+    return out[0, ids.shape[1]:].tolist()

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import FAMILY_NAMES, assert_close
-from hf_models import load_hf
+from hf_models import hf_greedy
 from models import contract
 from exporters.contract_check import graph_problems
 from runtimes.base import dims_from_manifest
@@ -35,12 +35,8 @@ def test_fp32_export_validates_and_ort_greedy_matches_transformers(checkpoints, 
     assert {c["case"] for c in v["comparisons"]} == {"batch1-len7", "batch3-len5/9/12"}
     assert all(len(c["steps"]) == 9 for c in v["comparisons"])  # prefill + 8 decode steps
 
-    hf = load_hf(checkpoints(family))
-    hf.generation_config.eos_token_id = None
     prompt = torch.randint(2, 384, (1, 9), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        expected = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=32, do_sample=False,
-                               pad_token_id=1)[0, 9:].tolist()
+    expected = hf_greedy(checkpoints(family), prompt[0].tolist(), 32)
     with OrtRuntime(art) as ort:
         got = generate(ort, [prompt[0].tolist()], 32, ignore_eos=True).rows[0].tokens
     assert got == expected

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import ALL_NAMES, assert_close
-from hf_models import load_hf
+from hf_models import hf_greedy, load_hf
 from models.contract import position_ids_from_mask
 from models.loading import load_decoder
 from runtimes.generate import generate
@@ -41,11 +41,7 @@ def test_greedy_32_tokens_match_transformers_generate(checkpoints, family):
     folder = checkpoints(family)
     hf, ours = load_hf(folder), load_decoder(folder)
     prompt = torch.randint(2, ours.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(3))
-    hf.generation_config.eos_token_id = None  # exactly 32 tokens on both sides
-    with torch.no_grad():
-        out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=32, do_sample=False,
-                          pad_token_id=1)
-    expected = out[0, 9:].tolist()
+    expected = hf_greedy(folder, prompt[0].tolist(), 32, hf)
     result = generate(TorchRuntime(ours), [prompt[0].tolist()], 32, ignore_eos=True)
     assert result.rows[0].tokens == expected
     assert len(set(expected)) > 3, "greedy output is degenerate; the test would not see a divergence"

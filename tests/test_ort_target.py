@@ -15,7 +15,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from hf_models import load_hf
+from hf_models import hf_greedy
 from models import contract
 from models.contract import position_ids_from_mask
 from models.loading import load_decoder
@@ -117,13 +117,7 @@ def test_fused_tokens_equal_portable_and_transformers(checkpoints, artifacts, fu
         _, cache = fused.decode(np.array([[9], [9]]), np.ones((2, 15), np.int64), np.array([[5], [14]]), cache)
         assert cache.arrays[0] is buffer and buffer[:, :, 14].any()  # GroupQueryAttention wrote into tk's buffer
     assert a == b
-    hf = load_hf(checkpoints("llama"))
-    hf.generation_config.eos_token_id = None
-    ids = torch.tensor([PROMPTS[1]])
-    with torch.no_grad():
-        expected = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
-                               pad_token_id=1)[0, ids.shape[1]:].tolist()
-    assert a[1] == expected
+    assert a[1] == hf_greedy(checkpoints("llama"), PROMPTS[1], 24)
 
 
 def test_fused_parity_and_probes_pass(fused_llama):

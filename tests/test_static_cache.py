@@ -7,10 +7,9 @@ import json
 import numpy as np
 import onnx
 import pytest
-import torch
 from click.testing import CliRunner
 
-from hf_models import load_hf
+from hf_models import hf_greedy
 from models import contract
 from models.contract import position_ids_from_mask
 from runtimes.base import InputError
@@ -48,13 +47,7 @@ def test_static_tokens_equal_dynamic_and_transformers(checkpoints, artifacts, st
         a = [r.tokens for r in generate(st, prompts, 24, ignore_eos=True).rows]
         b = [r.tokens for r in generate(dyn, prompts, 24, ignore_eos=True).rows]
     assert a == b
-    hf = load_hf(checkpoints("llama"))
-    hf.generation_config.eos_token_id = None
-    ids = torch.tensor([prompts[1]])
-    with torch.no_grad():
-        expected = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
-                               pad_token_id=1)[0, ids.shape[1]:].tolist()
-    assert a[1] == expected
+    assert a[1] == hf_greedy(checkpoints("llama"), prompts[1], 24)
 
 
 def test_static_cache_is_updated_in_place_and_guards_capacity(static_llama):
