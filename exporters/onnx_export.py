@@ -68,7 +68,7 @@ STATIC_OPSET = 24  # TensorScatter
 
 def _register_contrib_schemas() -> None:
     """The exporter builds nodes from onnx.defs schemas; ONNX Runtime's contrib ops have none there.
-    Declare the two tk emits, with their inputs and outputs in ONNX Runtime's order."""
+    Declare the two tk emits, with their inputs and outputs in ONNX Runtime's order (as far as tk uses them)."""
     import onnx
     from onnx.defs import OpSchema
 
@@ -111,10 +111,9 @@ def _group_query_attention(qkv, past_k, past_v, seqlens_k, total, cos_cache, sin
     """tk::gqa -> com.microsoft GroupQueryAttention on packed qkv, with RoPE (do_rotary)."""
     from onnxscript.values import Opset
 
-    head_dim = cos_cache.shape[-1] * 2
     return Opset(MS_DOMAIN, 1).GroupQueryAttention(
         qkv, None, None, past_k, past_v, seqlens_k, total, cos_cache, sin_cache, position_ids, bias,
-        num_heads=num_heads, kv_num_heads=kv_num_heads, do_rotary=1, scale=float(head_dim) ** -0.5)
+        num_heads=num_heads, kv_num_heads=kv_num_heads, do_rotary=1, scale=float(past_k.shape[-1]) ** -0.5)
 
 
 def check_target(model: Decoder, target: str) -> None:

@@ -179,8 +179,8 @@ def gqa(qkv: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor, seqlens_k
     D = past_k.shape[-1]
     q, k, v = (t.view(B, S, -1, D).transpose(1, 2)
                for t in qkv.split([num_heads * D, kv_num_heads * D, kv_num_heads * D], dim=-1))
-    half = torch.cat([cos_cache[position_ids], sin_cache[position_ids]], dim=-1).to(qkv.dtype)  # (B, S, D)
-    cos, sin = (torch.cat([t, t], dim=-1)[:, None] for t in half.chunk(2, dim=-1))  # (B, 1, S, D)
+    cos, sin = (torch.cat([t[position_ids]] * 2, dim=-1)[:, None].to(qkv.dtype)  # (B, 1, S, D)
+                for t in (cos_cache, sin_cache))
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     T = int(total)
     grow = T - past_k.shape[2]
@@ -189,8 +189,8 @@ def gqa(qkv: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor, seqlens_k
     start = seqlens_k.long() - S + 1
     present_k, present_v = kv_write(past_k, k, start), kv_write(past_v, v, start)
     # causal within the step, and nothing past a row's newest token, whatever the bias says
-    query_at = start[:, None, None] + torch.arange(S)[:, None]  # (B, S, 1)
-    beyond = (torch.arange(T) > query_at)[:, None]  # (B, 1, S, T)
+    query_at = start[:, None, None] + torch.arange(S, device=qkv.device)[:, None]  # (B, S, 1)
+    beyond = (torch.arange(T, device=qkv.device) > query_at)[:, None]  # (B, 1, S, T)
     bias = bias[..., :T].masked_fill(beyond, torch.finfo(bias.dtype).min)
     y = F.scaled_dot_product_attention(q, present_k[:, :, :T], present_v[:, :, :T], attn_mask=bias,
                                        enable_gqa=num_heads != kv_num_heads)
@@ -213,9 +213,10 @@ def fused_attention_inputs(inv_freq: torch.Tensor, positions: int, attention_mas
     only carries what else `causal_mask` hides: padding (except the token itself) and keys
     beyond the sliding window. Fewer nodes than the full mask, run once per step."""
     B, T = attention_mask.shape
-    freqs = torch.arange(positions, dtype=torch.float32)[:, None] * inv_freq  # (N, R/2)
-    new = torch.full((B,), T - 1, dtype=torch.int64) if write_index is None else write_index  # the new token's index
-    dist = new[:, None] - torch.arange(T)  # (B, T): how far each key lies behind the new token
+    device = attention_mask.device
+    freqs = torch.arange(positions, dtype=torch.float32, device=device)[:, None] * inv_freq  # (N, R/2)
+    new = torch.full((B,), T - 1, device=device) if write_index is None else write_index  # the new token's index
+    dist = new[:, None] - torch.arange(T, device=device)  # (B, T): how far each key lies behind the new token
     visible = attention_mask.bool() | (dist == 0)
     if sliding_window is not None:
         visible = visible & (dist < sliding_window)

@@ -22,8 +22,7 @@ from typing import Callable
 import onnx
 
 from exporters.contract_check import check_graph_file
-from exporters.onnx_export import (CONTRIB_OPS, DEFAULT_OPSET, MAX_OPSET, MIN_OPSET, TARGETS, check_target, export_graph,
-                                   graph_dims)
+from exporters.onnx_export import CONTRIB_OPS, DEFAULT_OPSET, MAX_OPSET, MIN_OPSET, TARGETS, export_graph, graph_dims
 from exporters.trt_lint import lint_graphs
 from models import contract
 from models.config import canonical_dtype
@@ -163,7 +162,6 @@ def export_artifact(model_dir: str | Path, out: str | Path, dtype: str = "fp32",
     try:
         t = time.perf_counter()
         model = load_decoder(model_dir, dtype)
-        check_target(model, target)
         progress(f"load {model_dir} ({dtype}): {time.perf_counter() - t:.1f} s")
         dims = graph_dims(model, dtype, max_seq_len if kv_cache == "static" else None, debug_outputs, prefill_logits)
         graphs = {}
