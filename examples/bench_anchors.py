@@ -34,8 +34,8 @@ from runtimes.generate import generate
 from runtimes.ort_runtime import open_ort
 
 
-def tk_ort(artifact: Path, threads: int):
-    rt = open_ort(artifact, threads=threads).activate()
+def tk_ort(artifact: Path, threads: int, huge_pages: bool = True):
+    rt = open_ort(artifact, threads=threads, huge_pages=huge_pages).activate()
 
     def run(prompt: list[int], n: int):
         r = generate(rt, [prompt], n, ignore_eos=True)
@@ -117,7 +117,7 @@ def _worker(name: str, args: argparse.Namespace, conn) -> None:
         use_shared_thread_pool()  # this worker process is tk's alone, as in the tk command
     make = {"transformers": lambda: transformers_anchor(args.checkpoint, args.threads),
             "onnxruntime-genai": lambda: genai_anchor(args.checkpoint, args.genai, args.threads),
-            **{label: (lambda a=a: tk_ort(a, args.threads)) for label, a in args.tk.items()}}[name]
+            **{label: (lambda a=a, h=h: tk_ort(a, args.threads, h)) for label, (a, h) in args.tk.items()}}[name]
     try:
         run = make()
     except ImportError as e:
@@ -172,12 +172,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--report", type=Path)
+    ap.add_argument("--also-without-huge-pages", action="store_true",
+                    help="also run each artifact with its weights on ordinary 4 KiB pages (runtimes/hugepages.py)")
     args = ap.parse_args()
 
-    args.tk = {}
+    args.tk = {}  # label -> (artifact, huge pages)
     for artifact in args.artifacts:
         label = _label(artifact)
-        args.tk[label if label not in args.tk else f"{label} ({artifact.name})"] = artifact
+        label = label if label not in args.tk else f"{label} ({artifact.name})"
+        args.tk[label] = (artifact, True)
+        if args.also_without_huge_pages:
+            args.tk[f"{label}, 4k pages"] = (artifact, False)
     names = [*args.tk, "transformers", *(["onnxruntime-genai"] if args.genai else [])]
     if not args.genai:
         print("onnxruntime-genai: skipped (pass --genai DIR)")
@@ -226,6 +231,7 @@ def main() -> None:
         report["stacks"][name] = {"ttft_ms": statistics.median(r[0] for r in rs), "decode_ms_per_token": decode,
                                   "decode_spread_ms": [min(r[1] for r in rs), max(r[1] for r in rs)],
                                   "fraction_of_decode_bound": bound_ms / decode,
+                                  "runs": [{"ttft_ms": r[0], "decode_ms_per_token": r[1]} for r in rs],
                                   "same_tokens_as_first": tokens[name] == tokens[first]}
     print(f"prompt {args.prompt_len}, {args.new_tokens} new tokens, batch 1, {args.threads} threads, "
           f"median of {args.repeats}, each stack in its own process")

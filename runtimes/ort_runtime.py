@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from models import contract
+from runtimes import hugepages
 from runtimes.base import (ArtifactError, BackendUnavailable, InputError, Runtime, dims_from_manifest, dtype_name,
                            read_manifest)
 
@@ -53,11 +54,12 @@ class OrtRuntime(Runtime):
     name = "ort"
 
     def __init__(self, artifact: str | Path, threads: int | None = None, provider: str = "auto",
-                 profile: bool = False):
+                 profile: bool = False, huge_pages: bool = True):
         self.artifact = Path(artifact)
         self.manifest = read_manifest(self.artifact)
         super().__init__(dims_from_manifest(self.manifest), self.manifest["config"]["max_position_embeddings"])
-        self.threads, self.provider, self.profile = threads, provider, profile
+        self.threads, self.provider, self.profile, self.huge_pages = threads, provider, profile, huge_pages
+        self.huge_page_bytes = 0  # how much of what the sessions allocated now sits on huge pages
 
     def _load(self) -> None:
         try:
@@ -93,6 +95,7 @@ class OrtRuntime(Runtime):
         if self.profile:  # ORT's own trace of every run and kernel (tk bench --profile)
             opts.enable_profiling = True
             opts.profile_file_prefix = str(Path(tempfile.gettempdir()) / "tk-ort-profile")
+        before = hugepages.anonymous_regions() if self.huge_pages and not use_cuda else None
         try:
             self.sessions = {g: ort.InferenceSession(str(p), opts, providers=providers) for g, p in paths.items()}
         except Exception as e:  # ORT raises its own pybind types (NotImplemented, Fail, ...)
@@ -101,6 +104,9 @@ class OrtRuntime(Runtime):
                     "needs" if kernel else "ONNX Runtime could not load the graphs")
             raise BackendUnavailable(f"{hint}: {str(e).split(' : ')[-1].strip()}") from None
         self.output_names = {g: [o.name for o in s.get_outputs()] for g, s in self.sessions.items()}
+        if before is not None:  # the prepacked weights: a decode step streams them all (runtimes/hugepages.py)
+            new = hugepages.mapped_since(before, hugepages.anonymous_regions())
+            self.huge_page_bytes = hugepages.back_with_huge_pages(new)
 
     def end_profiling(self) -> dict[str, Path]:
         """Stop ORT's profiler; the trace file of each graph's session."""
@@ -163,8 +169,8 @@ class OrtStaticRuntime(OrtRuntime):
     """
 
     def __init__(self, artifact: str | Path, threads: int | None = None, provider: str = "auto",
-                 profile: bool = False):
-        super().__init__(artifact, threads, provider, profile)
+                 profile: bool = False, huge_pages: bool = True):
+        super().__init__(artifact, threads, provider, profile, huge_pages)
         self.graph_dims = self.dims
         self.capacity = self.dims.kv_capacity
         self.dims = dataclasses.replace(self.dims, kv_capacity=None)  # what the loop sees: the dynamic contract
@@ -230,7 +236,7 @@ class OrtStaticRuntime(OrtRuntime):
 
 
 def open_ort(artifact: str | Path, threads: int | None = None, provider: str = "auto",
-             profile: bool = False) -> OrtRuntime:
+             profile: bool = False, huge_pages: bool = True) -> OrtRuntime:
     """The ORT runtime for an artifact, static-capacity or not."""
     static = read_manifest(Path(artifact))["dims"].get("kv_capacity") is not None
-    return (OrtStaticRuntime if static else OrtRuntime)(artifact, threads, provider, profile)
+    return (OrtStaticRuntime if static else OrtRuntime)(artifact, threads, provider, profile, huge_pages)
