@@ -127,10 +127,12 @@ def test_fused_parity_and_probes_pass(fused_llama):
     assert "the cache at 0..5 compared" in probes["future_leak"]["detail"]
 
 
-def test_fused_dynamic_cache_with_sliding_window(checkpoints, tmp_path):
-    """Mistral's window lives in the attention bias of the fused decode graph; 12 + 8 steps cross it."""
-    out = tmp_path / "mistral"
-    manifest = export_artifact(checkpoints("mistral"), out, target="ort")
+@pytest.mark.parametrize("family", ["mistral", "gemma", "qwen2", "llama-linear-tied-mqa"])
+def test_fused_dynamic_cache_on_other_families(checkpoints, tmp_path, family):
+    """Mistral's window lives in the attention bias of the fused decode graph (12 + 16 steps cross
+    it); Gemma brings GeGLU, a norm offset and a scaled embedding; Qwen2 qkv biases; MQA one KV head."""
+    out = tmp_path / family
+    manifest = export_artifact(checkpoints(family), out, target="ort")
     assert manifest["validation"]["passed"] and manifest["kv_cache"] == "dynamic"
     report = parity(out, ["ort"], steps=16)
     assert report["passed"], report["backends"]["ort"]["first_divergence"]
