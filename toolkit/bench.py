@@ -120,6 +120,7 @@ def bench(artifact: Path, backends: list[str], prompt_len: int = 128, new_tokens
             "run_peak_rss_growth_bytes": growth[name],
             "busy_runs": busy,
             "max_other_cores": max(r["other_cores"] for r in rs),
+            "huge_page_bytes": getattr(runtimes[name], "huge_page_bytes", 0),  # weights on 2-MiB pages (ORT)
         }
     for rt in runtimes.values():
         rt.deactivate()
@@ -142,6 +143,8 @@ def format_bench(report: dict) -> str:
                      f"{mib(b['run_peak_rss_growth_bytes']):>8}  {busy}")
     lines.append(f"predicted (tk inspect): weights {mib(p['weights_bytes'])} MiB, KV cache {mib(p['kv_bytes'])} MiB; "
                  "load MiB is RSS added by loading a backend, run MiB the peak RSS added during a run")
+    lines += [f"{name}: {mib(b['huge_page_bytes'])} MiB of what it loaded sits on huge pages"
+              for name, b in report["backends"].items() if b["huge_page_bytes"]]
     for name, reason in report["skipped"].items():
         lines.append(f"{name}: skipped: {reason}")
     names = list(report["backends"])
