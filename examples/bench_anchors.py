@@ -2,12 +2,14 @@
 batch 1, EOS ignored, runs alternated after a warm-up, medians reported with ratios to tk. Each
 stack runs in its own process (ORT thread pools of two stacks in one process slow each other).
 
-    python examples/bench_anchors.py CHECKPOINT ARTIFACT [ARTIFACT ...] [--genai DIR] [--prompt-len 128]
+    python examples/bench_anchors.py CHECKPOINT ARTIFACT [ARTIFACT ...] [--genai DIR] [--optimum DIR] [--prompt-len 128]
 
 Every ARTIFACT is a `tk export` of CHECKPOINT (say the portable default and a `--target ort
 --kv-cache static --prefill-logits last` one); each runs as its own stack. Anchors, each only
 where installed (optional dev dependencies, never tk's own):
 - transformers `generate` (SDPA) on the checkpoint;
+- Optimum's ORTModelForCausalLM on its own ONNX export of the checkpoint (exported into
+  --optimum if that folder does not exist yet);
 - onnxruntime-genai on a model its builder makes from the same checkpoint (built into --genai if
   that folder does not exist yet).
 It checks that every stack produced the same tokens. Ratios are anchor / tk (above 1: tk is
@@ -47,34 +49,52 @@ def tk_ort(artifact: Path, threads: int, huge_pages: bool = True):
 def transformers_anchor(checkpoint: Path, threads: int):
     import torch
     import transformers
-    from transformers.generation.streamers import BaseStreamer
 
     torch.set_num_threads(threads)
     model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    return lambda prompt, n: _timed_generate(model, prompt, n)
 
-    class Clock(BaseStreamer):
-        """When generate hands over each token: the prompt first, then every new token."""
 
-        def __init__(self):
-            self.times = []
+class _Clock:
+    """A `generate` streamer that notes when each token is handed over: the prompt first, then
+    every new token, so first token and decode steps are timed within one call."""
 
-        def put(self, value):
-            self.times.append(time.perf_counter())
+    def __init__(self):
+        self.times = []
 
-        def end(self):
-            pass
+    def put(self, value):
+        self.times.append(time.perf_counter())
 
-    def run(prompt: list[int], n: int):
-        ids = torch.tensor([prompt])
-        clock = Clock()
-        with torch.no_grad():
-            t0 = time.perf_counter()  # one call: first token and decode steps are timed in the same run
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0,
-                                 max_new_tokens=n, min_new_tokens=n, streamer=clock)
-        first, last = clock.times[1], clock.times[-1]
-        return out[0, len(prompt):].tolist(), (first - t0) * 1e3, (last - first) * 1e3 / (n - 1)
+    def end(self):
+        pass
 
-    return run
+
+def _timed_generate(model, prompt: list[int], n: int):
+    """Greedy `generate` of exactly n tokens on a transformers-style model -> (tokens, ttft ms, decode ms/token)."""
+    import torch
+
+    ids = torch.tensor([prompt])
+    clock = _Clock()
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0,
+                             max_new_tokens=n, min_new_tokens=n, streamer=clock)
+    first, last = clock.times[1], clock.times[-1]
+    return out[0, len(prompt):].tolist(), (first - t0) * 1e3, (last - first) * 1e3 / (n - 1)
+
+
+def optimum_anchor(checkpoint: Path, folder: Path, threads: int):
+    """Optimum's ORTModelForCausalLM on its own export of the checkpoint (made into `folder` if
+    that does not exist yet), on ONNX Runtime's CPU provider with `threads` threads."""
+    import onnxruntime as ort
+    from optimum.onnxruntime import ORTModelForCausalLM
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    if not folder.exists():
+        ORTModelForCausalLM.from_pretrained(checkpoint, export=True).save_pretrained(folder)
+    model = ORTModelForCausalLM.from_pretrained(folder, session_options=options, provider="CPUExecutionProvider")
+    return lambda prompt, n: _timed_generate(model, prompt, n)
 
 
 def genai_anchor(checkpoint: Path, folder: Path, threads: int):
@@ -116,6 +136,7 @@ def _worker(name: str, args: argparse.Namespace, conn) -> None:
 
         use_shared_thread_pool()  # this worker process is tk's alone, as in the tk command
     make = {"transformers": lambda: transformers_anchor(args.checkpoint, args.threads),
+            "optimum": lambda: optimum_anchor(args.checkpoint, args.optimum, args.threads),
             "onnxruntime-genai": lambda: genai_anchor(args.checkpoint, args.genai, args.threads),
             **{label: (lambda a=a, h=h: tk_ort(a, args.threads, h)) for label, (a, h) in args.tk.items()}}[name]
     try:
@@ -167,6 +188,7 @@ def main() -> None:
     ap.add_argument("checkpoint", type=Path)
     ap.add_argument("artifacts", type=Path, nargs="+", help="tk exports of CHECKPOINT, each run as a stack")
     ap.add_argument("--genai", type=Path, help="onnxruntime-genai model folder (built if missing)")
+    ap.add_argument("--optimum", type=Path, help="Optimum ORTModelForCausalLM export folder (exported if missing)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
@@ -183,9 +205,11 @@ def main() -> None:
         args.tk[label] = (artifact, True)
         if args.also_without_huge_pages:
             args.tk[f"{label}, 4k pages"] = (artifact, False)
-    names = [*args.tk, "transformers", *(["onnxruntime-genai"] if args.genai else [])]
-    if not args.genai:
-        print("onnxruntime-genai: skipped (pass --genai DIR)")
+    names = [*args.tk, "transformers", *(["optimum"] if args.optimum else []),
+             *(["onnxruntime-genai"] if args.genai else [])]
+    for name, flag in (("optimum", args.optimum), ("onnxruntime-genai", args.genai)):
+        if not flag:
+            print(f"{name}: skipped (pass --{name.split('-')[-1]} DIR)")
     ctx = multiprocessing.get_context("spawn")
     workers = {}
     for name in names:  # started one at a time: building or loading never overlaps a measurement

@@ -59,13 +59,36 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[np.ndar
     return ids, mask
 
 
-def decode_step(runtime: Runtime, tokens: np.ndarray, mask: np.ndarray, cache):
-    """Feed one token per row: the mask grows by a real position, whose id follows from the mask.
-    Returns (logits (B, 1, V), cache, mask)."""
-    mask = np.concatenate([mask, np.ones((mask.shape[0], 1), dtype=np.int64)], axis=1)
-    tokens = np.asarray(tokens, dtype=np.int64).reshape(-1, 1)
-    logits, cache = runtime.decode(tokens, mask, mask.sum(-1, keepdims=True) - 1, cache)
-    return logits, cache, mask
+class DecodeFeed:
+    """The attention mask and position ids of a left-padded batch being decoded: each step adds
+    one real position. The mask lives in a buffer with room for more, so growing it is a view,
+    and the positions are counted up in place: no array is built per step (this runs between
+    two decode steps, when the caches are cold and every numpy call costs ~10 us)."""
+
+    def __init__(self, mask: np.ndarray, room: int = 64):
+        B, T = mask.shape
+        self.buffer = np.ones((B, T + max(room, 1)), dtype=np.int64)
+        self.buffer[:, :T] = mask
+        self.length = T
+        self.positions = mask.sum(-1, keepdims=True) - 1  # (B, 1): the last token's, a real one
+
+    @property
+    def mask(self) -> np.ndarray:
+        return self.buffer[:, : self.length]
+
+    def grow(self) -> tuple[np.ndarray, np.ndarray]:
+        """One more real position -> (mask (B, T + 1), position ids (B, 1))."""
+        if self.length == self.buffer.shape[1]:
+            self.buffer = np.concatenate([self.buffer, np.ones_like(self.buffer)], axis=1)
+        self.length += 1
+        self.positions += 1
+        return self.buffer[:, : self.length], self.positions
+
+
+def decode_step(runtime: Runtime, tokens: np.ndarray, feed: DecodeFeed, cache):
+    """Feed one token per row at the next position of `feed`. Returns (logits (B, 1, V), cache)."""
+    mask, positions = feed.grow()
+    return runtime.decode(np.asarray(tokens, dtype=np.int64).reshape(-1, 1), mask, positions, cache)
 
 
 def generate(
@@ -99,7 +122,8 @@ def generate(
         seen[rows, ids[rows, cols]] = True
     eos = set() if ignore_eos else set(eos_ids)
     results = [RowResult(prompt_tokens=len(p)) for p in prompts]
-    done = np.zeros(B, dtype=bool)
+    active = list(range(B))  # rows still generating; plain Python: B is small and this runs every step
+    feed = DecodeFeed(mask, room=max_new_tokens)
 
     start = time.perf_counter()
     logits, cache = runtime.prefill(ids, mask, position_ids_from_mask(mask))
@@ -107,23 +131,25 @@ def generate(
     ttft = time.perf_counter() - start
     decode_s: list[float] = []
     for step in range(max_new_tokens):
-        for b in np.flatnonzero(~done):
-            t = int(token[b])
-            row = results[b]
+        tokens = token.tolist()
+        for b in list(active):
+            t, row = tokens[b], results[b]
             if t in eos:
-                row.finish_reason, done[b] = "eos", True
+                row.finish_reason = "eos"
+                active.remove(b)
                 continue
             row.tokens.append(t)
             if seen is not None:
                 seen[b, t] = True
             if on_token is not None:
-                on_token(int(b), t)
-            if stop is not None and stop(int(b), row.tokens):
-                row.finish_reason, done[b] = "stop", True
-        if done.all() or step == max_new_tokens - 1:
+                on_token(b, t)
+            if stop is not None and stop(b, row.tokens):
+                row.finish_reason = "stop"
+                active.remove(b)
+        if not active or step == max_new_tokens - 1:
             break
         tick = time.perf_counter()
-        logits, cache, mask = decode_step(runtime, token, mask, cache)
+        logits, cache = decode_step(runtime, token, feed, cache)
         token = sampler(logits[:, -1], seen)
         decode_s.append(time.perf_counter() - tick)
     return GenerationResult(results, ttft, decode_s)

@@ -16,7 +16,7 @@ import numpy as np
 
 from models.contract import position_ids_from_mask, present_names
 from runtimes.base import Runtime
-from runtimes.generate import decode_step, left_pad
+from runtimes.generate import DecodeFeed, decode_step, left_pad
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,7 @@ def run_trace(runtime: Runtime, ids: np.ndarray, mask: np.ndarray, steps: int,
               forced: np.ndarray | None = None, keep_present: bool = True) -> Trace:
     """Prefill then `steps` decode steps; greedy tokens unless `forced` (B, steps) is given."""
     logits, cache = runtime.prefill(ids, mask, position_ids_from_mask(mask))
+    feed = DecodeFeed(mask, room=steps)
     trace = Trace(runtime.name, np.zeros((ids.shape[0], steps), dtype=np.int64), [logits])
     if keep_present:
         trace.present.append(runtime.cache_arrays(cache))
@@ -98,7 +99,7 @@ def run_trace(runtime: Runtime, ids: np.ndarray, mask: np.ndarray, steps: int,
     for k in range(steps):
         token = forced[:, k] if forced is not None else logits[:, -1].argmax(-1)
         trace.tokens[:, k] = token
-        logits, cache, mask = decode_step(runtime, token, mask, cache)
+        logits, cache = decode_step(runtime, token, feed, cache)
         trace.logits.append(logits)
         if keep_present:  # only the position this step wrote; earlier ones were compared already
             trace.present.append([a[:, :, -1:] for a in runtime.cache_arrays(cache)])

@@ -20,7 +20,7 @@ import numpy as np
 
 from models.contract import position_ids_from_mask
 from runtimes.base import Runtime
-from runtimes.generate import decode_step, left_pad
+from runtimes.generate import DecodeFeed, decode_step, left_pad
 
 
 @dataclass
@@ -84,9 +84,10 @@ def position_drift(rt: Runtime, rng: np.random.Generator, tol: float, n: int = 8
     tokens = rng.integers(0, rt.dims.vocab_size, steps)
     caches = [rt.prefill(alone_ids, alone_mask, position_ids_from_mask(alone_mask))[1],
               rt.prefill(ids, mask, position_ids_from_mask(mask))[1]]
+    feeds = [DecodeFeed(alone_mask, steps), DecodeFeed(mask, steps)]
     for k in range(steps):
-        la, caches[0], alone_mask = decode_step(rt, tokens[k : k + 1], alone_mask, caches[0])
-        lb, caches[1], mask = decode_step(rt, tokens[[k, k]], mask, caches[1])
+        la, caches[0] = decode_step(rt, tokens[k : k + 1], feeds[0], caches[0])
+        lb, caches[1] = decode_step(rt, tokens[[k, k]], feeds[1], caches[1])
         worst = max(worst, np.abs(la[0] - lb[0]).max())
     return _result("position_drift", worst, tol,
                    f"the same {n} tokens at cache offset 0 and {offset}, prefill and {steps} decode steps")
@@ -116,8 +117,9 @@ def finite(rt: Runtime, rng: np.random.Generator, tol: float, steps: int = 4) ->
                           rng.integers(0, rt.dims.vocab_size, 4).tolist()])
     logits, cache = rt.prefill(ids, mask, position_ids_from_mask(mask))
     bad = [] if np.isfinite(logits).all() else ["prefill logits"]
+    feed = DecodeFeed(mask, steps)
     for k in range(steps):
-        logits, cache, mask = decode_step(rt, logits[:, -1].argmax(-1), mask, cache)
+        logits, cache = decode_step(rt, logits[:, -1].argmax(-1), feed, cache)
         if not np.isfinite(logits).all():
             bad.append(f"step {k + 1} logits")
     if not all(np.isfinite(a).all() for a in rt.cache_arrays(cache)):
