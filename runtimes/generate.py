@@ -72,10 +72,6 @@ class DecodeFeed:
         self.length = T
         self.positions = mask.sum(-1, keepdims=True) - 1  # (B, 1): the last token's, a real one
 
-    @property
-    def mask(self) -> np.ndarray:
-        return self.buffer[:, : self.length]
-
     def grow(self) -> tuple[np.ndarray, np.ndarray]:
         """One more real position -> (mask (B, T + 1), position ids (B, 1))."""
         if self.length == self.buffer.shape[1]:
