@@ -17,7 +17,8 @@ import torch
 from safetensors.torch import save_file
 
 from models.config import config_from_hf
-from models.loading import SINGLE_FILE, hf_shapes
+from models.decoder import Decoder
+from models.loading import SINGLE_FILE, hf_shapes, weight_map
 
 EOS, PAD = "<|endoftext|>", "<|pad|>"
 
@@ -34,6 +35,12 @@ PRESETS: dict[str, dict] = {
     "small": {**_LLAMA, "vocab_size": 32000, "hidden_size": 512, "intermediate_size": 1376,
               "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 2,
               "max_position_embeddings": 4096},
+    # Numerics of a trained checkpoint at test size (see trained_like_weights): 24 layers, a 32k
+    # vocabulary, tied embeddings, rope theta 1e5, logits of magnitude ~30, a residual stream
+    # that grows ~200x over depth. The fixture the parity gate's tolerances are tested on.
+    "trained-like": {**_LLAMA, "vocab_size": 32768, "hidden_size": 128, "intermediate_size": 384,
+                     "num_hidden_layers": 24, "num_attention_heads": 4, "num_key_value_heads": 2,
+                     "max_position_embeddings": 4096, "rope_theta": 100000.0, "tie_word_embeddings": True},
 }
 
 CORPUS = """\
@@ -86,6 +93,78 @@ def random_weights(hf_config: dict, seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def trained_like_weights(hf_config: dict, seed: int, growth: float = 1.25, embed_std: float = 0.05,
+                         logit_max: float = 30.0) -> dict[str, torch.Tensor]:
+    """Seeded weights with the numerics that make a trained checkpoint hard for a parity gate.
+
+    Random weights at HF's init give logits near 1 and a residual stream of constant size, so
+    float32 differences stay ~1e-6 and no tolerance is ever tested at scale. A trained model
+    (FACTS.md: a 135M, 30-layer Llama) has logits of magnitude ~30, keys and values of several
+    units, peaked attention, and a residual stream whose RMS grows layer by layer. This draws
+    the weights, then calibrates them on a batch of random tokens, layer by layer, as a
+    data-dependent init does:
+    - each block's attention and FFN output projections are scaled so that the residual RMS
+      grows by `growth` per layer (1.25 over 24 layers: ~200x, from the embeddings' 0.05);
+    - the final norm's weight is scaled so the mean over positions of max |logit| is `logit_max`;
+    - keys and values are drawn 2x wider (max |k| ~9, as in trained checkpoints' caches) and
+      queries 0.8x; every norm weight is jittered (1 + N(0, 0.1)) before scaling.
+    Wider keys and FFN gains make a random deep model chaotic (a 1e-6 change of the embeddings
+    moved the logits by 3e-3, and fp16 by 2.1 against the real checkpoint's 0.085); these gains
+    keep it at 3e-4 and 0.3 in eager PyTorch.
+    """
+    cfg = config_from_hf(hf_config)
+    g = torch.Generator().manual_seed(seed)
+    model = Decoder(cfg).eval()
+    gains = {"attn.wqkv.weight": None, "attn.wo.weight": 1.0, "ffn.w_gate_up.weight": 1.0, "ffn.w_down.weight": 1.0}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            t = torch.randn(p.shape, generator=g)
+            if name == "embed.weight":
+                p.copy_(embed_std * t)
+            elif p.dim() > 1:
+                p.copy_(t / p.shape[1] ** 0.5)
+                kind = name.split(".", 2)[-1]
+                if kind == "attn.wqkv.weight":
+                    q, kv = cfg.q_size, cfg.kv_size
+                    p[:q] *= 0.8
+                    p[q:q + kv] *= 2.0
+                    p[q + kv:] *= 2.0
+                else:
+                    p.mul_(gains[kind])
+            elif name.endswith("norm.weight"):
+                p.copy_(1.0 - cfg.norm_offset + 0.1 * t)
+            else:
+                p.copy_(0.05 * t)
+        ids = torch.randint(0, cfg.vocab_size, (4, 64), generator=g)
+        mask = torch.ones_like(ids)
+        pos = torch.arange(64).expand(4, 64)
+
+        def rms(x: torch.Tensor) -> float:
+            return float(x.pow(2).mean().sqrt())
+
+        for i, layer in enumerate(model.layers):
+            for module, proj in ((layer.attn, layer.attn.wo), (layer.ffn, layer.ffn.w_down)):
+                seen = {}
+                hook = module.register_forward_hook(lambda m, a, out: seen.setdefault("y", out))
+                _, _, hidden = model(ids, mask, pos, output_hidden=True)
+                hook.remove()
+                y = seen["y"][0] if isinstance(seen["y"], tuple) else seen["y"]
+                r_in = rms(model.embed(ids)) if i == 0 else rms(hidden[i - 1])
+                # two uncorrelated additions of size d take the RMS from r to growth * r
+                proj.weight.mul_(r_in * ((growth**2 - 1) / 2) ** 0.5 / rms(y))
+        logits, _ = model(ids, mask, pos)
+        model.norm.weight.mul_(logit_max / float(logits.abs().amax(-1).mean()))
+    sd = model.state_dict()
+    out = {}
+    for ours, parts in weight_map(cfg).items():  # back to Hugging Face names, unfused
+        for t, (name, _) in zip(sd[ours].split([rows for _, rows in parts]), parts):
+            out[name] = t.contiguous().clone()
+    return out
+
+
+WEIGHTS = {"trained-like": trained_like_weights}
+
+
 def write_preset(name: str, folder: str | Path, seed: int = 0) -> Path:
     """Write preset `name` as a Hugging Face checkpoint folder and return it."""
     if name not in PRESETS:
@@ -95,6 +174,7 @@ def write_preset(name: str, folder: str | Path, seed: int = 0) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(hf, indent=2))
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": hf["eos_token_id"]}))
-    save_file(random_weights(hf, seed), str(folder / SINGLE_FILE), metadata={"format": "pt"})
+    weights = WEIGHTS.get(name, random_weights)(hf, seed)
+    save_file(weights, str(folder / SINGLE_FILE), metadata={"format": "pt"})
     train_tokenizer(folder, hf["vocab_size"])
     return folder

@@ -61,6 +61,14 @@ def tiny(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def trained_like(tmp_path_factory):
+    """The trained-like preset (24 layers, vocab 32768, logits ~30, growing residual stream)."""
+    from models.presets import write_preset
+
+    return write_preset("trained-like", tmp_path_factory.mktemp("trained-like"))
+
+
+@pytest.fixture(scope="session")
 def tiny_artifact(tmp_path_factory, tiny):
     from toolkit.artifact import export_artifact
 

@@ -97,21 +97,37 @@ def test_export_refuses_existing_out_and_unwritable_out(tiny, tmp_path):
     (tmp_path / "file").write_text("x")
     result = run("export", tiny, "-o", tmp_path / "file" / "out")
     assert result.exit_code == 1
-    assert error_line(result) == f"Error: cannot write {tmp_path / 'file' / 'out'}: folder {tmp_path / 'file'} does not exist"
+    assert error_line(result) == f"Error: cannot write {tmp_path / 'file' / 'out'}: {tmp_path / 'file'} is not a folder"
+    result = run("export", tiny, "-o", tmp_path / "file" / "deeper" / "out")
+    assert error_line(result) == (f"Error: cannot write {tmp_path / 'file' / 'deeper' / 'out'}: {tmp_path / 'file'} "
+                                  "is not a folder")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "out"]
 
 
 @pytest.mark.slow
 def test_failed_validation_exits_3_and_leaves_nothing(tiny, tmp_path, monkeypatch):
-    from toolkit import parity
+    from toolkit import artifact
 
-    monkeypatch.setitem(parity.TOLERANCES, "float32", parity.tolerance_for("float32", max_abs=1e-9))
-    out = tmp_path / "out"
+    strict = artifact.tolerance_for
+    monkeypatch.setattr(artifact, "tolerance_for", lambda *a, **k: strict(*a, **k, atol=1e-12, rtol=1e-12))
+    out = tmp_path / "new" / "folders" / "out"  # missing parents are created, and removed on failure
     result = run("export", tiny, "-o", out)
     assert result.exit_code == 3
-    assert error_line(result) == ("Error: export validation failed: ONNX Runtime logits differ from PyTorch beyond "
-                                  "the float32 tolerance (max_abs 1e-09)")
+    line = error_line(result)
+    # a failed export names the step, position and layer, as tk parity does
+    assert line.startswith("Error: export validation failed: ort first leaves its tolerance at step 0, row 0, "
+                           "position "), line
+    assert "in present.0.key (layer 0) of case batch1-len7" in line
     assert "batch3-len5/9/12" in result.stderr and "FAIL" in result.stderr  # the table of what differed
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_export_creates_missing_parent_folders(tiny, tmp_path):
+    out = tmp_path / "a" / "b" / "model"
+    result = run("export", tiny, "-o", out, "--no-validate")
+    assert result.exit_code == 0, result.output
+    assert (out / "manifest.json").is_file() and sorted(p.name for p in out.parent.iterdir()) == ["model"]
 
 
 @pytest.mark.slow

@@ -149,7 +149,7 @@ def _old_contract(d):
     (None, ["--prompt", ""], "Error: empty prompt: give at least one token per prompt"),
     (None, ["--prompt-ids", "1,x"], "Error: --prompt-ids takes comma-separated integers, got '1,x'"),
     (None, ["--prompt", "hi", "--max-new-tokens", "0"], "Error: max new tokens must be positive, got 0"),
-    (None, [], "Error: give either --prompt or --prompt-ids"),
+    (None, [], "Error: give one of --prompt, --prompt-ids or --chat"),
 ])
 def test_cli_generate_bad_input(broken, mutate, args, expected):
     d = broken(mutate or (lambda d: None))

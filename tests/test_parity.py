@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import xml.etree.ElementTree as ET
 
 import jsonschema
 import pytest
@@ -17,8 +18,11 @@ from models.decoder import RMSNorm, rope_inv_freq
 from models.loading import load_decoder
 from runtimes.torch_runtime import TorchRuntime
 from toolkit.cli import main
-from toolkit.parity import TOLERANCES, random_cases, tolerance_for
+from toolkit.parity import random_cases, tolerance_for
 from toolkit.parity_report import SCHEMA_PATH, compare_backends, parity, verdict
+from toolkit.probes import PROBES
+
+PROBE_NAMES = [p.__name__ for p in PROBES]
 
 pytestmark = pytest.mark.slow
 
@@ -38,9 +42,8 @@ def test_fp32_ort_passes_on_every_family(artifacts, family):
 def test_fp16_passes_its_table_and_fails_the_fp32_table(artifacts):
     art = artifacts("llama", "fp16")
     assert parity(art, ["ort"], steps=6)["passed"]
-    strict = TOLERANCES["float32"]
-    report = parity(art, ["ort"], steps=6, overrides={"max_abs": strict.max_abs, "min_top1": strict.min_top1,
-                                                      "present_abs": strict.present_abs})
+    strict = tolerance_for("float32", json.loads((art / "manifest.json").read_text())["config"])
+    report = parity(art, ["ort"], steps=6, overrides={"atol": strict.atol, "rtol": strict.rtol})
     assert not report["passed"]
     assert report["backends"]["ort"]["first_divergence"]["step"] == 0
 
@@ -66,7 +69,13 @@ def test_missing_backend_is_skipped_with_reason_and_require_fails(tiny_artifact,
     trt = json.loads((tmp_path / "r.json").read_text())["backends"]["trt"]
     assert trt["status"] == "skipped" and "pip install" in trt["reason"]
     assert "trt: skipped: " in result.stderr
-    required = run("parity", tiny_artifact, "--backends", "ort,trt", "--steps", "2", "--require", "trt")
+    for require, kind in ((), "skipped"), (("--require", "trt"), "failure"):
+        junit = tmp_path / f"{kind}.xml"
+        required = run("parity", tiny_artifact, "--backends", "ort,trt", "--steps", "2", *require, "--junit", junit)
+        suite = ET.parse(junit).getroot().find("testsuite")
+        trt_case = next(tc for tc in suite.findall("testcase") if tc.get("classname") == "tk.parity.trt")
+        assert trt_case.find(kind).get("message").startswith("trt was skipped: ")
+        assert suite.get("failures") == ("1" if require else "0")
     assert required.exit_code == 3
     assert required.stderr.strip().splitlines()[-1] == "Error: parity failed: required backend trt was skipped"
 
@@ -147,23 +156,31 @@ MUTATIONS = {
 
 
 @pytest.fixture(scope="module")
-def loud_checkpoint(checkpoints, tmp_path_factory):
-    """Llama with layer 0's FFN output scaled so layer 1's norm sees |x| in the hundreds."""
-    d = tmp_path_factory.mktemp("loud") / "ckpt"
-    shutil.copytree(checkpoints("llama"), d)
-    sd = load_file(d / "model.safetensors")
-    sd["model.layers.0.mlp.down_proj.weight"] *= 300
-    save_file(sd, d / "model.safetensors")
-    return d
+def mutation_checkpoints(checkpoints, trained_like, tmp_path_factory):
+    """model -> (checkpoint, its loud copy: layer 0's FFN output scaled so layer 1's norm sees |x|
+    in the hundreds)."""
+    out = {}
+    for model, folder in (("llama", checkpoints("llama")), ("trained-like", trained_like)):
+        d = tmp_path_factory.mktemp("loud") / model
+        shutil.copytree(folder, d)
+        sd = load_file(d / "model.safetensors")
+        sd["model.layers.0.mlp.down_proj.weight"] *= 300 if model == "llama" else 3000
+        save_file(sd, d / "model.safetensors")
+        out[model] = (folder, d)
+    return out
 
 
 @pytest.mark.parametrize("hidden", [False, True], ids=["cache", "hidden"])
 @pytest.mark.parametrize("kind", list(MUTATIONS))
-def test_injected_bug_fails_and_is_localized(checkpoints, loud_checkpoint, kind, hidden):
-    folder = loud_checkpoint if kind == "fp16_norm_overflow" else checkpoints("llama")
+@pytest.mark.parametrize("model", ["llama", "trained-like"])
+def test_injected_bug_fails_and_is_localized(mutation_checkpoints, model, kind, hidden):
+    """On a tiny family and on the trained-like preset (24 layers, logits ~30), whose own rounding
+    noise is what an absolute tolerance cannot tell from a fault."""
+    folder, loud = mutation_checkpoints[model]
+    folder = loud if kind == "fp16_norm_overflow" else folder
     reference = TorchRuntime(load_decoder(folder), debug=hidden)
     cases = random_cases(reference.dims.vocab_size, seed=1)
-    tol = tolerance_for("float32")
+    tol = tolerance_for("float32", reference.model.config)
     healthy = TorchRuntime(load_decoder(folder), debug=hidden)
     healthy.name = "healthy"
     mutant = TorchRuntime(_mutate(load_decoder(folder), kind), debug=hidden)
@@ -192,11 +209,21 @@ def test_bug_in_the_reference_exits_3_naming_step_and_layer(tiny, tmp_path, pref
     sd = load_file(ckpt / "model.safetensors")
     sd["model.layers.1.input_layernorm.weight"] *= 1.25  # the reference changes, the graphs do not
     save_file(sd, ckpt / "model.safetensors")
-    result = run("parity", art, "--backends", "ort", "--steps", "3")
+    result = run("parity", art, "--backends", "ort", "--steps", "3", "--junit", tmp_path / "gate.xml")
     assert result.exit_code == 3
     line = result.stderr.strip().splitlines()[-1]
     assert line.startswith("Error: parity failed: ort first leaves its tolerance at step 0, row 0, position ")
     assert "in present.1.key (layer 1)" in line
+    # the CI's test view: each failing case carries the line that locates it
+    suite = ET.parse(tmp_path / "gate.xml").getroot().find("testsuite")
+    cases = {(tc.get("classname"), tc.get("name")): tc for tc in suite.findall("testcase")}
+    assert set(cases) == {("tk.parity.ort", "batch1-len7"), ("tk.parity.ort", "batch3-len5/9/12"),
+                          *(((f"tk.parity.{who}.probes", p) for who in ("reference", "ort") for p in PROBE_NAMES))}
+    failure = cases["tk.parity.ort", "batch1-len7"].find("failure")
+    assert failure is not None and failure.get("message").startswith("ort first leaves its tolerance at step 0, ")
+    assert "in present.1.key (layer 1) of case batch1-len7" in failure.get("message")
+    assert "FAIL at step 0" in failure.text  # the case's table
+    assert int(suite.get("failures")) >= 2 and suite.get("tests") == str(len(cases))
 
 
 def test_prompts_file_text_and_ids(tiny_artifact, tmp_path):

@@ -16,7 +16,8 @@ from models.presets import write_preset
 from runtimes.generate import left_pad
 from runtimes.sampling import SamplingConfig
 from toolkit.artifact import export_artifact, reference_runtime
-from toolkit.parity import TOLERANCES, compare_traces, run_trace
+from toolkit.parity import tolerance_for
+from toolkit.parity_report import compare_backends
 from toolkit.textgen import Tokenizer, generate_text, open_runtime
 
 
@@ -40,13 +41,15 @@ def run_demo(preset: str, prompt: str, max_new_tokens: int, echo: Callable[[str]
         same = results["torch"].rows[0].tokens == results["ort"].rows[0].tokens
         # Largest logit difference: feed torch's tokens to ORT (teacher forcing), compare every step.
         pids, mask = left_pad([ids])
+        tol = tolerance_for("float32", manifest["config"])
         with reference_runtime(art) as ref, open_runtime(art, "ort") as ort:
-            ref_trace = run_trace(ref, pids, mask, max_new_tokens - 1)
-            ort_trace = run_trace(ort, pids, mask, max_new_tokens - 1, forced=ref_trace.tokens)
-        cmp = compare_traces(ref_trace, ort_trace, mask, TOLERANCES["float32"], "demo")
-        worst = max(s.max_abs for s in cmp.steps)
+            report = compare_backends(ref, {"ort": ort}, {"demo": (pids, mask)}, tol, max_new_tokens - 1,
+                                      probes=False, free_running=False)
+        steps = report["backends"]["ort"]["cases"][0]["steps"]
+        worst = max(s["max_abs"] for s in steps)
         echo(f"4. tokens identical on torch and ORT: {'yes' if same else 'NO'}; "
-             f"largest logit difference over {len(cmp.steps)} steps: {worst:.3g}")
+             f"largest logit difference over {len(steps)} steps: {worst:.3g} "
+             f"({max(s['error_ratio'] for s in steps):.2g} of its bound)")
         for backend, r in results.items():
             t = r.timings()
             echo(f"   {backend:5} decode {t['decode_ms_per_token']:.2f} ms/token, "

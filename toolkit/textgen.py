@@ -19,6 +19,7 @@ class Tokenizer:
 
     def __init__(self, folder: Path):
         folder = Path(folder)
+        self.folder = folder
         if (folder / "tokenizer.json").is_file():
             from tokenizers import Tokenizer as _Tok
 
@@ -44,6 +45,20 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._encode(text)
+
+    def chat(self, message: str, system: str | None = None) -> list[int]:
+        """The prompt ids of one user turn (after a system turn, if given) as the checkpoint's chat
+        template renders them, ready for the assistant's reply: transformers' apply_chat_template
+        with add_generation_prompt, from chat_template.jinja or tokenizer_config.json."""
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(self.folder))
+        if not tok.chat_template:
+            raise InputError(f"{self.folder} has no chat template (no chat_template.jinja, and no chat_template in "
+                             "tokenizer_config.json): it is not an instruction-tuned checkpoint; use --prompt")
+        messages = ([{"role": "system", "content": system}] if system is not None else []) + [
+            {"role": "user", "content": message}]
+        return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._decode(list(ids))
@@ -96,8 +111,9 @@ class _Streamer:
             self.tokens.append(token)
             self.flush(stop_at(self.tokenizer.decode(self.tokens), self.stops)[0])
 
-    def flush(self, text: str) -> None:
-        if len(text) > len(self.shown) and text.startswith(self.shown) and not text.endswith("\ufffd"):
+    def flush(self, text: str, final: bool = False) -> None:
+        """Show what `text` adds; an incomplete UTF-8 sequence at its end waits for more, unless final."""
+        if len(text) > len(self.shown) and text.startswith(self.shown) and (final or not text.endswith("\ufffd")):
             self.out(text[len(self.shown):])
             self.shown = text
 
@@ -115,5 +131,5 @@ def generate_text(runtime: Runtime, tokenizer: Tokenizer | None, prompts: list[l
         result = generate(runtime, prompts, max_new_tokens, sampling, eos_ids, ignore_eos, stop, streamer)
     texts = [stop_at(tokenizer.decode(r.tokens), stops)[0] if tokenizer else "" for r in result.rows]
     if streamer is not None:
-        streamer.flush(texts[0])
+        streamer.flush(texts[0], final=True)
     return result, texts
