@@ -43,7 +43,7 @@ def test_the_preset_has_trained_numerics(trained_like):
     assert (np.diff(rms) > 0).all() and rms[-1] / rms[0] > 50  # the residual stream grows layer by layer
     assert max(float(k.abs().max()) for k, _ in present) > 5  # keys of several units, as a trained cache's
     top2 = logits.topk(2, -1).values
-    assert float((top2[..., 0] - top2[..., 1]).median()) > 0.1 and len(logits.argmax(-1).unique()) > 32  # not flat
+    assert float((top2[..., 0] - top2[..., 1]).median()) > 0.1 and len(logits.argmax(-1).unique()) > 16  # not flat
 
 
 def test_fp32_export_validates_and_tk_parity_passes(exported, tmp_path):
