@@ -151,9 +151,10 @@ def _worker(name: str, args: argparse.Namespace, conn) -> None:
 
 
 def _label(artifact: Path) -> str:
-    m = json.loads((artifact / "manifest.json").read_text())
-    return " ".join(["tk", m.get("target", "portable"), m.get("kv_cache", "dynamic"),
-                     *(["last-logits"] if m["dims"].get("prefill_logits") == "last" else [])])
+    from models.artifact import Manifest
+
+    v = Manifest.read(artifact).variant
+    return " ".join(["tk", v.target.value, v.cache.value, *(["last-logits"] if v.prefill_logits.value == "last" else [])])
 
 
 def read_bandwidth_gbs(threads: int, mib: int = 1024, repeats: int = 5) -> float:
@@ -175,10 +176,11 @@ def decode_bytes(checkpoint: Path, context: int) -> int:
     """What one decode step must read: every weight but the embedding table (one row is
     gathered; a tied head reads the whole table anyway), plus the KV cache of `context` tokens."""
     from models.loading import read_config
-    from toolkit.inspect import memory_plan
+    from models.artifact import Precision
+    from toolkit.describe import memory_plan
 
     cfg = read_config(checkpoint)
-    plan = memory_plan(cfg, "float32", 1, context)
+    plan = memory_plan(cfg, Precision(), 1, context)
     embed = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.hidden_size * 4
     return plan["weights_bytes"] - embed + plan["kv_bytes"]
 
@@ -221,7 +223,7 @@ def main() -> None:
             print(f"{name}: skipped ({detail})")
             continue
         workers[name] = (proc, parent)
-    vocab = json.loads((args.artifacts[0] / "manifest.json").read_text())["dims"]["vocab_size"]
+    vocab = json.loads((args.artifacts[0] / "manifest.json").read_text())["config"]["vocab_size"]
     prompt = np.random.default_rng(0).integers(0, vocab, args.prompt_len).tolist()
 
     def run(name: str, n: int):

@@ -14,8 +14,9 @@ from pathlib import Path
 from models.presets import write_preset
 from runtimes.generate import generate
 from runtimes.sampling import SamplingConfig
-from toolkit.artifact import export_artifact
-from toolkit.textgen import Tokenizer, open_runtime
+from toolkit.export import export_artifact
+from toolkit.backends import open_runtime
+from toolkit.textgen import Tokenizer
 
 
 def main() -> None:
@@ -37,7 +38,7 @@ def main() -> None:
     for backend in ("torch", "ort"):
         with open_runtime(out, backend) as runtime:
             result = generate(runtime, [prompt], args.max_new_tokens, sampling,
-                              eos_ids=manifest["config"]["eos_token_ids"])
+                              eos_ids=manifest.eos_token_ids)
         row = result.rows[0]
         print(f"{backend:5} {tokenizer.decode(row.tokens)!r} ({row.finish_reason}, "
               f"{result.decode_ms_per_token:.2f} ms/token, tokens {row.tokens})")

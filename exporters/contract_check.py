@@ -12,9 +12,9 @@ from pathlib import Path
 import onnx
 
 from models import contract
+from models.dtypes import DTYPES
 
-_ELEM = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
-         onnx.TensorProto.BFLOAT16: "bfloat16", onnx.TensorProto.INT64: "int64"}
+_ELEM = {d.onnx: d.name for d in DTYPES.values()}
 FORBIDDEN_OPS = ("If", "Loop", "Scan")
 
 
@@ -51,12 +51,14 @@ def graph_problems(model: onnx.ModelProto, graph: str, dims: contract.GraphDims,
 
 
 def check_graph_file(path: Path, graph: str, dims: contract.GraphDims,
-                     allowed_ops: frozenset[tuple[str, str]] = frozenset()) -> None:
-    """Raise ContractError naming every departure of the graph at `path` from the contract."""
+                     allowed_ops: frozenset[tuple[str, str]] = frozenset()) -> onnx.ModelProto:
+    """Raise ContractError naming every departure of the graph at `path` from the contract; returns
+    the graph (without its weights) for the caller's other checks."""
     model = onnx.load(str(path), load_external_data=False)
     problems = graph_problems(model, graph, dims, allowed_ops)
     if problems:
         raise contract.ContractError("; ".join(problems))
+    return model
 
 
 def op_histogram(model: onnx.ModelProto) -> dict[str, int]:

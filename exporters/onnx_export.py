@@ -17,16 +17,17 @@ from torch import nn
 from torch.export import Dim
 
 from models import contract
+from models.artifact import STATIC_OPSET, Precision, Target, Variant
 from models.decoder import Decoder
+from models.errors import TkError
 
-MIN_OPSET, DEFAULT_OPSET, MAX_OPSET = 18, 23, 23
-TARGETS = ("portable", "ort")  # ort: ONNX Runtime's fused contrib kernels, ONNX Runtime only
 MS_DOMAIN = "com.microsoft"
-CONTRIB_OPS = {"portable": frozenset(),  # what each target may use outside the default domain
-               "ort": frozenset({(MS_DOMAIN, "SkipSimplifiedLayerNormalization"), (MS_DOMAIN, "GroupQueryAttention")})}
+CONTRIB_OPS = {Target.PORTABLE: frozenset(),  # what each target may use outside the default domain
+               Target.ORT: frozenset({(MS_DOMAIN, "SkipSimplifiedLayerNormalization"),
+                                      (MS_DOMAIN, "GroupQueryAttention")})}
 
 
-class ExportError(RuntimeError):
+class ExportError(TkError, RuntimeError):
     """The exporter could not turn the model into the graph the contract asks for."""
 
 
@@ -50,8 +51,14 @@ class GraphModule(nn.Module):
         if self.static:
             write_index, rest = rest[0], rest[1:]
         past = [(rest[2 * i], rest[2 * i + 1]) for i in range(len(rest) // 2)] or None
-        out = self.model(input_ids, attention_mask, position_ids, past, write_index, self.output_hidden, self.fused,
-                         self.last_only)
+        if self.fused:  # ONNX Runtime's kernels (tk export --target ort)
+            from models import ort_kernels
+
+            out = ort_kernels.forward(self.model, input_ids, attention_mask, position_ids, past, write_index,
+                                      self.last_only)
+        else:
+            out = self.model(input_ids, attention_mask, position_ids, past, write_index, self.output_hidden,
+                             self.last_only)
         hidden = list(out[2]) if self.output_hidden else []
         return (out[0], *[t for kv in out[1] for t in kv], *hidden)
 
@@ -61,9 +68,6 @@ def _tensor_scatter(cache, update, write_indices):
     from onnxscript.values import Opset
 
     return Opset("", 24).TensorScatter(cache, update, write_indices, axis=-2, mode="linear")
-
-
-STATIC_OPSET = 24  # TensorScatter
 
 
 def _register_contrib_schemas() -> None:
@@ -116,24 +120,10 @@ def _group_query_attention(qkv, past_k, past_v, seqlens_k, total, cos_cache, sin
         num_heads=num_heads, kv_num_heads=kv_num_heads, do_rotary=1, scale=float(past_k.shape[-1]) ** -0.5)
 
 
-def check_target(model: Decoder, target: str) -> None:
-    """What the ort target's kernels cannot express, refused before any export work."""
-    if target not in TARGETS:
-        raise ExportError(f"unknown target {target!r}; use one of {', '.join(TARGETS)}")
-    c = model.config
-    if target == "ort":
-        unsupported = [why for why, bad in (("partial rotary embeddings", c.rotary_dim != c.head_dim),
-                                             ("per-head q/k norms", c.qk_norm)) if bad]
-        if unsupported:
-            raise ExportError(f"--target ort does not support {' or '.join(unsupported)} "
-                              f"({c.architecture}); export with --target portable")
-
-
-def graph_dims(model: Decoder, kv_dtype: str, kv_capacity: int | None = None, debug_outputs: bool = False,
-               prefill_logits: str = "all") -> contract.GraphDims:
-    c = model.config
-    return contract.GraphDims(c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size, kv_dtype, kv_capacity,
-                              c.hidden_size if debug_outputs else None, prefill_logits)
+def graph_dims(config, precision: Precision, variant: Variant) -> contract.GraphDims:
+    c = config
+    return contract.GraphDims(c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size, precision.kv, variant.capacity,
+                              c.hidden_size if variant.debug_outputs else None, variant.prefill_logits.value)
 
 
 def _example(graph: str, model: Decoder, dims: contract.GraphDims, fused: bool = False):
@@ -180,26 +170,24 @@ def _rename_dims(ir_graph) -> None:
         value.shape = ir.Shape(dims)
 
 
-def export_graph(model: Decoder, graph: str, path: Path, dims: contract.GraphDims, opset: int = DEFAULT_OPSET,
-                 target: str = "portable") -> float:
+def export_graph(model: Decoder, graph: str, path: Path, dims: contract.GraphDims, variant: Variant) -> float:
     """Export one graph of the contract `dims` describes to `path` (weights to `path`.data).
-    Returns seconds taken.
+    Returns seconds taken. The variant was checked (ExportOptions) before the model was loaded.
 
     With `dims.kv_capacity` the decode graph gets a static-capacity cache and opset 24 (TensorScatter).
     target "ort" fuses residual add + RMSNorm (both graphs) and the decode step's RoPE, cache write
     and attention into ONNX Runtime's contrib kernels; the graphs' inputs and outputs do not change.
     """
-    if not MIN_OPSET <= opset <= MAX_OPSET:
-        raise ExportError(f"opset {opset} is not supported; use {MIN_OPSET}..{MAX_OPSET}")
-    check_target(model, target)
-    fused = target == "ort"
+    fused = variant.target is Target.ORT
     static = graph == contract.DECODE and dims.kv_capacity is not None
-    opset = STATIC_OPSET if static and not fused else opset
+    opset = STATIC_OPSET if static and not fused else variant.opset
     module, args, shapes = _example(graph, model, dims, fused)
     table = {}
     if static:
         table[torch.ops.tk.kv_write.default] = _tensor_scatter
     if fused:
+        import models.ort_kernels  # noqa: F401  (registers the tk:: ops)
+
         _register_contrib_schemas()
         table[torch.ops.tk.add_rms_norm.default] = _skip_simplified_layer_norm
         table[torch.ops.tk.gqa.default] = _group_query_attention

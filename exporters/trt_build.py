@@ -14,11 +14,12 @@ from pathlib import Path
 from typing import Callable
 
 from models import contract
+from models.artifact import Manifest, sha256_file
+from models.dtypes import canonical_dtype
+from models.errors import TRT_MISSING, TkError, UsageProblem
 
-PRECISIONS = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
-
-class EngineBuildError(RuntimeError):
+class EngineBuildError(TkError, RuntimeError):
     """TensorRT is missing, or could not parse or build a graph."""
 
 
@@ -30,16 +31,16 @@ class Limits:
 
     def check(self, max_context: int) -> None:
         if self.max_batch < 1:
-            raise ValueError(f"--max-batch must be at least 1, got {self.max_batch}")
+            raise UsageProblem(f"--max-batch must be at least 1, got {self.max_batch}")
         if self.max_input_len < 1:
-            raise ValueError(f"--max-input-len must be at least 1, got {self.max_input_len}")
+            raise UsageProblem(f"--max-input-len must be at least 1, got {self.max_input_len}")
         if self.max_seq_len < 2:
-            raise ValueError(f"--max-seq-len must be at least 2 (a prompt token and one new one), got {self.max_seq_len}")
+            raise UsageProblem(f"--max-seq-len must be at least 2 (a prompt token and one new one), got {self.max_seq_len}")
         if self.max_input_len >= self.max_seq_len:
-            raise ValueError(f"--max-input-len ({self.max_input_len}) must be below --max-seq-len ({self.max_seq_len}) "
+            raise UsageProblem(f"--max-input-len ({self.max_input_len}) must be below --max-seq-len ({self.max_seq_len}) "
                              "so at least one token can be generated")
         if self.max_seq_len > max_context:
-            raise ValueError(f"--max-seq-len ({self.max_seq_len}) is beyond the model's context of {max_context}")
+            raise UsageProblem(f"--max-seq-len ({self.max_seq_len}) is beyond the model's context of {max_context}")
 
 
 def compute_profiles(dims: contract.GraphDims, limits: Limits, max_context: int) -> dict[str, dict[str, list[list[int]]]]:
@@ -64,7 +65,7 @@ def compute_profiles(dims: contract.GraphDims, limits: Limits, max_context: int)
         decode[name] = [[1, H, 1, D], [ob, H, op, D], [B, H, S - 1, D]]
     if dims.kv_capacity is not None:  # static cache: only the batch varies; TensorRT updates it in place
         if S != dims.kv_capacity:
-            raise ValueError(f"the graphs have a static cache of {dims.kv_capacity} positions; --max-seq-len must be "
+            raise UsageProblem(f"the graphs have a static cache of {dims.kv_capacity} positions; --max-seq-len must be "
                              f"{dims.kv_capacity} (or left out)")
         decode["attention_mask"] = [[1, S], [ob, S], [B, S]]
         decode["write_indices"] = [[1], [ob], [B]]
@@ -77,7 +78,7 @@ def import_tensorrt():
     try:
         import tensorrt as trt
     except ImportError:
-        raise EngineBuildError(f"TensorRT is not installed; {contract.TRT_INSTALL_HINT}") from None
+        raise EngineBuildError(TRT_MISSING) from None
     return trt
 
 
@@ -117,27 +118,25 @@ def build_engine(trt, onnx_path: Path, profile: dict[str, list[list[int]]], prec
     return bytes(engine), bytes(config.get_timing_cache().serialize())
 
 
-def build_engines(artifact: Path, manifest: dict, env: dict, precision: str | None, limits: Limits,
+def build_engines(artifact: Path, manifest: Manifest, env: dict, precision: str | None, limits: Limits,
                   workspace_gib: float = 4.0, timing_cache: Path | None = None,
                   progress: Callable[[str], None] = lambda m: None) -> tuple[dict, dict[str, bytes]]:
     """Both engines for an artifact. Returns (engine.json contents, engine bytes by graph); the
     caller writes them atomically."""
     trt = import_tensorrt()
-    dims = contract.GraphDims(**manifest["dims"])
-    exported = manifest["dtype"]
-    precision = PRECISIONS.get(precision, precision) if precision else exported
-    if precision not in PRECISIONS.values():
-        raise ValueError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
+    dims = manifest.dims
+    exported = manifest.dtype
+    precision = canonical_dtype(precision) if precision else exported
     if exported != "float32" and precision != exported:
-        raise ValueError(f"the graphs were exported in {exported}; build {exported} engines from them, or export "
+        raise UsageProblem(f"the graphs were exported in {exported}; build {exported} engines from them, or export "
                          f"fp32 graphs to build {precision} engines")
     strongly_typed = exported != "float32"  # fp16/bf16 graphs carry their precision in their types
-    profiles = compute_profiles(dims, limits, manifest["config"]["max_position_embeddings"])
+    profiles = compute_profiles(dims, limits, manifest.max_context)
     cache = timing_cache.read_bytes() if timing_cache and timing_cache.is_file() else None
     engines, hashes = {}, {}
     for graph in contract.GRAPHS:
         path = artifact / contract.GRAPH_FILES[graph]
-        hashes[graph] = contract.sha256_file(path)
+        hashes[graph] = sha256_file(path)
         engines[graph], cache = build_engine(trt, path, profiles[graph], precision, strongly_typed,
                                              workspace_gib, cache)
         progress(f"built {contract.ENGINE_FILES[graph]} ({len(engines[graph]) / 2**20:.1f} MiB)")

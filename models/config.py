@@ -10,20 +10,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from models.errors import TkError
+
 ROPE_TYPES = ("default", "linear", "llama3")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
-DTYPES = ("float32", "float16", "bfloat16")
-DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", **{d: d for d in DTYPES}}
 
 
-def canonical_dtype(name: str) -> str:
-    """"fp16" -> "float16" etc.; a one-line ValueError for anything else."""
-    if name not in DTYPE_ALIASES:
-        raise ValueError(f"unknown dtype {name!r}; use one of fp32, fp16, bf16")
-    return DTYPE_ALIASES[name]
-
-
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(TkError, ValueError):
     """The checkpoint describes a model tk does not implement."""
 
 

@@ -1,6 +1,6 @@
 """The graph contract: names, order, dtypes and symbolic dims of the prefill and decode graphs.
 
-This module is data, read by the exporter (to name and check what it writes), by the runtimes
+This module is data (and the one array function every caller shares), read by the exporter (to name and check what it writes), by the runtimes
 (to feed and check what they run) and by the parity harness. Nobody spells "present.0.key" by
 hand. It imports nothing but the standard library so that `runtimes` may depend on it without
 pulling in torch.
@@ -11,9 +11,10 @@ Any change to names, order, dtypes or dims bumps CONTRACT_VERSION.
 from __future__ import annotations
 
 import functools
-import hashlib
 from dataclasses import dataclass
-from pathlib import Path
+
+from models.dtypes import DTYPES
+from models.errors import TkError
 
 CONTRACT_VERSION = 2  # 2: the static-capacity decode variant (write_indices, fixed-capacity cache)
 
@@ -30,7 +31,7 @@ TOTAL = "total_sequence_length"
 KV_DTYPE = "kv"  # placeholder in the table: the precision the graph was exported in
 
 
-class ContractError(ValueError):
+class ContractError(TkError, ValueError):
     """A graph, artifact or input does not follow the contract."""
 
 
@@ -141,7 +142,7 @@ class GraphDims:
 
     def kv_bytes_per_token(self, batch: int = 1) -> int:
         """2 (key and value) * layers * kv_heads * head_dim * bytes, per token of context per row."""
-        return 2 * self.num_layers * batch * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.kv_dtype]
+        return int(2 * self.num_layers * batch * self.num_kv_heads * self.head_dim * DTYPES[self.kv_dtype].bytes)
 
 
 @functools.lru_cache(maxsize=64)
@@ -166,20 +167,11 @@ def _resolved_outputs(dims: GraphDims, graph: str) -> tuple[TensorSpec, ...]:
     return tuple(specs)
 
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8}
-
 # Manifest file names shared by exporter and runtimes.
 MANIFEST = "manifest.json"
 GRAPH_FILES = {PREFILL: "prefill.onnx", DECODE: "decode.onnx"}
-
-
-def check_manifest_version(manifest: dict) -> None:
-    found = manifest.get("contract_version")
-    if found != CONTRACT_VERSION:
-        raise ContractError(
-            f"artifact has graph contract version {found}, this tk reads version {CONTRACT_VERSION}; "
-            "re-export it with this version of tk (tk export)"
-        )
+ENGINE_FILES = {PREFILL: "prefill.engine", DECODE: "decode.engine"}  # TensorRT engines (tk build-engine)
+ENGINE_META = "engine.json"
 
 
 def position_ids_from_mask(mask):
@@ -188,18 +180,3 @@ def position_ids_from_mask(mask):
     Works on numpy arrays (and on torch tensors, which share the methods used here).
     """
     return (mask.cumsum(-1) - 1).clip(0)
-
-# TensorRT engines beside the graphs (tk build-engine), and how to get TensorRT where it is missing.
-TRT_INSTALL_HINT = ("on a machine with an NVIDIA GPU, pip install 'tk[gpu]' --extra-index-url https://pypi.nvidia.com "
-                    "(TensorRT's libraries come from NVIDIA's index, not PyPI)")
-ENGINE_FILES = {PREFILL: "prefill.engine", DECODE: "decode.engine"}
-ENGINE_META = "engine.json"
-
-
-def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
-    """The sha256 an artifact records for each file it depends on."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()

@@ -5,20 +5,17 @@ and `Decoder`, whose forward has no hidden state: the past cache comes in, the p
 goes out, exactly the graph contract (models/contract.py). It knows nothing about checkpoints
 (models/loading.py) or ONNX (exporters/).
 
-Projections are stored fused (`wqkv`, `w_gate_up`): one matmul each in every backend. The loader
-concatenates families that store them apart.
+Projections are stored concatenated (`wqkv`, `w_gate_up`): one matmul each in every backend.
+The loader concatenates families that store them apart.
 
-Two custom ops mark where ONNX Runtime has a fused kernel (tk export --target ort): `tk::add_rms_norm`
-(residual add + RMSNorm -> SkipSimplifiedLayerNormalization) and `tk::gqa` (RoPE, cache write and
-attention of one decode step -> GroupQueryAttention). Their eager bodies are the reference math
-below; `Decoder.forward(fused=True)` routes through them, and the exporter translates them.
+The static-capacity cache write is one custom op, `tk::kv_write` (eager: a scatter), so that the
+exporter can name it. ONNX Runtime's fused kernels (tk export --target ort) live in
+models/ort_kernels.py, which drives these same layers.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -48,30 +45,6 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The scale goes into rms_norm itself: one RMSNormalization node in the graph, no extra Mul.
         return F.rms_norm(x.float(), (x.shape[-1],), self.scale(), self.eps).to(x.dtype)
-
-
-@torch.library.custom_op("tk::add_rms_norm", mutates_args=())
-def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, scale: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(h + delta) * scale, h + delta): ONNX Runtime's SkipSimplifiedLayerNormalization."""
-    s = h + delta
-    return F.rms_norm(s.float(), (s.shape[-1],), scale.float(), eps).to(s.dtype), s
-
-
-@add_rms_norm.register_fake
-def _(h, delta, scale, eps):
-    return torch.empty_like(h), torch.empty_like(h)
-
-
-def add_norm(norm: RMSNorm, h: torch.Tensor, delta: torch.Tensor | None, fused: bool):
-    """The residual stream is carried as (h, delta): norm(h + delta) and h + delta, in one kernel
-    where ONNX Runtime has one (fused), else as an Add and an RMSNormalization."""
-    if delta is None:
-        return norm(h), h
-    if fused:
-        return add_rms_norm(h, delta, norm.scale().to(h.dtype), norm.eps)
-    h = h + delta
-    return norm(h), h
 
 
 def rope_inv_freq(cfg: DecoderConfig) -> torch.Tensor:
@@ -154,77 +127,6 @@ def _(cache, update, write_index):
     return torch.empty_like(cache)
 
 
-@dataclass
-class FusedAttentionInputs:
-    """What GroupQueryAttention takes besides qkv and the cache, computed once per decode step."""
-
-    seqlens_k: torch.Tensor  # (B,) int32: cache index of the new token (GQA: total length - 1)
-    total: torch.Tensor  # () int32: the mask's width (the static capacity, or past + 1)
-    cos_cache: torch.Tensor  # (N, D/2): RoPE tables over every position the cache can hold
-    sin_cache: torch.Tensor
-    position_ids: torch.Tensor  # (B, 1) int64
-    bias: torch.Tensor  # (B, 1, 1, total) additive: 0 where the query may attend, dtype's min elsewhere
-    static: bool  # the cache is a fixed-capacity buffer (present has the past's shape)
-
-
-@torch.library.custom_op("tk::gqa", mutates_args=())
-def gqa(qkv: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor, seqlens_k: torch.Tensor, total: torch.Tensor,
-        cos_cache: torch.Tensor, sin_cache: torch.Tensor, position_ids: torch.Tensor, bias: torch.Tensor,
-        num_heads: int, kv_num_heads: int, static: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One attention step as ONNX Runtime's GroupQueryAttention computes it, from packed qkv
-    (B, S, (H + 2 Hkv) D): RoPE (half-split) at position_ids, k and v written into the cache at
-    seqlens_k - S + 1, attention over the first `total` cache positions plus `bias`.
-    Returns (y (B, S, H D), present_k, present_v); present is max(total, past) long."""
-    B, S, _ = qkv.shape
-    D = past_k.shape[-1]
-    q, k, v = (t.view(B, S, -1, D).transpose(1, 2)
-               for t in qkv.split([num_heads * D, kv_num_heads * D, kv_num_heads * D], dim=-1))
-    cos, sin = (torch.cat([t[position_ids]] * 2, dim=-1)[:, None].to(qkv.dtype)  # (B, 1, S, D)
-                for t in (cos_cache, sin_cache))
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    T = int(total)
-    grow = T - past_k.shape[2]
-    if grow > 0:
-        past_k, past_v = (F.pad(t, (0, 0, 0, grow)) for t in (past_k, past_v))
-    start = seqlens_k.long() - S + 1
-    present_k, present_v = kv_write(past_k, k, start), kv_write(past_v, v, start)
-    # causal within the step, and nothing past a row's newest token, whatever the bias says
-    query_at = start[:, None, None] + torch.arange(S, device=qkv.device)[:, None]  # (B, S, 1)
-    beyond = (torch.arange(T, device=qkv.device) > query_at)[:, None]  # (B, 1, S, T)
-    bias = bias[..., :T].masked_fill(beyond, torch.finfo(bias.dtype).min)
-    y = F.scaled_dot_product_attention(q, present_k[:, :, :T], present_v[:, :, :T], attn_mask=bias,
-                                       enable_gqa=num_heads != kv_num_heads)
-    return y.transpose(1, 2).reshape(B, S, num_heads * D), present_k, present_v
-
-
-@gqa.register_fake
-def _(qkv, past_k, past_v, seqlens_k, total, cos_cache, sin_cache, position_ids, bias, num_heads, kv_num_heads,
-      static):
-    B, S, _ = qkv.shape
-    shape = past_k.shape if static else (B, past_k.shape[1], past_k.shape[2] + S, past_k.shape[3])
-    return qkv.new_empty(B, S, num_heads * past_k.shape[-1]), past_k.new_empty(shape), past_v.new_empty(shape)
-
-
-def fused_attention_inputs(inv_freq: torch.Tensor, positions: int, attention_mask: torch.Tensor,
-                           position_ids: torch.Tensor, sliding_window: int | None, write_index: torch.Tensor | None,
-                           dtype: torch.dtype) -> FusedAttentionInputs:
-    """GroupQueryAttention's side inputs for one decode step; positions: how many rows the RoPE
-    tables need. The kernel itself never looks past a row's new token (seqlens_k), so the bias
-    only carries what else `causal_mask` hides: padding (except the token itself) and keys
-    beyond the sliding window. Fewer nodes than the full mask, run once per step."""
-    B, T = attention_mask.shape
-    device = attention_mask.device
-    freqs = torch.arange(positions, dtype=torch.float32, device=device)[:, None] * inv_freq  # (N, R/2)
-    new = torch.full((B,), T - 1, device=device) if write_index is None else write_index  # the new token's index
-    dist = new[:, None] - torch.arange(T, device=device)  # (B, T): how far each key lies behind the new token
-    visible = attention_mask.bool() | (dist == 0)
-    if sliding_window is not None:
-        visible = visible & (dist < sliding_window)
-    bias = torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)[:, None, None, :]  # (B, 1, 1, T)
-    return FusedAttentionInputs(new.to(torch.int32), torch.full((), T, dtype=torch.int32), freqs.cos().to(dtype),
-                                freqs.sin().to(dtype), position_ids, bias, write_index is not None)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
@@ -236,13 +138,9 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, x, cos, sin, mask, past: tuple[torch.Tensor, torch.Tensor] | None,
-                write_index: torch.Tensor | None = None, fused: FusedAttentionInputs | None = None):
+                write_index: torch.Tensor | None = None):
         B, S, _ = x.shape
         qkv = self.wqkv(x)  # (B, S, (H + 2 Hkv) * D)
-        if fused is not None:  # one kernel: RoPE, the cache write and attention
-            y, k, v = gqa(qkv, past[0], past[1], fused.seqlens_k, fused.total, fused.cos_cache, fused.sin_cache,
-                          fused.position_ids, fused.bias, self.n_heads, self.n_kv, fused.static)
-            return self.wo(y), (k, v)
         # One new token (S is a plain 1 when the decode graph is traced, a symbol for prefill):
         # moving a size-1 axis is a reshape, so all heads go to (B, H + 2 Hkv, 1, D) in one node
         # and split there: 2 nodes instead of 7 per layer in the decode graph.
@@ -289,13 +187,11 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         self.ffn = FeedForward(cfg)
 
-    def forward(self, h, delta, cos, sin, mask, past, write_index=None, fused: bool = False,
-                fused_attn: FusedAttentionInputs | None = None):
-        """(h, delta) -> (h', delta'): the layer's output is h' + delta', added by the next norm."""
-        x, h = add_norm(self.attn_norm, h, delta, fused)
-        a, present = self.attn(x, cos, sin, mask, past, write_index, fused_attn)
-        x, h = add_norm(self.ffn_norm, h, a, fused)
-        return h, self.ffn(x), present
+    def forward(self, x, cos, sin, mask, past, write_index=None):
+        """Pre-norm residual: x + attention(norm(x)), then + ffn(norm(.))."""
+        a, present = self.attn(self.attn_norm(x), cos, sin, mask, past, write_index)
+        h = x + a
+        return h + self.ffn(self.ffn_norm(h)), present
 
 
 class Decoder(nn.Module):
@@ -314,6 +210,12 @@ class Decoder(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
 
+    def embed_inputs(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)  # (B, S, C)
+        if self.config.embed_scale:  # Gemma: the normalizer is rounded to the activation dtype first
+            x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
+        return x
+
     def forward(
         self,
         input_ids: torch.Tensor,  # (B, S) int64
@@ -322,32 +224,20 @@ class Decoder(nn.Module):
         past_key_values: KVCache | None = None,
         write_index: torch.Tensor | None = None,  # (B,) int64: static-capacity cache, write position per row
         output_hidden: bool = False,  # also return each layer's output (B, S, C) in float32, for localization
-        fused: bool = False,  # route through ONNX Runtime's fused kernels' ops (tk export --target ort)
         last_only: bool = False,  # logits for the last position only (B, 1, V): what generation needs
     ) -> tuple[torch.Tensor, KVCache] | tuple[torch.Tensor, KVCache, list[torch.Tensor]]:
-        x = self.embed(input_ids)  # (B, S, C)
-        if self.config.embed_scale:  # Gemma: the normalizer is rounded to the activation dtype first
-            x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
-        fused_attn = None
-        if fused and past_key_values is not None:  # decode: GroupQueryAttention does RoPE and masking itself
-            positions = attention_mask.shape[1] if write_index is not None else self.config.max_position_embeddings
-            fused_attn = fused_attention_inputs(self.inv_freq, positions, attention_mask, position_ids,
-                                                self.config.sliding_window, write_index, x.dtype)
-            cos = sin = mask = None
-        else:
-            cos, sin = rope_cos_sin(position_ids, self.inv_freq, x.dtype)
-            mask = causal_mask(attention_mask, input_ids.shape[1], self.config.sliding_window, write_index)
+        x = self.embed_inputs(input_ids)  # (B, S, C)
+        cos, sin = rope_cos_sin(position_ids, self.inv_freq, x.dtype)
+        mask = causal_mask(attention_mask, input_ids.shape[1], self.config.sliding_window, write_index)
         present: KVCache = []
         hidden = []
-        h, delta = x, None
         for i, layer in enumerate(self.layers):
             past = past_key_values[i] if past_key_values is not None else None
-            h, delta, kv = layer(h, delta, cos, sin, mask, past, write_index, fused, fused_attn)
+            x, kv = layer(x, cos, sin, mask, past, write_index)
             present.append(kv)
             if output_hidden:
-                hidden.append((h + delta).float())
+                hidden.append(x.float())
         if last_only:  # left padding puts every row's newest token last
-            h, delta = h[:, -1:], delta[:, -1:]
-        x, _ = add_norm(self.norm, h, delta, fused)
-        logits = self.lm_head(x).float()  # (B, S, V): float32 in every precision
+            x = x[:, -1:]
+        logits = self.lm_head(self.norm(x)).float()  # (B, S, V): float32 in every precision
         return (logits, present, hidden) if output_hidden else (logits, present)

@@ -17,7 +17,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from models.config import DecoderConfig, UnsupportedModelError, canonical_dtype, config_from_hf
+from models.config import DecoderConfig, UnsupportedModelError, config_from_hf
+from models.dtypes import canonical_dtype
+from models.errors import TkError
 from models.decoder import Decoder, rope_inv_freq
 
 SINGLE_FILE = "model.safetensors"
@@ -25,7 +27,7 @@ INDEX_FILE = "model.safetensors.index.json"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved
 
 
-class CheckpointError(ValueError):
+class CheckpointError(TkError, ValueError):
     """The checkpoint folder is missing, incomplete, corrupt, or disagrees with its config."""
 
 

@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 
 from models.config import config_from_hf
 from models.decoder import Decoder
+from models.errors import UsageProblem
 from models.loading import SINGLE_FILE, hf_shapes, weight_map
 
 EOS, PAD = "<|endoftext|>", "<|pad|>"
@@ -168,7 +169,7 @@ WEIGHTS = {"trained-like": trained_like_weights}
 def write_preset(name: str, folder: str | Path, seed: int = 0) -> Path:
     """Write preset `name` as a Hugging Face checkpoint folder and return it."""
     if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
+        raise UsageProblem(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
     hf = PRESETS[name]
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

@@ -1,66 +1,51 @@
-"""The runtime interface every backend implements, and the input check they share.
+"""The runtime interface every backend implements: a backend owns decode sessions.
 
-A runtime is cheap to construct, loads on `activate()` (or `__enter__`), and offers `prefill`
-and `decode` over numpy int64 inputs, returning float32 numpy logits and an opaque cache that
-stays wherever the backend keeps it (torch tensors, OrtValues, device buffers). The generation
-loop and the parity harness see only this interface. Imports nothing heavy.
+A runtime is cheap to construct, loads on `activate()` (or `__enter__`; running an inactive one
+is refused, as Polygraphy's runners refuse), and offers
+
+    start(input_ids, attention_mask) -> (StepOutput, Session)   # prefill a left-padded batch
+    step(session, tokens) -> StepOutput                         # one token per row
+
+The session holds each row's positions, the mask and the cache (torch tensors, OrtValues, device
+buffers: opaque to callers), so the loop, parity, the probes and a server never build masks or
+positions; `session.keep(rows)` lets finished rows leave. How the cache grows is the export's
+cache layout (runtimes/cache_layouts.py), written once for every backend: a backend implements
+only `_load`, `_run` (one graph, contract-named numpy feeds) and a few buffer hooks.
+Imports nothing heavy.
 """
 
 from __future__ import annotations
 
-import json
 from abc import ABC, abstractmethod
-from pathlib import Path
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from models import contract
+from models.artifact import ArtifactError  # noqa: F401  (raised by backends; re-exported for them)
+from models.dtypes import DTYPES
+from models.errors import TkError
 
 
-class RuntimeErrorBase(RuntimeError):
+class RuntimeProblem(TkError):
     """Base of the errors runtimes raise for the CLI to report."""
 
 
-class BackendUnavailable(RuntimeErrorBase):
+class BackendUnavailable(RuntimeProblem):
     """An optional library or device this backend needs is missing; the message says how to get it."""
 
 
-class InputError(RuntimeErrorBase, ValueError):
+class InputError(RuntimeProblem, ValueError):
     """Inputs do not fit the contract or the backend's limits."""
 
 
-class ArtifactError(RuntimeErrorBase, ValueError):
-    """The artifact folder is missing files or does not match this tk or this machine."""
-
-
-def read_manifest(artifact: Path) -> dict:
-    artifact = Path(artifact)
-    path = artifact / contract.MANIFEST
-    if not artifact.is_dir():
-        raise ArtifactError(f"artifact folder {artifact} does not exist; create it with tk export")
-    if not path.is_file():
-        raise ArtifactError(f"{artifact} has no {contract.MANIFEST}; it is not a tk artifact (tk export makes one)")
-    try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ArtifactError(f"{path} is not valid JSON ({e}); re-export the artifact") from None
-    try:
-        contract.check_manifest_version(manifest)
-    except contract.ContractError as e:
-        raise ArtifactError(str(e)) from None
-    return manifest
-
-
-def dims_from_manifest(manifest: dict) -> contract.GraphDims:
-    return contract.GraphDims(**manifest["dims"])
-
-
 def check_inputs(graph: str, dims: contract.GraphDims, feeds: dict[str, tuple[tuple, str]]) -> None:
-    """Check named (shape, dtype) pairs against the contract before a run (Polygraphy's check_inputs).
+    """Check named (shape, dtype) pairs against the contract (Polygraphy's check_inputs).
 
     Symbolic dims must agree wherever they recur: batch everywhere, the decode mask one longer
     than the past. Messages name the tensor and both shapes. The first past tensor stands for
-    the cache (`GraphDims.checked_inputs`): this runs before every decode step.
+    the cache: a runtime's cache tensors are alike.
     """
     bound: dict[str, int] = {}
     for spec in dims.checked_inputs(graph):
@@ -72,10 +57,7 @@ def check_inputs(graph: str, dims: contract.GraphDims, feeds: dict[str, tuple[tu
         if len(shape) != len(spec.dims):
             raise InputError(f"{graph}: {spec.name} has shape {list(shape)}, expected {list(spec.dims)}")
         for got, want in zip(shape, spec.dims):
-            if isinstance(want, int):
-                ok = got == want
-            else:
-                ok = bound.setdefault(want, got) == got
+            ok = got == want if isinstance(want, int) else bound.setdefault(want, got) == got
             if not ok or got <= 0:
                 raise InputError(f"{graph}: {spec.name} has shape {list(shape)}, expected {list(spec.dims)} "
                                  f"with {', '.join(f'{k}={v}' for k, v in bound.items())}")
@@ -92,26 +74,79 @@ def check_token_ids(input_ids: np.ndarray, vocab_size: int) -> None:
         raise InputError(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
 
 
-_DTYPE_NAMES = {np.dtype(n): n for n in ("int64", "int32", "float32", "float16")}
+def shape_and_dtype(array: np.ndarray) -> tuple[tuple, str]:
+    return array.shape, str(array.dtype)
 
 
-def dtype_name(dtype: np.dtype) -> str:
-    """numpy's str(dtype) costs ~7 us; this runs several times every decode step."""
-    return _DTYPE_NAMES.get(dtype) or str(dtype)
+@dataclass
+class StepOutput:
+    logits: np.ndarray  # float32 (B, S or 1, V)
+    hidden: list[np.ndarray] | None = None  # per layer (B, S, C) float32: debug exports only
+
+
+class Session:
+    """One left-padded batch being decoded on one runtime.
+
+    `rows` are the caller's ids of the rows still in the session (0..B-1 at start); `positions`
+    (B, 1) each row's last position id; `length` the cache positions written (the same for every
+    row of one prefill: left padding fills the gap). `cache` and `state` belong to the layout and
+    the backend. Close it (or use `with`) to release device buffers.
+    """
+
+    def __init__(self, runtime: "Runtime", cache: list, mask: np.ndarray, room: int):
+        B, T = mask.shape
+        self.runtime, self.cache = runtime, cache
+        self.rows = list(range(B))
+        self.length = T
+        self.positions = mask.sum(-1, keepdims=True) - 1  # (B, 1): the last token's, a real one
+        self.mask = np.ones((B, T + max(room, 1)), dtype=np.int64)  # grows as a view (no array per step)
+        self.mask[:, :T] = mask
+        self.steps = 0
+        self.state: dict[str, Any] = {}  # the backend's own (an ORT binding, say)
+
+    @property
+    def batch(self) -> int:
+        return len(self.rows)
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only these rows (indices into `rows`, in order): finished rows stop being computed."""
+        if list(rows) == list(range(self.batch)):
+            return
+        idx = np.asarray(rows, dtype=np.int64)
+        self.rows = [self.rows[i] for i in rows]
+        self.positions = self.positions[idx]
+        self.mask = self.mask[idx]
+        self.runtime.layout.keep(self.runtime, self, idx)
+
+    def close(self) -> None:
+        if self.cache is not None:
+            self.runtime.layout.release(self.runtime, self)
+            self.cache = None
+        self.runtime._release_session(self)
+        self.state.clear()
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class Runtime(ABC):
-    """One backend. Subclasses implement `_load`, `_unload`, `_prefill`, `_decode`, `cache_arrays`."""
+    """One backend. Subclasses implement `_load`, `_run` and, for caches they keep off the host,
+    the buffer hooks below (the defaults are numpy's)."""
 
     name = "base"
 
     def __init__(self, dims: contract.GraphDims, max_context: int):
-        self.dims = dims
-        self.past_names = contract.past_names(dims.num_layers)  # named once, bound every decode step
+        from runtimes.cache_layouts import layout_for
+
+        self.dims = dims  # the graphs this runtime runs, always
+        self.layout = layout_for(dims)
+        self.past_names = contract.past_names(dims.num_layers)
         self.present_names = contract.present_names(dims.num_layers)
-        self.max_context = max_context
+        self.max_context = min(max_context, dims.kv_capacity or max_context)
         self.active = False
-        self.hidden: list[np.ndarray] | None = None  # the last call's per-layer hidden states, where available
 
     def activate(self) -> "Runtime":
         if not self.active:
@@ -130,26 +165,33 @@ class Runtime(ABC):
     def __exit__(self, *exc) -> None:
         self.deactivate()
 
-    def _feeds(self, input_ids, attention_mask, position_ids) -> dict:
-        return {"input_ids": (input_ids.shape, dtype_name(input_ids.dtype)),
-                "attention_mask": (attention_mask.shape, dtype_name(attention_mask.dtype)),
-                "position_ids": (position_ids.shape, dtype_name(position_ids.dtype))}
-
-    def prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray):
-        """-> (logits float32 (B, S, V), cache)."""
+    def _require_active(self) -> None:
         if not self.active:
-            self.activate()
-        check_inputs(contract.PREFILL, self.dims, self._feeds(input_ids, attention_mask, position_ids))
-        check_token_ids(input_ids, self.dims.vocab_size)
-        return self._prefill(input_ids, attention_mask, position_ids)
+            raise RuntimeError(f"the {self.name} runtime is not active; use `with runtime:` or runtime.activate()")
 
-    def decode(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, cache):
-        """-> (logits float32 (B, 1, V), cache)."""
-        feeds = self._feeds(input_ids, attention_mask, position_ids)
-        feeds[self.past_names[0]] = self.cache_feed(cache)
-        check_inputs(contract.DECODE, self.dims, feeds)
+    def start(self, input_ids: np.ndarray, attention_mask: np.ndarray, room: int = 64) -> tuple[StepOutput, Session]:
+        """Prefill a left-padded batch; `room`: decode steps to reserve mask space for (it grows past it)."""
+        self._require_active()
+        feeds = {"input_ids": shape_and_dtype(input_ids), "attention_mask": shape_and_dtype(attention_mask),
+                 "position_ids": shape_and_dtype(input_ids)}
+        check_inputs(contract.PREFILL, self.dims, feeds)
         check_token_ids(input_ids, self.dims.vocab_size)
-        return self._decode(input_ids, attention_mask, position_ids, cache)
+        return self.layout.start(self, input_ids, attention_mask, room)
+
+    def step(self, session: Session, tokens) -> StepOutput:
+        """One token per row of the session -> logits (B, 1, V)."""
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1, 1)
+        if tokens.shape[0] != session.batch:
+            raise InputError(f"decode: {tokens.shape[0]} tokens for a session of {session.batch} rows")
+        check_token_ids(tokens, self.dims.vocab_size)
+        return self.layout.step(self, session, tokens)
+
+    def cache_arrays(self, session: Session) -> list[np.ndarray]:
+        """The session's cache as float32 (B, Hkv, length, D) arrays in contract order (copies; for
+        parity and probes, not the loop)."""
+        return self.layout.arrays(self, session)
+
+    # --- what a backend implements ---
 
     @abstractmethod
     def _load(self) -> None: ...
@@ -158,15 +200,34 @@ class Runtime(ABC):
         pass
 
     @abstractmethod
-    def _prefill(self, input_ids, attention_mask, position_ids): ...
+    def _run(self, graph: str, feeds: dict[str, np.ndarray], past: list | None, session: Session | None,
+             in_place: bool = False) -> tuple[StepOutput, list]:
+        """Run one graph on contract-named numpy feeds and the past cache (decode). Returns the
+        step's output and the present cache; with `in_place` (a static cache) the present is
+        written into `past`'s own buffers, and the same `feeds` arrays come back every step."""
 
-    @abstractmethod
-    def _decode(self, input_ids, attention_mask, position_ids, cache): ...
+    # Buffer hooks for the layouts. The defaults hold the cache as numpy arrays.
+    def _alloc_cache(self, shape: tuple, dtype: str):
+        return np.zeros(shape, dtype=DTYPES[dtype].numpy)
 
-    @abstractmethod
-    def cache_feed(self, cache) -> tuple[tuple, str]:
-        """(shape, dtype) of the past tensors the cache would feed, all alike (no copy)."""
+    def _write_prefix(self, dst, src, length: int) -> None:
+        """Copy a (B, H, length, D) present tensor into the first positions of a capacity buffer."""
+        dst[:, :, :length] = self._to_numpy(src)
 
-    @abstractmethod
-    def cache_arrays(self, cache) -> list[np.ndarray]:
-        """The cache as float32 numpy arrays in contract order (copies; for parity, not the loop)."""
+    def _to_numpy(self, buf) -> np.ndarray:
+        return np.asarray(buf)
+
+    def _from_numpy(self, array: np.ndarray):
+        return array
+
+    def _release(self, buffers: list) -> None:
+        pass
+
+    def _release_session(self, session: Session) -> None:
+        """Free what the backend keeps in `session.state` (called on close and when rows leave)."""
+
+    def _take(self, buffers: list, rows: np.ndarray) -> list:
+        """The cache of the given batch rows (a session's rows leaving)."""
+        out = [self._from_numpy(np.ascontiguousarray(self._to_numpy(b)[rows])) for b in buffers]
+        self._release(buffers)
+        return out

@@ -1,20 +1,21 @@
-"""The generation loop, written once for every backend.
+"""The generation loop, written once for every backend, as a stream of token events.
 
-Left-pads a batch of prompts, derives position ids from the mask, runs prefill then one decode
-step per token, samples with the shared `Sampler`, and finishes each row on EOS, a stop
-condition or the token budget. It knows nothing about tokenization (stop strings arrive as a
-callable) and nothing about which backend runs.
+`Generation` left-pads a batch of prompts, starts a session on the runtime, samples with the
+shared `Sampler`, and yields one `TokenEvent` per new token (and one when a row finishes on EOS).
+A row finishes on EOS, the token budget, or when its consumer calls `stop(row)` (stop strings
+live with the text, in toolkit/textgen.py); a finished row leaves the session at once, so it is
+no longer computed. `generate()` collects the events. It knows nothing about tokenization and
+nothing about which backend runs.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from models.contract import position_ids_from_mask
 from runtimes.base import InputError, Runtime
 from runtimes.sampling import Sampler, SamplingConfig
 
@@ -46,6 +47,13 @@ class GenerationResult:
                 "tokens_per_s": self.tokens_per_s, "decode_steps": len(self.decode_s)}
 
 
+@dataclass(frozen=True)
+class TokenEvent:
+    row: int  # the prompt's index
+    token: int | None  # the new token; None when the row ended on EOS (which is not kept)
+    finish_reason: str | None = None  # set on a row's last event: "eos" | "stop" | "length"
+
+
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """-> (input_ids, attention_mask), both (B, max_len) int64, padding on the left."""
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -59,93 +67,81 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[np.ndar
     return ids, mask
 
 
-class DecodeFeed:
-    """The attention mask and position ids of a left-padded batch being decoded: each step adds
-    one real position. The mask lives in a buffer with room for more, so growing it is a view,
-    and the positions are counted up in place: no array is built per step (this runs between
-    two decode steps, when the caches are cold and every numpy call costs ~10 us)."""
+class Generation:
+    """Iterate for token events; `stop(row)` finishes a row after its current token; `result`
+    holds the tokens, finish reasons and timings once the iteration is over."""
 
-    def __init__(self, mask: np.ndarray, room: int = 64):
-        B, T = mask.shape
-        self.buffer = np.ones((B, T + max(room, 1)), dtype=np.int64)
-        self.buffer[:, :T] = mask
-        self.length = T
-        self.positions = mask.sum(-1, keepdims=True) - 1  # (B, 1): the last token's, a real one
+    def __init__(self, runtime: Runtime, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 sampling: SamplingConfig = SamplingConfig(), eos_ids: Sequence[int] = (), ignore_eos: bool = False):
+        if max_new_tokens <= 0:
+            raise InputError(f"max new tokens must be positive, got {max_new_tokens}")
+        self.ids, self.mask = left_pad(prompts)
+        if self.ids.shape[1] + max_new_tokens > runtime.max_context:
+            raise InputError(f"a prompt of {self.ids.shape[1]} tokens plus {max_new_tokens} new tokens exceeds the "
+                             f"model's context of {runtime.max_context}; shorten the prompt or ask for fewer new tokens")
+        self.runtime, self.max_new_tokens, self.sampling = runtime, max_new_tokens, sampling
+        self.eos = set() if ignore_eos else set(eos_ids)
+        self.result = GenerationResult([RowResult(prompt_tokens=len(p)) for p in prompts], 0.0, [])
+        self._stopped: set[int] = set()
 
-    def grow(self) -> tuple[np.ndarray, np.ndarray]:
-        """One more real position -> (mask (B, T + 1), position ids (B, 1))."""
-        if self.length == self.buffer.shape[1]:
-            self.buffer = np.concatenate([self.buffer, np.ones_like(self.buffer)], axis=1)
-        self.length += 1
-        self.positions += 1
-        return self.buffer[:, : self.length], self.positions
+    def stop(self, row: int) -> None:
+        self._stopped.add(row)
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        rt, ids, mask, rows = self.runtime, self.ids, self.mask, self.result.rows
+        B = ids.shape[0]
+        sampler = Sampler(self.sampling)
+        seen = None
+        if self.sampling.repetition_penalty != 1.0:
+            seen = np.zeros((B, rt.dims.vocab_size), dtype=bool)
+            r, c = np.nonzero(mask)
+            seen[r, ids[r, c]] = True
+        start = time.perf_counter()
+        out, session = rt.start(ids, mask, room=self.max_new_tokens)
+        with session:
+            token = sampler(out.logits[:, -1], seen, session.rows, B)
+            self.result.ttft_s = time.perf_counter() - start
+            for step in range(self.max_new_tokens):
+                keep = []
+                for i, (b, t) in enumerate(zip(session.rows, token.tolist())):  # plain Python: B is small
+                    row = rows[b]
+                    if t in self.eos:
+                        row.finish_reason = "eos"
+                        yield TokenEvent(b, None, "eos")
+                        continue
+                    row.tokens.append(t)
+                    if seen is not None:
+                        seen[b, t] = True
+                    last = step == self.max_new_tokens - 1
+                    yield TokenEvent(b, t, None)  # the consumer may stop(b) here
+                    if b in self._stopped:
+                        row.finish_reason = "stop"
+                        yield TokenEvent(b, None, "stop")
+                    elif last:
+                        yield TokenEvent(b, None, "length")
+                    else:
+                        keep.append(i)
+                if not keep:
+                    break
+                tick = time.perf_counter()
+                session.keep(keep)  # finished rows leave: they are not computed any more
+                out = rt.step(session, token[keep])
+                token = sampler(out.logits[:, -1], seen, session.rows, B)
+                self.result.decode_s.append(time.perf_counter() - tick)
 
 
-def decode_step(runtime: Runtime, tokens: np.ndarray, feed: DecodeFeed, cache):
-    """Feed one token per row at the next position of `feed`. Returns (logits (B, 1, V), cache)."""
-    mask, positions = feed.grow()
-    return runtime.decode(np.asarray(tokens, dtype=np.int64).reshape(-1, 1), mask, positions, cache)
-
-
-def generate(
-    runtime: Runtime,
-    prompts: Sequence[Sequence[int]],
-    max_new_tokens: int,
-    sampling: SamplingConfig = SamplingConfig(),
-    eos_ids: Sequence[int] = (),
-    ignore_eos: bool = False,
-    stop: Callable[[int, list[int]], bool] | None = None,
-    on_token: Callable[[int, int], None] | None = None,
-) -> GenerationResult:
-    """Generate up to `max_new_tokens` per prompt.
-
-    `stop(row, tokens)` is asked after each new token of a row (stop strings live there);
-    `on_token(row, token)` is told each token as it arrives (streaming).
-    """
-    if max_new_tokens <= 0:
-        raise InputError(f"max new tokens must be positive, got {max_new_tokens}")
-    ids, mask = left_pad(prompts)
-    longest = ids.shape[1]
-    if longest + max_new_tokens > runtime.max_context:
-        raise InputError(f"a prompt of {longest} tokens plus {max_new_tokens} new tokens exceeds the model's "
-                         f"context of {runtime.max_context}; shorten the prompt or lower --max-new-tokens")
-    B, V = ids.shape[0], runtime.dims.vocab_size
-    sampler = Sampler(sampling)
-    seen = None
-    if sampling.repetition_penalty != 1.0:
-        seen = np.zeros((B, V), dtype=bool)
-        rows, cols = np.nonzero(mask)
-        seen[rows, ids[rows, cols]] = True
-    eos = set() if ignore_eos else set(eos_ids)
-    results = [RowResult(prompt_tokens=len(p)) for p in prompts]
-    active = list(range(B))  # rows still generating; plain Python: B is small and this runs every step
-    feed = DecodeFeed(mask, room=max_new_tokens)
-
-    start = time.perf_counter()
-    logits, cache = runtime.prefill(ids, mask, position_ids_from_mask(mask))
-    token = sampler(logits[:, -1], seen)
-    ttft = time.perf_counter() - start
-    decode_s: list[float] = []
-    for step in range(max_new_tokens):
-        tokens = token.tolist()
-        for b in list(active):
-            t, row = tokens[b], results[b]
-            if t in eos:
-                row.finish_reason = "eos"
-                active.remove(b)
-                continue
-            row.tokens.append(t)
-            if seen is not None:
-                seen[b, t] = True
-            if on_token is not None:
-                on_token(b, t)
-            if stop is not None and stop(b, row.tokens):
-                row.finish_reason = "stop"
-                active.remove(b)
-        if not active or step == max_new_tokens - 1:
-            break
-        tick = time.perf_counter()
-        logits, cache = decode_step(runtime, token, feed, cache)
-        token = sampler(logits[:, -1], seen)
-        decode_s.append(time.perf_counter() - tick)
-    return GenerationResult(results, ttft, decode_s)
+def generate(runtime: Runtime, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+             sampling: SamplingConfig = SamplingConfig(), eos_ids: Sequence[int] = (), ignore_eos: bool = False,
+             stop: Callable[[int, list[int]], bool] | None = None,
+             on_token: Callable[[int, int], None] | None = None) -> GenerationResult:
+    """Generate up to `max_new_tokens` per prompt and collect the result. `stop(row, tokens)` is asked
+    after each new token of a row; `on_token(row, token)` is told each token as it arrives."""
+    gen = Generation(runtime, prompts, max_new_tokens, sampling, eos_ids, ignore_eos)
+    for event in gen:
+        if event.token is None:
+            continue
+        if on_token is not None:
+            on_token(event.row, event.token)
+        if stop is not None and stop(event.row, gen.result.rows[event.row].tokens):
+            gen.stop(event.row)
+    return gen.result

@@ -1,44 +1,25 @@
 """ONNX Runtime backend over an artifact's prefill.onnx and decode.onnx.
 
-Uses the CUDA execution provider when onnxruntime-gpu and a GPU are present, else CPU. Runs with
-IO binding: the present cache comes back as OrtValues that are bound straight into the next
-decode step, so the loop never copies the cache through numpy.
+`provider` "auto" takes the CUDA execution provider when onnxruntime-gpu and a GPU are present,
+"cpu" or "cuda" insist. Runs with IO binding: the present cache comes back as OrtValues bound
+straight into the next decode step, so the loop never copies the cache through numpy. Over a
+static-capacity artifact the cache buffers are bound as both past input and present output
+once per session, so TensorScatter writes each new position in place (on the CPU provider the
+buffers are tk's own numpy arrays; on CUDA, device OrtValues).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
 from models import contract
+from models.artifact import Manifest
+from models.dtypes import DTYPES
 from runtimes import hugepages
-from runtimes.base import (ArtifactError, BackendUnavailable, InputError, Runtime, dims_from_manifest, dtype_name,
-                           read_manifest)
-
-_ORT_DTYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(bfloat16)": "bfloat16",
-               "tensor(int64)": "int64"}
-
-
-def verify_graph_files(artifact: Path, manifest: dict) -> dict[str, Path]:
-    """Graph paths by name, after checking each exists and matches the manifest's sha256."""
-    paths = {}
-    for graph in contract.GRAPHS:
-        entry = manifest["graphs"][graph]
-        path = artifact / entry["file"]
-        if not path.is_file():
-            raise ArtifactError(f"{artifact} is missing {entry['file']}; re-export the artifact")
-        if contract.sha256_file(path) != entry["sha256"]:
-            raise ArtifactError(f"{path} does not match the sha256 in {contract.MANIFEST}; it was changed "
-                                "after export: re-export the artifact")
-        data = artifact / entry["data_file"] if entry.get("data_file") else None
-        if data is not None and (not data.is_file() or data.stat().st_size != entry["data_bytes"]):
-            raise ArtifactError(f"{data} is missing or has the wrong size; re-export the artifact")
-        paths[graph] = path
-    return paths
-
+from runtimes.base import BackendUnavailable, Runtime, StepOutput
 
 _SHARED_POOL: dict = {"wanted": False, "threads": None}  # ORT's own process-wide state, mirrored
 
@@ -56,8 +37,8 @@ class OrtRuntime(Runtime):
     def __init__(self, artifact: str | Path, threads: int | None = None, provider: str = "auto",
                  profile: bool = False, huge_pages: bool = True):
         self.artifact = Path(artifact)
-        self.manifest = read_manifest(self.artifact)
-        super().__init__(dims_from_manifest(self.manifest), self.manifest["config"]["max_position_embeddings"])
+        self.manifest = Manifest.read(self.artifact)
+        super().__init__(self.manifest.dims, self.manifest.max_context)
         self.threads, self.provider, self.profile, self.huge_pages = threads, provider, profile, huge_pages
         self.huge_page_bytes = 0  # how much of what the sessions allocated now sits on huge pages
 
@@ -67,7 +48,7 @@ class OrtRuntime(Runtime):
         except ImportError:
             raise BackendUnavailable("onnxruntime is not installed; pip install onnxruntime "
                                      "(or onnxruntime-gpu on a machine with an NVIDIA GPU)") from None
-        paths = verify_graph_files(self.artifact, self.manifest)
+        paths = self.manifest.verify_files(self.artifact)
         available = ort.get_available_providers()
         if self.provider == "cuda" and "CUDAExecutionProvider" not in available:
             raise BackendUnavailable("ONNX Runtime has no CUDA provider here; pip install onnxruntime-gpu "
@@ -75,6 +56,7 @@ class OrtRuntime(Runtime):
         use_cuda = self.provider != "cpu" and "CUDAExecutionProvider" in available
         providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if use_cuda else ["CPUExecutionProvider"]
         self.device = "cuda" if use_cuda else "cpu"
+        self._ort = ort
         opts = ort.SessionOptions()
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         opts.log_severity_level = 3
@@ -115,128 +97,72 @@ class OrtRuntime(Runtime):
     def _unload(self) -> None:
         self.sessions = {}
 
-    def _run(self, graph: str, arrays: dict[str, np.ndarray], cache: list | None = None):
-        session = self.sessions[graph]
-        binding = session.io_binding()
-        for name, value in arrays.items():
+    def _value(self, array: np.ndarray):
+        """An OrtValue over `array`'s own memory on the CPU provider, a device copy on CUDA."""
+        if self.device == "cpu":
+            return self._ort.OrtValue.ortvalue_from_numpy(array)
+        return self._ort.OrtValue.ortvalue_from_numpy(array, "cuda", 0)
+
+    def _run(self, graph, feeds, past, session, in_place=False):
+        if in_place:
+            return self._run_in_place(feeds, past, session)
+        binding = self.sessions[graph].io_binding()
+        for name, value in feeds.items():
             binding.bind_cpu_input(name, np.ascontiguousarray(value))
-        for name, value in zip(self.past_names, cache or []):
-            binding.bind_ortvalue_input(name, value)
+        for name, value in zip(self.past_names, past or []):
+            if isinstance(value, np.ndarray):  # rows taken from a session (Session.keep)
+                binding.bind_cpu_input(name, value)
+            else:
+                binding.bind_ortvalue_input(name, value)
         for name in self.output_names[graph]:
             binding.bind_output(name, self.device)
-        session.run_with_iobinding(binding)
+        self.sessions[graph].run_with_iobinding(binding)
         outs = binding.get_outputs()
         n_kv = 2 * self.dims.num_layers
-        self.hidden = [h.numpy() for h in outs[1 + n_kv:]] or None  # debug exports only
-        return outs[0].numpy(), list(outs[1 : 1 + n_kv])
+        hidden = [h.numpy() for h in outs[1 + n_kv:]] or None  # debug exports only
+        return StepOutput(outs[0].numpy(), hidden), list(outs[1 : 1 + n_kv])
 
-    def _prefill(self, input_ids, attention_mask, position_ids):
-        return self._run(contract.PREFILL, {"input_ids": input_ids, "attention_mask": attention_mask,
-                                            "position_ids": position_ids})
+    def _run_in_place(self, feeds, past, session):
+        """A static-capacity decode step: the binding is made once per session over the layout's feed
+        arrays (rewritten in place each step) and the cache buffers (past and present at once)."""
+        state = session.state
+        if "binding" not in state:
+            binding = self.sessions[contract.DECODE].io_binding()
+            state["logits"] = np.zeros((session.batch, 1, self.dims.vocab_size), np.float32)
+            host = self._ort.OrtValue.ortvalue_from_numpy  # a CPU OrtValue over the array's own memory
+            inputs = {name: host(array) for name, array in feeds.items()}  # later writes to them are seen
+            for name, value in inputs.items():
+                binding.bind_ortvalue_input(name, value)
+            inputs["logits"] = host(state["logits"])
+            binding.bind_ortvalue_output("logits", inputs["logits"])
+            values = [b if not isinstance(b, np.ndarray) else self._value(b) for b in past]
+            for name, out, value in zip(self.past_names, self.present_names, values):
+                binding.bind_ortvalue_input(name, value)
+                binding.bind_ortvalue_output(out, value)  # the same buffer: updated in place
+            state["binding"], state["values"] = binding, (inputs, values)
+        self.sessions[contract.DECODE].run_with_iobinding(state["binding"])
+        return StepOutput(state["logits"].copy()), past
 
-    def _decode(self, input_ids, attention_mask, position_ids, cache):
-        return self._run(contract.DECODE, {"input_ids": input_ids, "attention_mask": attention_mask,
-                                           "position_ids": position_ids}, cache)
+    def _alloc_cache(self, shape, dtype):
+        array = np.zeros(shape, dtype=DTYPES[dtype].numpy)
+        return array if self.device == "cpu" else self._value(array)
 
-    def cache_feed(self, cache):
-        return tuple(cache[0].shape()), _ORT_DTYPES.get(cache[0].data_type(), cache[0].data_type())
+    def _write_prefix(self, dst, src, length):
+        if isinstance(dst, np.ndarray):
+            dst[:, :, :length] = self._to_numpy(src)
+            return
+        host = dst.numpy()
+        host[:, :, :length] = self._to_numpy(src)
+        dst.update_inplace(host)
 
-    def cache_arrays(self, cache):
-        return [v.numpy().astype(np.float32) for v in cache]
+    def _to_numpy(self, buf):
+        return buf if isinstance(buf, np.ndarray) else buf.numpy()
 
-
-class _StaticCache:
-    """A static-capacity cache and the binding that updates it in place, one per generation."""
-
-    def __init__(self, arrays: list[np.ndarray], values: list, mask: np.ndarray, length: int):
-        self.arrays, self.values, self.mask, self.length = arrays, values, mask, length
-        B = mask.shape[0]
-        self.ids = np.zeros((B, 1), np.int64)
-        self.pos = np.zeros((B, 1), np.int64)
-        self.write = np.zeros((B,), np.int64)
-        self.binding = None
-        self.logits = None
-
-
-class OrtStaticRuntime(OrtRuntime):
-    """ONNX Runtime over a static-capacity artifact (tk export --kv-cache static).
-
-    Prefill runs the ordinary graph; its present is copied once into buffers of the exported
-    capacity. Each decode step then binds those buffers as both past input and present output,
-    so TensorScatter writes the new position in place: no cache copy per step, and the step's
-    cost does not grow with the past. Inputs are numpy arrays bound once and rewritten in place.
-    The interface stays the dynamic one: the loop passes the growing mask as usual.
-    """
-
-    def __init__(self, artifact: str | Path, threads: int | None = None, provider: str = "auto",
-                 profile: bool = False, huge_pages: bool = True):
-        super().__init__(artifact, threads, provider, profile, huge_pages)
-        self.graph_dims = self.dims
-        self.capacity = self.dims.kv_capacity
-        self.dims = dataclasses.replace(self.dims, kv_capacity=None)  # what the loop sees: the dynamic contract
-        self.max_context = self.capacity
-
-    def _load(self) -> None:
-        super()._load()
-        if self.device != "cpu":
-            raise BackendUnavailable("static-capacity artifacts run on ONNX Runtime's CPU provider only for now; "
-                                     "use --provider cpu or export without --kv-cache static")
-        import onnxruntime as ort
-
-        self._ortvalue = ort.OrtValue.ortvalue_from_numpy  # on CPU the OrtValue shares the array's memory
-
-    def _prefill(self, input_ids, attention_mask, position_ids):
-        logits, present = super()._prefill(input_ids, attention_mask, position_ids)
-        B, T = input_ids.shape
-        if T >= self.capacity:
-            raise InputError(f"prefill: {T} tokens leave no room in the static cache of {self.capacity}; "
-                             "export with a larger --max-seq-len")
-        arrays = []
-        for value in present:
-            src = value.numpy()
-            buf = np.zeros(src.shape[:2] + (self.capacity,) + src.shape[3:], dtype=src.dtype)
-            buf[:, :, :T] = src
-            arrays.append(buf)
-        mask = np.zeros((B, self.capacity), np.int64)
-        mask[:, :T] = attention_mask
-        cache = _StaticCache(arrays, [self._ortvalue(a) for a in arrays], mask, T)
-        self._bind(cache)
-        return logits, cache
-
-    def _bind(self, cache: _StaticCache) -> None:
-        binding = self.sessions[contract.DECODE].io_binding()
-        cache.logits = np.zeros((cache.mask.shape[0], 1, self.dims.vocab_size), np.float32)
-        for name, array in (("input_ids", cache.ids), ("attention_mask", cache.mask), ("position_ids", cache.pos),
-                            ("write_indices", cache.write)):
-            binding.bind_ortvalue_input(name, self._ortvalue(array))
-        binding.bind_ortvalue_output("logits", self._ortvalue(cache.logits))
-        for past, present, value in zip(self.past_names, self.present_names, cache.values):
-            binding.bind_ortvalue_input(past, value)
-            binding.bind_ortvalue_output(present, value)  # the same buffer: updated in place
-        cache.binding = binding
-
-    def _decode(self, input_ids, attention_mask, position_ids, cache: _StaticCache):
-        if cache.length >= self.capacity:
-            raise InputError(f"decode: the static cache holds {self.capacity} positions and is full; "
-                             "export with a larger --max-seq-len")
-        cache.ids[:] = input_ids
-        cache.pos[:] = position_ids
-        cache.write[:] = cache.length
-        cache.mask[:, cache.length] = attention_mask[:, -1]
-        self.sessions[contract.DECODE].run_with_iobinding(cache.binding)
-        cache.length += 1
-        return cache.logits.copy(), cache
-
-    def cache_feed(self, cache: _StaticCache):
-        shape = cache.arrays[0].shape[:2] + (cache.length,) + cache.arrays[0].shape[3:]
-        return shape, dtype_name(cache.arrays[0].dtype)
-
-    def cache_arrays(self, cache: _StaticCache):
-        return [a[:, :, : cache.length].astype(np.float32) for a in cache.arrays]
+    def _from_numpy(self, array):
+        return array if self.device == "cpu" else self._value(array)
 
 
 def open_ort(artifact: str | Path, threads: int | None = None, provider: str = "auto",
              profile: bool = False, huge_pages: bool = True) -> OrtRuntime:
-    """The ORT runtime for an artifact, static-capacity or not."""
-    static = read_manifest(Path(artifact))["dims"].get("kv_capacity") is not None
-    return (OrtStaticRuntime if static else OrtRuntime)(artifact, threads, provider, profile, huge_pages)
+    """The ORT runtime for an artifact (either cache layout)."""
+    return OrtRuntime(artifact, threads, provider, profile, huge_pages)

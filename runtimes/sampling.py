@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from models.errors import UsageProblem
+
 
 @dataclass(frozen=True)
 class SamplingConfig:
@@ -20,13 +22,13 @@ class SamplingConfig:
 
     def __post_init__(self):
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise UsageProblem(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+            raise UsageProblem(f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise UsageProblem(f"top_p must be in (0, 1], got {self.top_p}")
         if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+            raise UsageProblem(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
 
     @property
     def greedy(self) -> bool:
@@ -38,10 +40,17 @@ class Sampler:
         self.config = config
         self.rng = np.random.default_rng(config.seed)
 
-    def __call__(self, logits: np.ndarray, seen: np.ndarray | None = None) -> np.ndarray:
-        """logits (B, V) float32; seen (B, V) bool of tokens already in each row -> ids (B,) int64."""
+    def __call__(self, logits: np.ndarray, seen: np.ndarray | None = None, rows: list[int] | None = None,
+                 total: int | None = None) -> np.ndarray:
+        """logits (B, V) float32 -> ids (B,) int64. seen (total, V) bool: tokens already in each row.
+
+        `rows` name the batch's rows among `total` (rows that finished have left the batch): each
+        step draws one number for every row of the `total`, so a row's draws do not depend on
+        which other rows are still generating."""
         c = self.config
         logits = logits.astype(np.float32, copy=False)  # nothing below writes in place
+        if seen is not None and rows is not None and len(rows) != seen.shape[0]:
+            seen = seen[rows]
         if c.repetition_penalty != 1.0 and seen is not None:
             penalized = np.where(logits > 0, logits / c.repetition_penalty, logits * c.repetition_penalty)
             logits = np.where(seen, penalized, logits)
@@ -62,6 +71,6 @@ class Sampler:
             np.put_along_axis(drop, order, drop_sorted, -1)
             probs = np.where(drop, 0.0, probs)
             probs /= probs.sum(-1, keepdims=True)
-        u = self.rng.random(probs.shape[0])
+        u = self.rng.random(probs.shape[0]) if total is None or rows is None else self.rng.random(total)[rows]
         cdf = np.cumsum(probs, -1)
         return np.minimum((cdf < u[:, None]).sum(-1), probs.shape[-1] - 1).astype(np.int64)

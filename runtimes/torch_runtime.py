@@ -1,26 +1,39 @@
 """PyTorch backend over the reference decoder, given by the caller (runtimes never import models).
 
-device "auto" takes CUDA when torch sees a GPU, else the CPU; "cuda" insists on a GPU. The cache is the decoder's own list of (key, value)
-tensors and stays on the device between steps.
+Construction is cheap: pass the decoder, or a loader that returns it (Polygraphy's
+runner-takes-a-callable idiom) with the dims it will have; the loader runs on activation.
+device "auto" takes CUDA when torch sees a GPU, else the CPU; "cuda" insists on a GPU. The cache
+is the decoder's own tensors and stays on the device between steps.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from models import contract
-from runtimes.base import BackendUnavailable, Runtime
+from runtimes.base import BackendUnavailable, Runtime, StepOutput
+
+
+def dims_of(config, kv_dtype: str) -> contract.GraphDims:
+    c = config
+    return contract.GraphDims(c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size, kv_dtype)
 
 
 class TorchRuntime(Runtime):
     name = "torch"
 
-    def __init__(self, model, device: str = "auto", debug: bool = False):
-        c = model.config
-        kv_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-        super().__init__(contract.GraphDims(c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size, kv_dtype),
-                         c.max_position_embeddings)
-        self.model, self.device, self.debug = model, device, debug  # debug: keep per-layer hidden states
+    def __init__(self, model=None, device: str = "auto", debug: bool = False, *,
+                 loader: Callable[[], object] | None = None, dims: contract.GraphDims | None = None,
+                 max_context: int | None = None):
+        """A Decoder `model`, or a `loader` returning one with the `dims` and `max_context` it will have."""
+        self.model, self._loader = model, loader
+        if model is not None:
+            kv_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+            dims, max_context = dims_of(model.config, kv_dtype), model.config.max_position_embeddings
+        super().__init__(dims, max_context)
+        self.device, self.debug = device, debug  # debug: return per-layer hidden states
 
     def _load(self) -> None:
         import torch
@@ -31,25 +44,28 @@ class TorchRuntime(Runtime):
             raise BackendUnavailable("the torch backend was asked for CUDA but torch sees no CUDA device; "
                                      "use --device cpu or install a CUDA build of torch on a GPU machine")
         self._torch = torch
+        if self.model is None:
+            self.model = self._loader()
         self.model = self.model.to(self.device).eval()
 
-    def _run(self, input_ids, attention_mask, position_ids, cache):
+    def _unload(self) -> None:
+        if self._loader is not None:
+            self.model = None  # loads again on the next activation
+
+    def _run(self, graph, feeds, past, session, in_place=False):
         t = self._torch
-        args = [t.from_numpy(np.ascontiguousarray(a)).to(self.device) for a in (input_ids, attention_mask, position_ids)]
+        ids, mask, pos = (t.from_numpy(np.ascontiguousarray(feeds[k])).to(self.device)
+                          for k in ("input_ids", "attention_mask", "position_ids"))
+        pairs = None if past is None else list(zip(past[0::2], past[1::2]))
         with t.inference_mode():
-            out = self.model(*args, cache, output_hidden=self.debug)
-        self.hidden = [h.cpu().numpy() for h in out[2]] if self.debug else None
-        return out[0].float().cpu().numpy(), out[1]
+            out = self.model(ids, mask, pos, pairs, output_hidden=self.debug)
+        hidden = [h.cpu().numpy() for h in out[2]] if self.debug else None
+        return StepOutput(out[0].float().cpu().numpy(), hidden), [x for kv in out[1] for x in kv]
 
-    def _prefill(self, input_ids, attention_mask, position_ids):
-        return self._run(input_ids, attention_mask, position_ids, None)
+    def _to_numpy(self, buf) -> np.ndarray:
+        return buf.float().cpu().numpy()
 
-    def _decode(self, input_ids, attention_mask, position_ids, cache):
-        return self._run(input_ids, attention_mask, position_ids, cache)
+    def _take(self, buffers, rows):
+        index = self._torch.as_tensor(rows, device=self.device)
+        return [b.index_select(0, index) for b in buffers]
 
-    def cache_feed(self, cache):
-        key = cache[0][0]
-        return tuple(key.shape), str(key.dtype).removeprefix("torch.")
-
-    def cache_arrays(self, cache):
-        return [t.float().cpu().numpy() for kv in cache for t in kv]

@@ -3,9 +3,11 @@
 Written against the TensorRT 10 runtime API as documented (Runtime.deserialize_cuda_engine,
 IExecutionContext.set_input_shape / set_tensor_address / execute_async_v3) with Polygraphy's
 CUDA wrappers (DeviceArray, Stream) for memory, so it needs no torch and no cuda-python. The KV
-cache stays on the GPU between steps: each cache owns two sets of buffers sized for the engine's
-maximum sequence, and every decode step writes its present into the set the past is not in.
-A cache handed to `decode` is consumed (its buffers are reused for the result).
+cache stays on the GPU between steps. With the dynamic layout each session owns two sets of
+buffers sized for the engine's maximum sequence (ping-pong: a decode step writes its present
+into the set the past is not in); with the static layout one set at the capacity, written in
+place. Polygraphy's DeviceArray has no finalizer, so every buffer is freed explicitly: when a
+session closes or its rows are taken, and the runtime's own at deactivation.
 
 `engine_problems` (what stops an engine from loading here) and the profile check are pure and
 tested without a GPU.
@@ -20,10 +22,10 @@ from pathlib import Path
 import numpy as np
 
 from models import contract
-from runtimes.base import ArtifactError, BackendUnavailable, InputError, Runtime, dims_from_manifest, read_manifest
-
-INSTALL = f"TensorRT is not installed; {contract.TRT_INSTALL_HINT}"
-_POLY_DTYPES = {"float32": "FLOAT32", "float16": "FLOAT16", "bfloat16": "BFLOAT16", "int64": "INT64"}
+from models.artifact import ArtifactError, Manifest, sha256_file
+from models.dtypes import DTYPES
+from models.errors import TRT_MISSING
+from runtimes.base import BackendUnavailable, InputError, Runtime, StepOutput
 
 
 class EnginesMissing(ArtifactError, BackendUnavailable):
@@ -58,7 +60,7 @@ def engine_problems(meta: dict, artifact: Path, env: dict) -> list[str]:
                         f"{env['compute_capability']}); {rebuild}")
     for graph in contract.GRAPHS:
         onnx_path = Path(artifact) / contract.GRAPH_FILES[graph]
-        if onnx_path.is_file() and meta.get("onnx_sha256", {}).get(graph) != contract.sha256_file(onnx_path):
+        if onnx_path.is_file() and meta.get("onnx_sha256", {}).get(graph) != sha256_file(onnx_path):
             problems.append(f"{contract.ENGINE_FILES[graph]} was built from a different {onnx_path.name} "
                             f"(the graph was re-exported since); {rebuild}")
         if not (Path(artifact) / contract.ENGINE_FILES[graph]).is_file():
@@ -90,7 +92,7 @@ def trt_environment() -> dict:
     try:
         import tensorrt as trt
     except ImportError:
-        raise BackendUnavailable(INSTALL) from None
+        raise BackendUnavailable(TRT_MISSING) from None
     name, cc = _gpu()
     return {"tensorrt_version": trt.__version__, "gpu_name": name, "compute_capability": cc}
 
@@ -116,36 +118,28 @@ def _gpu() -> tuple[str, str]:
     raise BackendUnavailable("no NVIDIA GPU is visible (checked with cuda-python and torch); TensorRT needs one")
 
 
-class _Cache:
-    """Two sets of device buffers per cache (ping-pong): `current` holds the past, `spare` takes the present."""
+class _Buffer:
+    """A device buffer and the dense (B, H, S, D) tensor it holds now; it has room for `room`
+    positions per row (what it was allocated for)."""
 
-    def __init__(self, current: list, spare: list, batch: int, length: int):
-        self.current, self.spare, self.batch, self.length = current, spare, batch, length
+    def __init__(self, array, shape: tuple, room: int):
+        self.array, self.shape, self.room = array, shape, room
 
-
-class _StaticCache:
-    """One buffer per cache tensor at the engine's capacity, written in place by the decode engine."""
-
-    def __init__(self, buffers: list, mask: np.ndarray, length: int):
-        self.buffers, self.mask, self.length, self.batch = buffers, mask, length, mask.shape[0]
+    @property
+    def ptr(self) -> int:
+        return self.array.ptr
 
 
 class TrtRuntime(Runtime):
-    """Over a static-capacity artifact, decode binds each cache buffer as both the past input and the
-    present output: TensorRT's KV-cache update layer (from TensorScatter) writes one position in
-    place. The loop still sees the dynamic interface."""
-
     name = "trt"
 
     def __init__(self, artifact: str | Path):
         self.artifact = Path(artifact)
-        self.manifest = read_manifest(self.artifact)
+        self.manifest = Manifest.read(self.artifact)
         has_engines = (self.artifact / contract.ENGINE_META).is_file()
         self.meta = read_engine_meta(self.artifact) if has_engines else None
-        max_context = self.meta["limits"]["max_seq_len"] if self.meta else self.manifest["config"]["max_position_embeddings"]
-        dims = dims_from_manifest(self.manifest)
-        self.capacity = dims.kv_capacity
-        super().__init__(dataclasses.replace(dims, kv_capacity=None), max_context)  # the loop sees the dynamic contract
+        max_context = self.meta["limits"]["max_seq_len"] if self.meta else self.manifest.max_context
+        super().__init__(self.manifest.dims, max_context)
 
     def _load(self) -> None:
         env = trt_environment()  # first: on a machine without TensorRT, that is what the user must fix
@@ -179,16 +173,83 @@ class TrtRuntime(Runtime):
         self.stream.free()
         self.contexts, self.engines = {}, {}
 
-    def _kv_buffers(self, batch: int) -> list:
+    # --- device buffers (the layouts' hooks) ---
+
+    def _alloc_cache(self, shape, dtype, room: int | None = None):
+        room = shape[2] if room is None else room
+        nbytes = shape[0] * shape[1] * room * shape[3] * int(DTYPES[dtype].bytes)
+        return _Buffer(self._cuda.DeviceArray.raw((nbytes,)), tuple(shape), room)
+
+    def _seq_buffers(self, batch: int) -> list[_Buffer]:
+        """A set of cache buffers a dynamic-layout session grows into (the engine's longest sequence)."""
         d = self.dims
-        nbytes = batch * d.num_kv_heads * self.meta["limits"]["max_seq_len"] * d.head_dim * contract.DTYPE_BYTES[d.kv_dtype]
-        return [self._cuda.DeviceArray.raw((nbytes,)) for _ in range(2 * d.num_layers)]
+        shape, room = (batch, d.num_kv_heads, 0, d.head_dim), self.meta["limits"]["max_seq_len"]
+        return [self._alloc_cache(shape, d.kv_dtype, room) for _ in range(2 * d.num_layers)]
 
-    def _view(self, buf, shape, dtype: str):
-        return buf.view(shape=tuple(shape), dtype=getattr(self._dt, _POLY_DTYPES[dtype]))
+    def _release(self, buffers) -> None:
+        for buf in buffers or []:
+            buf.array.free()
 
-    def _run(self, graph: str, arrays: dict[str, np.ndarray], past: list | None, present: list,
-             past_len: int | None):
+    def _write_prefix(self, dst: _Buffer, src: _Buffer, length: int) -> None:
+        """(B, H, length, D) rows of `src` (laid out with src.shape's stride) into `dst`'s first positions."""
+        item = int(DTYPES[self.dims.kv_dtype].bytes)
+        row, d = length * self.dims.head_dim * item, self.dims.head_dim * item
+        copy, kind = self._cuda.wrapper().memcpy, self._cuda.MemcpyKind.DeviceToDevice
+        for bh in range(src.shape[0] * src.shape[1]):
+            copy(dst.ptr + bh * dst.shape[2] * d, src.ptr + bh * src.shape[2] * d, row, kind, self.stream.ptr)
+
+    def _to_numpy(self, buf: _Buffer) -> np.ndarray:
+        dtype = self.dims.kv_dtype
+        raw = np.empty(int(np.prod(buf.shape)) * int(DTYPES[dtype].bytes), dtype=np.uint8)
+        buf.array.view(shape=(raw.size,), dtype=self._dt.UINT8).copy_to(raw, self.stream)
+        self.stream.synchronize()
+        return _to_float32(raw, dtype).reshape(buf.shape)
+
+    def _take(self, buffers, rows):
+        """Rows of a session's cache, copied on the device into new buffers; the old ones are freed."""
+        item = int(DTYPES[self.dims.kv_dtype].bytes)
+        out = []
+        copy, kind = self._cuda.wrapper().memcpy, self._cuda.MemcpyKind.DeviceToDevice
+        for buf in buffers:
+            per_row = int(np.prod(buf.shape[1:])) * item
+            new = self._alloc_cache((len(rows),) + buf.shape[1:], self.dims.kv_dtype, buf.room)
+            for i, r in enumerate(rows):
+                copy(new.ptr + i * per_row, buf.ptr + int(r) * per_row, per_row, kind, self.stream.ptr)
+            out.append(new)
+        self._release(buffers)
+        return out
+
+    def _release_session(self, session) -> None:
+        self._release(session.state.pop("spare", None))
+
+    # --- running an engine ---
+
+    def _run(self, graph, feeds, past, session, in_place=False):
+        B = feeds["input_ids"].shape[0]
+        if graph == contract.PREFILL:
+            present = self._seq_buffers(B)
+            past_len = None
+        elif in_place:
+            present, past_len = past, self.dims.kv_capacity
+        else:
+            present = session.state.pop("spare", None) or self._seq_buffers(B)
+            past_len = session.length - 1
+        try:
+            logits = self._execute(graph, feeds, past, present, past_len)
+        except BaseException:
+            if present is not past:
+                self._release(present)
+            raise
+        if not in_place:  # what the engine wrote: dense (B, H, T, D)
+            T = feeds["input_ids"].shape[1] if past_len is None else past_len + 1
+            for buf in present:
+                buf.shape = (B, self.dims.num_kv_heads, T, self.dims.head_dim)
+        if graph == contract.DECODE and not in_place:
+            session.state["spare"] = past  # ping-pong: the next step writes where this past was
+        return StepOutput(logits), present
+
+    def _execute(self, graph: str, arrays: dict[str, np.ndarray], past: list | None, present: list,
+                 past_len: int | None) -> np.ndarray:
         """Run one engine; `past_len` is the sequence dim of the past it reads (None: prefill)."""
         shapes = {n: a.shape for n, a in arrays.items()}
         B = arrays["input_ids"].shape[0]
@@ -218,71 +279,9 @@ class TrtRuntime(Runtime):
         if not ctx.execute_async_v3(self.stream.ptr):
             raise InputError(f"{graph}: TensorRT failed to run the engine for inputs {shapes}")
         host = np.empty(logits_shape, dtype=np.float32)
-        self._view(self.logits, logits_shape, "float32").copy_to(host, self.stream)
+        self.logits.view(shape=logits_shape, dtype=self._dt.FLOAT32).copy_to(host, self.stream)
         self.stream.synchronize()
         return host
-
-    def _prefill(self, input_ids, attention_mask, position_ids):
-        B, S = input_ids.shape
-        cache = _Cache(self._kv_buffers(B), self._kv_buffers(B), B, S)
-        logits = self._run(contract.PREFILL, {"input_ids": input_ids, "attention_mask": attention_mask,
-                                              "position_ids": position_ids}, None, cache.current, None)
-        if self.capacity is None:
-            return logits, cache
-        if S >= self.capacity:
-            raise InputError(f"prefill: {S} tokens leave no room in the static cache of {self.capacity}; "
-                             "export with a larger --max-seq-len")
-        self._widen(cache.current, cache.spare, B, S)  # (B, H, S, D) rows into (B, H, capacity, D) buffers
-        for buf in cache.current:
-            buf.free()
-        mask = np.zeros((B, self.capacity), np.int64)
-        mask[:, :S] = attention_mask
-        return logits, _StaticCache(cache.spare, mask, S)
-
-    def _widen(self, src: list, dst: list, batch: int, length: int) -> None:
-        d = self.dims
-        row = length * d.head_dim * contract.DTYPE_BYTES[d.kv_dtype]
-        stride = self.capacity * d.head_dim * contract.DTYPE_BYTES[d.kv_dtype]
-        copy, kind = self._cuda.wrapper().memcpy, self._cuda.MemcpyKind.DeviceToDevice
-        for s, t in zip(src, dst):
-            for bh in range(batch * d.num_kv_heads):
-                copy(t.ptr + bh * stride, s.ptr + bh * row, row, kind, self.stream.ptr)
-
-    def _decode(self, input_ids, attention_mask, position_ids, cache):
-        if self.capacity is None:
-            logits = self._run(contract.DECODE, {"input_ids": input_ids, "attention_mask": attention_mask,
-                                                 "position_ids": position_ids}, cache.current, cache.spare,
-                               cache.length)
-            cache.current, cache.spare = cache.spare, cache.current
-            cache.length += 1
-            return logits, cache
-        if cache.length >= self.capacity:
-            raise InputError(f"decode: the static cache holds {self.capacity} positions and is full; "
-                             "export with a larger --max-seq-len")
-        cache.mask[:, cache.length] = attention_mask[:, -1]
-        arrays = {"input_ids": input_ids, "attention_mask": cache.mask, "position_ids": position_ids,
-                  "write_indices": np.full((cache.batch,), cache.length, dtype=np.int64)}
-        logits = self._run(contract.DECODE, arrays, cache.buffers, cache.buffers, self.capacity)  # in place
-        cache.length += 1
-        return logits, cache
-
-    def _buffers(self, cache) -> list:
-        return cache.buffers if isinstance(cache, _StaticCache) else cache.current
-
-    def cache_feed(self, cache):
-        return (cache.batch, self.dims.num_kv_heads, cache.length, self.dims.head_dim), self.dims.kv_dtype
-
-    def cache_arrays(self, cache):
-        d = self.dims
-        seq = self.capacity if isinstance(cache, _StaticCache) else cache.length  # the buffer's layout
-        shape = (cache.batch, d.num_kv_heads, seq, d.head_dim)
-        out = []
-        for buf in self._buffers(cache):
-            raw = np.empty(int(np.prod(shape)) * contract.DTYPE_BYTES[d.kv_dtype], dtype=np.uint8)
-            buf.view(shape=(raw.size,), dtype=self._dt.UINT8).copy_to(raw, self.stream)
-            self.stream.synchronize()
-            out.append(_to_float32(raw, d.kv_dtype).reshape(shape)[:, :, : cache.length])
-        return out
 
 
 def _to_float32(raw: np.ndarray, dtype: str) -> np.ndarray:

@@ -37,7 +37,7 @@ def checkpoints(tmp_path_factory):
 @pytest.fixture(scope="session")
 def artifacts(tmp_path_factory, checkpoints):
     """(family, dtype, opset) -> exported, validated artifact folder (exported once per session)."""
-    from toolkit.artifact import export_artifact
+    from toolkit.export import export_artifact
 
     cache: dict[tuple, Path] = {}
 
@@ -45,7 +45,7 @@ def artifacts(tmp_path_factory, checkpoints):
         key = (family, dtype, opset)
         if key not in cache:
             out = tmp_path_factory.mktemp(f"art-{family}-{dtype}-{opset}") / "artifact"
-            export_artifact(checkpoints(family), out, dtype, opset)
+            export_artifact(checkpoints(family), out, dtype=dtype, opset=opset)
             cache[key] = out
         return cache[key]
 
@@ -70,7 +70,7 @@ def trained_like(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_artifact(tmp_path_factory, tiny):
-    from toolkit.artifact import export_artifact
+    from toolkit.export import export_artifact
 
     out = tmp_path_factory.mktemp("tiny-art") / "artifact"
     export_artifact(tiny, out)

@@ -43,9 +43,9 @@ def test_bench_profile_splits_a_decode_step(tiny_artifact):
 
 def test_bench_bad_input(tiny_artifact):
     result = run("bench", tiny_artifact, "--new-tokens", "0")
-    assert result.exit_code == 1 and result.stderr.strip() == "Error: --new-tokens must be at least 1, got 0"
+    assert result.exit_code == 2 and result.stderr.strip() == "Error: --new-tokens must be at least 1, got 0"
     result = run("bench", tiny_artifact, "--prompt-len", "1000", "--new-tokens", "100")
-    assert result.exit_code == 1
+    assert result.exit_code == 2
     assert result.stderr.strip() == ("Error: --prompt-len 1000 + --new-tokens 100 exceeds the model's context of 1024")
     result = run("bench", tiny_artifact, "--backends", "tpu")
     assert result.exit_code == 2 and "unknown backend tpu" in result.stderr

@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from chat import add_chat_template
-from toolkit.artifact import export_artifact
+from toolkit.export import export_artifact
 from toolkit.cli import main
 
 pytestmark = pytest.mark.slow
@@ -28,7 +28,7 @@ def chat_artifact(request, tiny, tmp_path_factory):
     shutil.copytree(tiny, ckpt)
     add_chat_template(ckpt, request.param)
     art = ckpt.parent / "art"
-    export_artifact(ckpt, art, run_validation=False)
+    export_artifact(ckpt, art, validate=False)
     return ckpt, art
 
 

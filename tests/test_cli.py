@@ -80,13 +80,41 @@ def test_export_bad_checkpoint(bad_checkpoints, tmp_path, case):
 
 
 @pytest.mark.parametrize("args, expected", [
-    (("--dtype", "fp8"), "Error: unknown dtype 'fp8'; use one of fp32, fp16, bf16"),
+    (("--dtype", "fp13"), "Error: Invalid value for '--dtype': 'fp13' is not one of 'fp32', 'float32', 'fp16', "
+                          "'float16', 'bf16', 'bfloat16'."),
     (("--opset", "17"), "Error: opset 17 is not supported; use 18..23 (default 23)"),
+    (("--target", "trt"), "Error: Invalid value for '--target': 'trt' is not one of 'portable', 'ort'."),
 ])
-def test_export_bad_options(tiny, tmp_path, args, expected):
+def test_export_bad_options_exit_2_before_loading_weights(tiny, tmp_path, args, expected, monkeypatch):
+    import models.loading
+
+    def no(*a, **k):
+        raise AssertionError("weights were read for an export whose options are bad")
+    monkeypatch.setattr(models.loading, "load_state_dict", no)
     result = run("export", tiny, "-o", tmp_path / "out", *args)
-    assert result.exit_code == 1 and error_line(result) == expected
+    assert result.exit_code == 2 and error_line(result) == expected
     assert not (tmp_path / "out").exists()
+
+
+def test_a_bug_keeps_its_traceback(tiny, tmp_path, monkeypatch):
+    """A plain ValueError (a numpy broadcast, say) is not a user's error: no one-line message."""
+    def bug(*a, **k):
+        raise ValueError("operands could not be broadcast together")
+    monkeypatch.setattr("toolkit.export.read_config", bug)
+    result = run("export", tiny, "-o", tmp_path / "out", "--no-validate")
+    assert result.exit_code == 1 and isinstance(result.exception, ValueError)
+    assert "Error:" not in result.stderr
+
+
+def test_cli_imports_neither_torch_nor_onnxruntime():
+    import subprocess
+    import sys
+
+    code = ("import sys, toolkit.cli; from click.testing import CliRunner; "
+            "r = CliRunner().invoke(toolkit.cli.main, ['--help']); assert r.exit_code == 0, r.output; "
+            "print(sorted(m for m in ('torch', 'onnxruntime', 'onnx', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
 
 
 def test_export_refuses_existing_out_and_unwritable_out(tiny, tmp_path):
@@ -106,10 +134,10 @@ def test_export_refuses_existing_out_and_unwritable_out(tiny, tmp_path):
 
 @pytest.mark.slow
 def test_failed_validation_exits_3_and_leaves_nothing(tiny, tmp_path, monkeypatch):
-    from toolkit import artifact
+    from toolkit import export
 
-    strict = artifact.tolerance_for
-    monkeypatch.setattr(artifact, "tolerance_for", lambda *a, **k: strict(*a, **k, atol=1e-12, rtol=1e-12))
+    strict = export.tolerance_for
+    monkeypatch.setattr(export, "tolerance_for", lambda *a, **k: strict(*a, **k, atol=1e-12, rtol=1e-12))
     out = tmp_path / "new" / "folders" / "out"  # missing parents are created, and removed on failure
     result = run("export", tiny, "-o", out)
     assert result.exit_code == 3

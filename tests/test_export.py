@@ -19,7 +19,7 @@ from conftest import FAMILY_NAMES, assert_close
 from hf_models import hf_greedy
 from models import contract
 from exporters.contract_check import graph_problems
-from runtimes.base import dims_from_manifest
+from models.artifact import Manifest
 from runtimes.generate import generate
 from runtimes.ort_runtime import OrtRuntime
 from toolkit.parity import random_cases, run_trace, tolerance_for
@@ -30,9 +30,9 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_fp32_export_validates_and_ort_greedy_matches_transformers(checkpoints, artifacts, family):
     art = artifacts(family)
-    manifest = json.loads((art / contract.MANIFEST).read_text())
-    v = manifest["validation"]
-    assert v["passed"] and v["tolerance"] == dataclasses.asdict(tolerance_for("float32", manifest["config"]))
+    manifest = Manifest.read(art)
+    v = manifest.validation
+    assert v["passed"] and v["tolerance"] == dataclasses.asdict(tolerance_for("float32", manifest.config))
     assert {c["case"] for c in v["comparisons"]} == {"batch1-len7", "batch3-len5/9/12"}
     assert all(len(c["steps"]) == 9 for c in v["comparisons"])  # prefill + 8 decode steps
 
@@ -66,11 +66,11 @@ def plain_ort_greedy(art, prompt: list[int], n: int) -> list[int]:
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_fp16_export_passes_its_tolerance(artifacts, family):
-    manifest = json.loads((artifacts(family, "fp16") / contract.MANIFEST).read_text())
-    v = manifest["validation"]
-    assert manifest["dtype"] == "float16" and manifest["dims"]["kv_dtype"] == "float16"
+    manifest = Manifest.read(artifacts(family, "fp16"))
+    v = manifest.validation
+    assert manifest.dtype == "float16" and manifest.dims.kv_dtype == "float16"
     assert v["passed"] and v["tolerance"]["min_top1"] == 0.95
-    fp32 = tolerance_for("float32", manifest["config"])
+    fp32 = tolerance_for("float32", manifest.config)
     worst = max(s["max_abs"] for c in v["comparisons"] for s in c["steps"])
     assert 50 * fp32.bound(1.0) < worst  # really half precision: the fp32 gate would fail
 
@@ -92,7 +92,7 @@ def test_opset18_graphs_match_opset23(artifacts):
 
 def test_graphs_follow_the_contract(artifacts):
     art = artifacts("qwen3")
-    dims = dims_from_manifest(json.loads((art / contract.MANIFEST).read_text()))
+    dims = Manifest.read(art).dims
     assert dims.head_dim == 24  # explicit head_dim survives into the graphs
     for graph in contract.GRAPHS:
         model = onnx.load(str(art / contract.GRAPH_FILES[graph]), load_external_data=False)
@@ -118,8 +118,7 @@ def test_weights_live_in_external_data_and_reload_elsewhere(artifacts, tmp_path)
     shutil.copytree(art, moved)
     ids, mask = random_cases(384)["batch1-len7"]
     with OrtRuntime(art) as a, OrtRuntime(moved) as b:
-        assert np.array_equal(a.prefill(ids, mask, contract.position_ids_from_mask(mask))[0],
-                              b.prefill(ids, mask, contract.position_ids_from_mask(mask))[0])
+        assert np.array_equal(a.start(ids, mask)[0].logits, b.start(ids, mask)[0].logits)
 
 
 def test_polygraphy_reads_and_runs_the_decode_graph(artifacts):

@@ -10,11 +10,12 @@ import pytest
 from click.testing import CliRunner
 
 from models import contract
+from models.errors import UsageProblem
 from runtimes.base import InputError
 from runtimes.generate import generate
 from runtimes.sampling import Sampler, SamplingConfig
+from toolkit.backends import open_runtime
 from toolkit.cli import main
-from toolkit.textgen import open_runtime
 
 PROMPTS = [[5, 17, 99, 3], [42, 8, 300, 12, 77, 150, 9, 61, 33], [250, 251]]
 BACKENDS = ["torch", "ort"]
@@ -64,7 +65,7 @@ def test_sampler_rules():
     assert Sampler(SamplingConfig(repetition_penalty=2.0))(logits, seen).tolist() == [3]
     a = [Sampler(SamplingConfig(temperature=1.0, seed=3))(np.repeat(logits, 4, 0)).tolist() for _ in range(2)]
     assert a[0] == a[1]
-    with pytest.raises(ValueError, match="top_p must be in"):
+    with pytest.raises(UsageProblem, match="top_p must be in"):
         SamplingConfig(top_p=0)
 
 
@@ -87,15 +88,20 @@ def test_context_guard(tiny_artifact):
 
 
 def test_runtime_checks_inputs_against_contract(tiny_artifact):
-    with open_runtime(tiny_artifact, "ort") as rt:
-        ids = np.array([[1, 2, 3]], dtype=np.int64)
+    rt = open_runtime(tiny_artifact, "ort")
+    ids = np.array([[1, 2, 3]], dtype=np.int64)
+    with pytest.raises(RuntimeError, match="the ort runtime is not active; use `with runtime:`"):
+        rt.start(ids, np.ones((1, 3), np.int64))  # as Polygraphy's runners, an inactive runtime refuses
+    with rt:
         with pytest.raises(InputError, match=r"prefill: attention_mask has shape \[1, 4\], expected"):
-            rt.prefill(ids, np.ones((1, 4), np.int64), np.zeros((1, 3), np.int64))
+            rt.start(ids, np.ones((1, 4), np.int64))
         with pytest.raises(InputError, match="prefill: input_ids has dtype int32, expected int64"):
-            rt.prefill(ids.astype(np.int32), np.ones((1, 3), np.int64), np.zeros((1, 3), np.int64))
-        _, cache = rt.prefill(ids, np.ones((1, 3), np.int64), np.arange(3)[None])
-        with pytest.raises(InputError, match="decode: attention_mask covers 3 tokens, expected past 3 \\+ 1"):
-            rt.decode(ids[:, :1], np.ones((1, 3), np.int64), np.array([[3]]), cache)
+            rt.start(ids.astype(np.int32), np.ones((1, 3), np.int64))
+        _, session = rt.start(ids, np.ones((1, 3), np.int64))
+        with pytest.raises(InputError, match="decode: 2 tokens for a session of 1 rows"):
+            rt.step(session, [4, 5])
+        with pytest.raises(InputError, match=r"token id 512 is outside the vocabulary \(0..511\)"):
+            rt.step(session, [512])
 
 
 def test_cli_generate_json_and_stream_agree(tiny_artifact):

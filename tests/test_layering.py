@@ -1,5 +1,6 @@
 """The import table of DESIGN.md, enforced: models imports nothing of ours; exporters only models;
-runtimes only models.contract; and importing runtimes pulls in neither torch nor tensorrt."""
+runtimes only models' standard-library modules (the contract, the artifact, dtypes, errors); and
+importing runtimes pulls in neither torch nor tensorrt."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ OURS = ("models", "exporters", "runtimes", "toolkit")
 ALLOWED = {
     "models": set(),
     "exporters": {"models"},
-    "runtimes": {"models.contract"},
+    "runtimes": {"models.contract", "models.artifact", "models.dtypes", "models.errors"},
     "toolkit": set(OURS),
 }
 
@@ -46,8 +47,23 @@ def test_import_table(package):
     assert not bad, "; ".join(bad)
 
 
+STDLIB_ONLY = ("models/contract.py", "models/artifact.py", "models/dtypes.py", "models/errors.py")
+
+
+@pytest.mark.parametrize("module", STDLIB_ONLY)
+def test_models_shared_with_runtimes_use_the_standard_library_only(module):
+    third_party = [n for n in _imports(ROOT / module) if n.split(".")[0] not in (*OURS, *sys.stdlib_module_names)]
+    assert not third_party, f"{module} imports {third_party}"
+
+
+def test_no_module_is_over_400_lines():
+    long = [f"{p.relative_to(ROOT)} ({n})" for p in sorted(ROOT.glob("[!.]*/*.py")) if p.parts[-2] != "tests"
+            and (n := len(p.read_text().splitlines())) > 400]
+    assert not long, "split by responsibility: " + ", ".join(long)
+
+
 def test_runtimes_import_is_light():
     code = ("import sys, runtimes.base, runtimes.generate, runtimes.sampling, runtimes.ort_runtime, "
-            "runtimes.torch_runtime; print(sorted(m for m in ('torch', 'tensorrt', 'onnxruntime') if m in sys.modules))")
+            "runtimes.torch_runtime, runtimes.trt_runtime, runtimes.cache_layouts; print(sorted(m for m in ('torch', 'tensorrt', 'onnxruntime') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -42,7 +42,8 @@ def test_greedy_32_tokens_match_transformers_generate(checkpoints, family):
     hf, ours = load_hf(folder), load_decoder(folder)
     prompt = torch.randint(2, ours.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(3))
     expected = hf_greedy(folder, prompt[0].tolist(), 32, hf)
-    result = generate(TorchRuntime(ours), [prompt[0].tolist()], 32, ignore_eos=True)
+    with TorchRuntime(ours) as rt:
+        result = generate(rt, [prompt[0].tolist()], 32, ignore_eos=True)
     assert result.rows[0].tokens == expected
     assert len(set(expected)) > 3, "greedy output is degenerate; the test would not see a divergence"
 

@@ -16,13 +16,14 @@ import torch
 from click.testing import CliRunner
 
 from hf_models import hf_greedy
-from models import contract
+from models import contract, ort_kernels
+from models.artifact import Manifest
 from models.contract import position_ids_from_mask
 from models.loading import load_decoder
 from runtimes.generate import generate, left_pad
 from runtimes.ort_runtime import open_ort
 from runtimes.torch_runtime import TorchRuntime
-from toolkit.artifact import export_artifact
+from toolkit.export import export_artifact
 from toolkit.cli import main
 from toolkit.parity import tolerance_for
 from toolkit.parity_report import parity
@@ -86,11 +87,11 @@ def fused_llama(checkpoints, tmp_path_factory):
 
 
 def test_fused_graphs_use_ort_kernels_and_keep_the_contract(fused_llama):
-    manifest = json.loads((fused_llama / contract.MANIFEST).read_text())
-    assert manifest["target"] == "ort" and manifest["dims"]["prefill_logits"] == "last"
-    assert manifest["validation"]["passed"]
-    assert not manifest["trt_lint"]["ok"]  # contrib ops: TensorRT cannot parse them, and the lint says so
-    assert any(p["rule"] == "domain" for p in manifest["trt_lint"]["problems"])
+    manifest = Manifest.read(fused_llama)
+    assert manifest.variant.target == "ort" and manifest.dims.prefill_logits == "last"
+    assert manifest.validation["passed"]
+    assert not manifest.trt_lint["ok"]  # contrib ops: TensorRT cannot parse them, and the lint says so
+    assert any(p["rule"] == "domain" for p in manifest.trt_lint["problems"])
     ops = {}
     for graph in contract.GRAPHS:
         model = onnx.load(str(fused_llama / contract.GRAPH_FILES[graph]), load_external_data=False)
@@ -134,7 +135,7 @@ def test_fused_dynamic_cache_on_other_families(checkpoints, tmp_path, family):
     it); Gemma brings GeGLU, a norm offset and a scaled embedding; Qwen2 qkv biases; MQA one KV head."""
     out = tmp_path / family
     manifest = export_artifact(checkpoints(family), out, target="ort")
-    assert manifest["validation"]["passed"] and manifest["kv_cache"] == "dynamic"
+    assert manifest.validation["passed"] and manifest.variant.cache == "dynamic"
     report = parity(out, ["ort"], steps=16)
     assert report["passed"], report["backends"]["ort"]["first_divergence"]
 

@@ -200,12 +200,12 @@ def test_injected_bug_fails_and_is_localized(mutation_checkpoints, model, kind, 
 @pytest.mark.parametrize("prefill_logits", ["all", "last"])
 def test_bug_in_the_reference_exits_3_naming_step_and_layer(tiny, tmp_path, prefill_logits):
     """With --prefill-logits last the prefill's cache, which covers every position, still names the layer."""
-    from toolkit.artifact import export_artifact
+    from toolkit.export import export_artifact
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(tiny, ckpt)
     art = tmp_path / "art"
-    export_artifact(ckpt, art, run_validation=False, prefill_logits=prefill_logits)
+    export_artifact(ckpt, art, validate=False, prefill_logits=prefill_logits)
     sd = load_file(ckpt / "model.safetensors")
     sd["model.layers.1.input_layernorm.weight"] *= 1.25  # the reference changes, the graphs do not
     save_file(sd, ckpt / "model.safetensors")
@@ -247,13 +247,13 @@ def test_prompts_file_text_and_ids(tiny_artifact, tmp_path):
 
 def test_debug_export_localizes_to_the_layer_output(tiny, tmp_path):
     """A debug export's hidden.{i} outputs let tk parity name the layer whose output diverged."""
-    from toolkit.artifact import export_artifact
+    from toolkit.export import export_artifact
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(tiny, ckpt)
     art = tmp_path / "art"
     manifest = export_artifact(ckpt, art, debug_outputs=True)
-    assert manifest["dims"]["hidden_size"] == 64 and manifest["validation"]["passed"]
+    assert manifest.dims.hidden_size == 64 and manifest.validation["passed"]
     assert parity(art, ["ort"], steps=3)["passed"]
     sd = load_file(ckpt / "model.safetensors")
     sd["model.layers.0.mlp.down_proj.weight"] *= 1.1  # the reference's layer-0 FFN changes, the graphs do not

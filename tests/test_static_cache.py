@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import onnx
 import pytest
 from click.testing import CliRunner
 
 from hf_models import hf_greedy
-from models import contract
-from models.contract import position_ids_from_mask
+from models.artifact import Manifest
 from runtimes.base import InputError
+from runtimes.cache_layouts import StaticLayout
 from runtimes.generate import generate
-from runtimes.ort_runtime import OrtStaticRuntime, open_ort
-from toolkit.artifact import export_artifact
+from runtimes.ort_runtime import open_ort
 from toolkit.cli import main
+from toolkit.export import export_artifact
 from toolkit.parity_report import parity
 
 pytestmark = pytest.mark.slow
@@ -30,9 +28,9 @@ def static_llama(checkpoints, tmp_path_factory):
 
 
 def test_static_graph_follows_its_contract(static_llama):
-    manifest = json.loads((static_llama / contract.MANIFEST).read_text())
-    assert manifest["kv_cache"] == "static" and manifest["dims"]["kv_capacity"] == 64
-    assert manifest["validation"]["passed"] and manifest["trt_lint"]["ok"]
+    manifest = Manifest.read(static_llama)
+    assert manifest.variant.cache == "static" and manifest.dims.kv_capacity == 64
+    assert manifest.validation["passed"] and manifest.trt_lint["ok"]
     model = onnx.load(str(static_llama / "decode.onnx"), load_external_data=False)
     assert [i.name for i in model.graph.input][:4] == ["input_ids", "attention_mask", "position_ids", "write_indices"]
     assert next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx")) == 24
@@ -43,7 +41,7 @@ def test_static_graph_follows_its_contract(static_llama):
 def test_static_tokens_equal_dynamic_and_transformers(checkpoints, artifacts, static_llama):
     prompts = [[5, 17, 99, 3, 8], [42, 8, 300, 12, 77, 150, 9, 61, 33]]
     with open_ort(static_llama) as st, open_ort(artifacts("llama")) as dyn:
-        assert isinstance(st, OrtStaticRuntime)
+        assert isinstance(st.layout, StaticLayout) and st.dims.kv_capacity == 64  # dims: the graph it runs
         a = [r.tokens for r in generate(st, prompts, 24, ignore_eos=True).rows]
         b = [r.tokens for r in generate(dyn, prompts, 24, ignore_eos=True).rows]
     assert a == b
@@ -52,20 +50,20 @@ def test_static_tokens_equal_dynamic_and_transformers(checkpoints, artifacts, st
 
 def test_static_cache_is_updated_in_place_and_guards_capacity(static_llama):
     with open_ort(static_llama) as rt:
-        ids = np.array([[5, 6, 7]])
-        mask = np.ones((1, 3), np.int64)
-        _, cache = rt.prefill(ids, mask, position_ids_from_mask(mask))
-        buffer = cache.arrays[0]
-        assert not buffer[:, :, 3].any()
-        mask = np.ones((1, 4), np.int64)
-        _, cache2 = rt.decode(np.array([[9]]), mask, np.array([[3]]), cache)
-        assert cache2.arrays[0] is buffer and buffer[:, :, 3].any()  # ORT wrote into our buffer: no copy
+        _, session = rt.start(np.array([[5, 6, 7]]), np.ones((1, 3), np.int64))
+        buffer = session.cache[0]
+        assert buffer.shape == (1, 2, 64, 16) and not buffer[:, :, 3].any()
+        rt.step(session, [9])
+        assert session.cache[0] is buffer and buffer[:, :, 3].any()  # ORT wrote into our buffer: no copy
+        assert session.mask[0].tolist() == [1] * 4 + [0] * 60 and session.positions.tolist() == [[3]]
         assert rt.max_context == 64
         with pytest.raises(InputError, match="exceeds the model's context of 64"):
             generate(rt, [[1] * 10], 60)
-        cache.length = 64
+        session.length = 64
         with pytest.raises(InputError, match="the static cache holds 64 positions and is full"):
-            rt.decode(np.array([[9]]), np.ones((1, 65), np.int64), np.array([[64]]), cache)
+            rt.step(session, [9])
+        with pytest.raises(InputError, match="prefill: 64 tokens leave no room in the static cache of 64"):
+            rt.start(np.ones((1, 64), np.int64), np.ones((1, 64), np.int64))
 
 
 def test_static_parity_passes(static_llama):
@@ -76,10 +74,10 @@ def test_static_parity_passes(static_llama):
 @pytest.mark.parametrize("args, message", [
     (["--kv-cache", "static"], "Error: --kv-cache static needs --max-seq-len N (N >= 2): the capacity of the cache"),
     (["--max-seq-len", "64"], "Error: --max-seq-len sets the capacity of a static cache; add --kv-cache static"),
-    (["--kv-cache", "paged"], "Error: unknown kv cache 'paged'; use one of dynamic, static"),
+    (["--kv-cache", "paged"], "Error: Invalid value for '--kv-cache': 'paged' is not one of 'dynamic', 'static'."),
     (["--kv-cache", "static", "--max-seq-len", "5000"], "Error: --max-seq-len (5000) is beyond the model's context of 1024"),
 ])
 def test_static_export_options(tiny, tmp_path, args, message):
     result = CliRunner().invoke(main, ["export", str(tiny), "-o", str(tmp_path / "out"), *args])
-    assert result.exit_code == 1 and result.stderr.strip().splitlines()[-1] == message
+    assert result.exit_code == 2 and result.stderr.strip().splitlines()[-1] == message
     assert not (tmp_path / "out").exists()

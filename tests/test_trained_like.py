@@ -4,7 +4,6 @@ models with logits ~1 fail here on rounding alone; tk's bounds scale with the mo
 
 from __future__ import annotations
 
-import json
 import xml.etree.ElementTree as ET
 
 import numpy as np
@@ -12,9 +11,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from models import contract
+from models.artifact import Manifest
 from models.loading import load_decoder
-from toolkit.artifact import export_artifact
+from toolkit.export import export_artifact
 from toolkit.cli import main
 
 pytestmark = pytest.mark.slow
@@ -26,7 +25,7 @@ def exported(trained_like, tmp_path_factory):
     out = {}
     for dtype in ("fp32", "fp16"):
         art = tmp_path_factory.mktemp(f"trained-like-{dtype}") / "artifact"
-        export_artifact(trained_like, art, dtype)
+        export_artifact(trained_like, art, dtype=dtype)
         out[dtype] = art
     return out
 
@@ -48,7 +47,7 @@ def test_the_preset_has_trained_numerics(trained_like):
 
 def test_fp32_export_validates_and_tk_parity_passes(exported, tmp_path):
     art = exported["fp32"]
-    v = json.loads((art / contract.MANIFEST).read_text())["validation"]
+    v = Manifest.read(art).validation
     steps = [s for c in v["comparisons"] for s in c["steps"]]
     assert v["passed"]
     # rounding alone takes the logits past the 1e-4 of a table calibrated on logits ~1 (FACTS.md: the
@@ -63,7 +62,7 @@ def test_fp32_export_validates_and_tk_parity_passes(exported, tmp_path):
 
 def test_fp16_export_validates_and_tk_parity_passes(exported):
     art = exported["fp16"]
-    manifest = json.loads((art / contract.MANIFEST).read_text())
-    assert manifest["dtype"] == "float16" and manifest["validation"]["passed"]
+    manifest = Manifest.read(art)
+    assert manifest.dtype == "float16" and manifest.validation["passed"]
     result = CliRunner().invoke(main, ["parity", str(art), "--backends", "ort", "--steps", "16"])
     assert result.exit_code == 0, result.output

@@ -15,6 +15,8 @@ from onnx import TensorProto, helper
 from exporters.trt_build import Limits, compute_profiles
 from exporters.trt_lint import lint_graphs, lint_model
 from models import contract
+from models.artifact import Manifest, sha256_file
+from models.errors import UsageProblem
 from runtimes.trt_runtime import engine_problems, profile_problem
 from toolkit.cli import main
 
@@ -51,7 +53,7 @@ def test_profiles_cover_the_ranges_with_midpoint_opt():
     (Limits(1, 8, 4096), r"--max-seq-len \(4096\) is beyond the model's context of 2048"),
 ])
 def test_impossible_profiles_are_rejected(limits, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(UsageProblem, match=message):
         compute_profiles(DIMS, limits, max_context=2048)
 
 
@@ -85,7 +87,7 @@ def built(tiny_artifact, tmp_path):
             "gpu": {"name": "NVIDIA H100", "compute_capability": "9.0"}, "precision": "float32",
             "strongly_typed": False, "limits": {"max_batch": 1, "max_input_len": 8, "max_seq_len": 16},
             "profiles": compute_profiles(DIMS, Limits(1, 8, 16), 1024),
-            "onnx_sha256": {g: contract.sha256_file(art / contract.GRAPH_FILES[g]) for g in contract.GRAPHS},
+            "onnx_sha256": {g: sha256_file(art / contract.GRAPH_FILES[g]) for g in contract.GRAPHS},
             "engines": dict(contract.ENGINE_FILES)}
     (art / contract.ENGINE_META).write_text(json.dumps(meta))
     for f in contract.ENGINE_FILES.values():
@@ -124,8 +126,8 @@ def test_every_engine_mismatch_has_an_actionable_message(built):
 # --- the lint --------------------------------------------------------------------------------------
 
 def test_lint_passes_the_exported_graphs_and_reports_min_version(tiny_artifact):
-    manifest = json.loads((tiny_artifact / contract.MANIFEST).read_text())
-    assert manifest["trt_lint"] == {"ok": True, "min_tensorrt": "10.15", "problems": []}
+    manifest = Manifest.read(tiny_artifact)
+    assert manifest.trt_lint == {"ok": True, "min_tensorrt": "10.15", "problems": []}
     graphs = {g: onnx.load(str(tiny_artifact / contract.GRAPH_FILES[g]), load_external_data=False)
               for g in contract.GRAPHS}
     assert lint_graphs(graphs).ok
@@ -195,7 +197,7 @@ def test_missing_tensorrt_messages(tiny_artifact):
     result = run("generate", tiny_artifact, "--backend", "trt", "--prompt-ids", "1,2")
     assert result.exit_code == 1 and result.stderr.strip().splitlines()[-1] == INSTALL
     bad = run("build-engine", tiny_artifact, "--max-batch", "0")
-    assert bad.exit_code == 1 and bad.stderr.strip().splitlines()[-1] == "Error: --max-batch must be at least 1, got 0"
+    assert bad.exit_code == 2 and bad.stderr.strip().splitlines()[-1] == "Error: --max-batch must be at least 1, got 0"
     doctor = json.loads(run("doctor", "--json").stdout)
     assert doctor["tensorrt"]["available"] is False and "pip install 'tk[gpu]'" in doctor["tensorrt"]["reason"]
     assert "CPUExecutionProvider" in doctor["onnxruntime"]["providers"]
@@ -220,14 +222,14 @@ def test_static_cache_profiles_fix_the_capacity():
     assert p["decode"]["write_indices"] == [[1], [2], [4]]
     assert p["decode"]["past_key_values.0.key"] == [[1, 2, 256, 16], [2, 2, 256, 16], [4, 2, 256, 16]]
     assert p["prefill"]["input_ids"] == [[1, 1], [2, 64], [4, 128]]
-    with pytest.raises(ValueError, match="static cache of 256 positions; --max-seq-len must be 256"):
+    with pytest.raises(UsageProblem, match="static cache of 256 positions; --max-seq-len must be 256"):
         compute_profiles(dims, Limits(4, 128, 512), max_context=1024)
 
 
 @pytest.mark.trt
 def test_static_cache_engines_and_parity_on_gpu(tiny, tmp_path):
     pytest.importorskip("tensorrt", reason="needs TensorRT (pip install 'tk[gpu]' from NVIDIA's index) and a GPU")
-    from toolkit.artifact import export_artifact
+    from toolkit.export import export_artifact
 
     art = tmp_path / "art"
     export_artifact(tiny, art, kv_cache="static", max_seq_len=64)

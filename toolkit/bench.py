@@ -9,6 +9,7 @@ each backend runs and set beside `tk inspect`'s prediction (weights + KV cache).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -18,12 +19,14 @@ from pathlib import Path
 
 import numpy as np
 
+from models.artifact import Manifest
 from models.config import DecoderConfig
 from models.contract import DECODE
-from runtimes.base import BackendUnavailable, read_manifest
+from models.errors import UsageProblem
+from runtimes.base import BackendUnavailable
 from runtimes.generate import generate
-from toolkit.inspect import memory_plan
-from toolkit.textgen import open_runtime
+from toolkit.backends import BackendOptions, open_runtime
+from toolkit.describe import memory_plan
 
 BUSY_CORES = 0.25  # other processes using more than this many cores on average: the run is flagged
 
@@ -71,27 +74,33 @@ def _spread(values: list[float]) -> dict:
 
 
 def bench(artifact: Path, backends: list[str], prompt_len: int = 128, new_tokens: int = 128, batch: int = 1,
-          repeats: int = 3, threads: int | None = None, seed: int = 0) -> dict:
+          repeats: int = 3, options: BackendOptions = BackendOptions(), seed: int = 0) -> dict:
     for name, value in (("--prompt-len", prompt_len), ("--new-tokens", new_tokens), ("--batch", batch),
                         ("--repeats", repeats)):
         if value < 1:
-            raise ValueError(f"{name} must be at least 1, got {value}")
-    runtimes, skipped, loaded = {}, {}, {}
-    for name in backends:
-        rt = open_runtime(artifact, name, threads=threads)
-        try:
-            before = _rss()
-            rt.activate()
-            runtimes[name], loaded[name] = rt, _rss() - before  # what holding this backend costs
-        except BackendUnavailable as e:
-            skipped[name] = str(e)
-    if not runtimes:
-        raise BackendUnavailable("no backend could run: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
+            raise UsageProblem(f"{name} must be at least 1, got {value}")
+    with contextlib.ExitStack() as active:  # every loaded runtime is closed, whatever happens
+        runtimes, skipped, loaded = {}, {}, {}
+        for name in backends:
+            rt = open_runtime(artifact, name, options)
+            try:
+                before = _rss()
+                active.enter_context(rt)
+                runtimes[name], loaded[name] = rt, _rss() - before  # what holding this backend costs
+            except BackendUnavailable as e:
+                skipped[name] = str(e)
+        if not runtimes:
+            raise BackendUnavailable("no backend could run: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
+        return _bench(artifact, runtimes, skipped, loaded, prompt_len, new_tokens, batch, repeats, options, seed)
+
+
+def _bench(artifact, runtimes, skipped, loaded, prompt_len, new_tokens, batch, repeats, options, seed) -> dict:
     first = next(iter(runtimes.values()))
-    cfg = DecoderConfig.from_dict(read_manifest(artifact)["config"])
+    manifest = Manifest.read(artifact)
+    cfg = DecoderConfig.from_dict(manifest.config)
     if prompt_len + new_tokens > first.max_context:
-        raise ValueError(f"--prompt-len {prompt_len} + --new-tokens {new_tokens} exceeds the model's context of "
-                         f"{first.max_context}")
+        raise UsageProblem(f"--prompt-len {prompt_len} + --new-tokens {new_tokens} exceeds the model's context of "
+                           f"{first.max_context}")
     rng = np.random.default_rng(seed)
     prompts = rng.integers(0, first.dims.vocab_size, (batch, prompt_len)).tolist()
     runs: dict[str, list] = {name: [] for name in runtimes}
@@ -105,9 +114,9 @@ def bench(artifact: Path, backends: list[str], prompt_len: int = 128, new_tokens
                 result = generate(rt, prompts, new_tokens, ignore_eos=True)
             growth[name] = max(growth[name], w.peak - before)
             runs[name].append({**result.timings(), "other_cores": w.other_cores})
-    plan = memory_plan(cfg, first.dims.kv_dtype, batch, prompt_len + new_tokens)
+    plan = memory_plan(cfg, manifest.precision, batch, prompt_len + new_tokens)
     report = {"artifact": str(artifact), "prompt_len": prompt_len, "new_tokens": new_tokens, "batch": batch,
-              "repeats": repeats, "threads": threads, "cpu_count": os.cpu_count(),
+              "repeats": repeats, "threads": options.threads, "cpu_count": os.cpu_count(),
               "predicted": {k: plan[k] for k in ("weights_bytes", "kv_bytes", "total_bytes")},
               "backends": {}, "skipped": skipped}
     for name, rs in runs.items():
@@ -122,8 +131,6 @@ def bench(artifact: Path, backends: list[str], prompt_len: int = 128, new_tokens
             "max_other_cores": max(r["other_cores"] for r in rs),
             "huge_page_bytes": getattr(runtimes[name], "huge_page_bytes", 0),  # weights on 2-MiB pages (ORT)
         }
-    for rt in runtimes.values():
-        rt.deactivate()
     return report
 
 
@@ -159,14 +166,13 @@ def profile_decode(artifact: Path, prompt_len: int = 128, new_tokens: int = 64, 
                    top: int = 8) -> dict:
     """Where a decode step's time goes on ORT: Python and binding overhead (the step's wall time
     minus ORT's own run time) against ORT's run, and the op types that take the kernel time."""
-    from runtimes.ort_runtime import open_ort
+    from runtimes.ort_runtime import OrtRuntime
 
-    rt = open_ort(artifact, threads=threads, profile=True).activate()
-    prompt = np.random.default_rng(0).integers(0, rt.dims.vocab_size, prompt_len).tolist()
-    generate(rt, [prompt], 8, ignore_eos=True)  # warm-up, profiled too: dropped below by count
-    result = generate(rt, [prompt], new_tokens, ignore_eos=True)
-    trace = rt.end_profiling()
-    rt.deactivate()
+    with OrtRuntime(artifact, threads=threads, profile=True) as rt:
+        prompt = np.random.default_rng(0).integers(0, rt.dims.vocab_size, prompt_len).tolist()
+        generate(rt, [prompt], 8, ignore_eos=True)  # warm-up, profiled too: dropped below by count
+        result = generate(rt, [prompt], new_tokens, ignore_eos=True)
+        trace = rt.end_profiling()
     events = json.loads(trace[DECODE].read_text())
     for path in trace.values():
         path.unlink(missing_ok=True)

@@ -1,7 +1,9 @@
 """The `tk` command line: parse options, call library functions, format results. Nothing else.
 
-Library code raises typed errors; `ERRORS` maps them, in one place, to a one-line message and
-an exit code (1 error, 2 usage, 3 a check ran and failed). `--debug` shows tracebacks.
+Library code raises `TkError`s (models/errors.py), each carrying its exit code (1 error, 2 usage,
+3 a check ran and failed); `TkGroup` prints their first line, once, here. Option values come
+from the typed tables (dtypes, export variants, the backend registry), so a bad one is a usage
+error at parse time. `--debug` shows tracebacks.
 """
 
 from __future__ import annotations
@@ -13,41 +15,29 @@ from pathlib import Path
 
 import click
 
-from exporters.onnx_export import ExportError
-from exporters.trt_build import EngineBuildError
-from models.config import UnsupportedModelError
-from models.contract import ContractError
-from models.loading import CheckpointError
-from runtimes.base import RuntimeErrorBase
-from toolkit.artifact import ValidationFailed
+from models.artifact import CacheLayout, PrefillLogits, Target
+from models.dtypes import DTYPE_CHOICES
+from models.errors import CheckFailed, TkError
+from toolkit.backends import BACKENDS, PROVIDERS, BackendOptions
 
-# (exception types, exit code), first match wins. Anything else is a bug and keeps its traceback.
-ERRORS: list[tuple[tuple[type[BaseException], ...], int]] = [
-    ((ValidationFailed,), 3),
-    ((click.UsageError,), 2),
-    ((CheckpointError, UnsupportedModelError, ContractError, ExportError, EngineBuildError, RuntimeErrorBase,
-      FileExistsError, FileNotFoundError, PermissionError, ValueError), 1),
-]
-
-
-def _exit_code(exc: BaseException) -> int | None:
-    return next((code for types, code in ERRORS if isinstance(exc, types)), None)
+# Only the standard library, click and tk's stdlib-only modules are imported here: `tk --help`
+# and `tk generate --backend ort` never pay for torch. Each command imports what it runs.
 
 
 class TkGroup(click.Group):
+    """Maps a TkError to its one-line message and exit code (1 error, 2 usage, 3 a check failed).
+    Anything else is a bug and keeps its traceback."""
+
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
-        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
-            raise
-        except Exception as exc:
-            code = _exit_code(exc)
-            if code is None or ctx.obj.get("debug"):
+        except TkError as exc:
+            if ctx.obj.get("debug"):
                 raise
-            if isinstance(exc, ValidationFailed) and exc.table:
+            if isinstance(exc, CheckFailed) and exc.table:
                 click.echo(exc.table, err=True)
             click.echo(f"Error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", err=True)
-            ctx.exit(code)
+            ctx.exit(exc.exit_code)
 
 
 def _version() -> str:
@@ -57,18 +47,47 @@ def _version() -> str:
         return "0+unknown"
 
 
-def _backend_list(backends: str, also: tuple[str, ...] = ()) -> list[str]:
-    from toolkit.textgen import BACKENDS
+class BackendName(click.ParamType):
+    """A registered backend (toolkit/backends.py); read at parse time, so a registered one counts."""
 
-    names = [b.strip() for b in backends.split(",") if b.strip()]
-    unknown = [b for b in [*names, *also] if b not in BACKENDS]
-    if unknown or not names:
-        raise click.UsageError(f"unknown backend {', '.join(unknown) or '(none)'}; use {', '.join(BACKENDS)}")
-    return names
+    name = "backend"
+
+    def convert(self, value, param, ctx):
+        if value not in BACKENDS:
+            self.fail(f"unknown backend {value!r}; use one of {', '.join(BACKENDS)}", param, ctx)
+        return value
+
+
+class BackendList(click.ParamType):
+    """A comma-separated list of registered backends."""
+
+    name = "backends"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, list):
+            return value
+        names = [b.strip() for b in value.split(",") if b.strip()]
+        unknown = [b for b in names if b not in BACKENDS]
+        if unknown or not names:
+            self.fail(f"unknown backend {', '.join(unknown) or '(none)'}; use {', '.join(BACKENDS)}", param, ctx)
+        return names
+
+
+def _choices(enum) -> click.Choice:
+    return click.Choice([e.value for e in enum])
 
 
 def _progress(msg: str) -> None:
     click.echo(f"  {msg}", err=True)
+
+
+def backend_options(f):
+    """--threads, --device, --provider: how a backend runs (BackendOptions)."""
+    f = click.option("--provider", default="auto", show_default=True, type=click.Choice(PROVIDERS),
+                     help="ONNX Runtime execution provider (auto: CUDA when onnxruntime-gpu sees a GPU).")(f)
+    f = click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]),
+                     help="Device of the torch backend (auto: CUDA when present).")(f)
+    return click.option("--threads", type=click.IntRange(min=1), help="ONNX Runtime intra-op threads.")(f)
 
 
 @click.group(cls=TkGroup)
@@ -82,30 +101,35 @@ def main(ctx: click.Context, debug: bool) -> None:
 
 @main.command()
 @click.argument("model_dir", type=click.Path(path_type=Path))
-@click.option("-o", "--out", required=True, type=click.Path(path_type=Path), help="Artifact folder to create.")
-@click.option("--dtype", default="fp32", show_default=True, help="fp32, fp16 or bf16.")
+@click.option("-o", "--out", required=True, type=click.Path(path_type=Path),
+              help="Artifact folder to create (missing parents are created).")
+@click.option("--dtype", default="fp32", show_default=True, type=click.Choice(DTYPE_CHOICES),
+              help="Precision of the graphs' weights, activations and KV cache.")
 @click.option("--opset", default=23, show_default=True, type=int, help="23 (fused Attention/RMSNorm) or 18..22.")
 @click.option("--no-validate", is_flag=True, help="Skip the ORT-vs-PyTorch numeric validation.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
-@click.option("--kv-cache", default="dynamic", show_default=True,
+@click.option("--kv-cache", default="dynamic", show_default=True, type=_choices(CacheLayout),
               help="dynamic (past in, longer present out) or static (fixed capacity, updated in place).")
 @click.option("--max-seq-len", type=int, help="Capacity of a static cache (with --kv-cache static).")
 @click.option("--debug-outputs", is_flag=True, help="Also output every layer's hidden state (for tk parity).")
-@click.option("--target", default="portable", show_default=True,
+@click.option("--target", default="portable", show_default=True, type=_choices(Target),
               help="portable (standard ONNX: ONNX Runtime and TensorRT) or ort (ONNX Runtime's fused kernels: "
                    "faster on ONNX Runtime, not loadable by TensorRT).")
-@click.option("--prefill-logits", default="all", show_default=True,
+@click.option("--prefill-logits", default="all", show_default=True, type=_choices(PrefillLogits),
               help="all (every prompt position) or last (the last position only: what generation needs, and a "
                    "faster first token).")
 def export(model_dir: Path, out: Path, dtype: str, opset: int, no_validate: bool, force: bool, kv_cache: str,
            max_seq_len: int | None, debug_outputs: bool, target: str, prefill_logits: str) -> None:
     """Export MODEL_DIR (a Hugging Face checkpoint folder) to prefill/decode ONNX graphs."""
-    from toolkit.artifact import export_artifact
+    from models.artifact import ExportOptions
+
+    options = ExportOptions.from_flags(dtype, opset, kv_cache, max_seq_len, target, prefill_logits, debug_outputs,
+                                       not no_validate, force)  # every flag checked before any work
+    from toolkit.export import export_artifact
 
     click.echo(f"tk export {model_dir} -> {out}", err=True)
-    manifest = export_artifact(model_dir, out, dtype, opset, not no_validate, force, _progress, kv_cache,
-                               max_seq_len, debug_outputs, target, prefill_logits)
-    v = manifest["validation"]
+    manifest = export_artifact(model_dir, out, options, _progress)
+    v = manifest.validation
     if not v.get("skipped"):
         steps = [s for c in v["comparisons"] for s in c["steps"]]
         click.echo(f"  validation passed: max |logit diff| {max(s['max_abs'] for s in steps):.3g}, at most "
@@ -121,7 +145,7 @@ def export(model_dir: Path, out: Path, dtype: str, opset: int, no_validate: bool
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def inspect(path: Path, batch: int, seq_len: int | None, as_json: bool) -> None:
     """Describe a checkpoint or an artifact: config, parameters, graph I/O, memory plan."""
-    from toolkit.inspect import format_info, inspect_path
+    from toolkit.describe import format_info, inspect_path
 
     info = inspect_path(path, batch, seq_len)
     click.echo(json.dumps(info, indent=2) if as_json else format_info(info))
@@ -129,7 +153,7 @@ def inspect(path: Path, batch: int, seq_len: int | None, as_json: bool) -> None:
 
 @main.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--backend", default="ort", show_default=True, type=click.Choice(["torch", "ort", "trt"]))
+@click.option("--backend", default="ort", show_default=True, type=BackendName())
 @click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeat for a batch).")
 @click.option("--prompt-ids", "prompt_ids", multiple=True, help="Comma-separated token ids (repeat for a batch).")
 @click.option("--chat", help="A user message, rendered with the checkpoint's chat template; prints the reply.")
@@ -142,34 +166,34 @@ def inspect(path: Path, batch: int, seq_len: int | None, as_json: bool) -> None:
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--stop", "stops", multiple=True, help="Stop when this text appears (repeatable).")
 @click.option("--ignore-eos", is_flag=True, help="Generate exactly --max-new-tokens.")
-@click.option("--threads", type=click.IntRange(min=1), help="ONNX Runtime intra-op threads.")
-@click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]),
-              help="Device of the torch backend (auto: CUDA when present).")
+@backend_options
 @click.option("--json", "as_json", is_flag=True, help="Print tokens, text, finish reason and timings as JSON.")
 def generate(artifact: Path, backend: str, prompts: tuple[str, ...], prompt_ids: tuple[str, ...],
-             chat: str | None, system: str | None, max_new_tokens: int, temperature: float, top_k: int, top_p: float, repetition_penalty: float,
-             seed: int, stops: tuple[str, ...], ignore_eos: bool, threads: int | None, device: str,
-             as_json: bool) -> None:
+             chat: str | None, system: str | None, max_new_tokens: int, temperature: float, top_k: int,
+             top_p: float, repetition_penalty: float, seed: int, stops: tuple[str, ...], ignore_eos: bool,
+             threads: int | None, device: str, provider: str, as_json: bool) -> None:
     """Generate text from an exported ARTIFACT on one backend."""
-    from runtimes.base import read_manifest
+    from models.artifact import Manifest
     from runtimes.sampling import SamplingConfig
-    from toolkit.textgen import Tokenizer, generate_text, open_runtime, parse_ids
+    from toolkit.backends import open_runtime
+    from toolkit.textgen import Tokenizer, generate_text, parse_ids
 
     if sum(map(bool, (prompts, prompt_ids, chat is not None))) != 1:
         raise click.UsageError("give one of --prompt, --prompt-ids or --chat")
     if system is not None and chat is None:
         raise click.UsageError("--system goes with --chat")
-    manifest = read_manifest(artifact)
-    runtime = open_runtime(artifact, backend, threads, device)
+    manifest = Manifest.read(artifact)
+    runtime = open_runtime(artifact, backend, BackendOptions(threads, device, provider))
     tokenizer = Tokenizer(artifact) if prompts or chat is not None else Tokenizer.find(artifact)
     if chat is not None:
         ids = [tokenizer.chat(chat, system)]
     else:
         ids = [tokenizer.encode(p) for p in prompts] if prompts else [parse_ids(p) for p in prompt_ids]
-    sampling = SamplingConfig(temperature, top_k, top_p, repetition_penalty, seed)
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p,
+                              repetition_penalty=repetition_penalty, seed=seed)
     stream = None if as_json else lambda text: click.echo(text, nl=False)
     result, texts = generate_text(runtime, tokenizer, ids, max_new_tokens, sampling,
-                                  manifest["config"]["eos_token_ids"], stops, ignore_eos, stream)
+                                  manifest.eos_token_ids, stops, ignore_eos, stream)
     if as_json:
         rows = [{"prompt_tokens": r.prompt_tokens, "tokens": r.tokens, "text": t, "finish_reason": r.finish_reason}
                 for r, t in zip(result.rows, texts)]
@@ -188,35 +212,39 @@ def generate(artifact: Path, backend: str, prompts: tuple[str, ...], prompt_ids:
 
 @main.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--backends", default="torch,ort", show_default=True, help="Comma-separated: torch, ort, trt.")
-@click.option("--steps", default=16, show_default=True, type=int, help="Decode steps after the prefill.")
+@click.option("--backends", default="torch,ort", show_default=True, type=BackendList(),
+              help="Comma-separated: torch, ort, trt.")
+@click.option("--steps", default=16, show_default=True, type=click.IntRange(min=1), help="Decode steps after the prefill.")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="One prompt per line, or a JSON list of token-id lists (default: random prompts).")
 @click.option("--report", type=click.Path(dir_okay=False, path_type=Path), help="Write the JSON report here.")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), help="Plot error per step (needs matplotlib).")
-@click.option("--require", "required", multiple=True, help="A backend whose skip is a failure (repeatable).")
+@click.option("--require", "required", multiple=True, type=BackendName(),
+              help="A backend whose skip is a failure (repeatable).")
 @click.option("--junit", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write a JUnit XML file: one test case per backend and case, and per probe.")
 @click.option("--atol", type=float, help="Override the absolute floor of every bound.")
 @click.option("--rtol", type=float, help="Override the relative error allowed per layer of depth.")
 @click.option("--min-top1", type=float, help="Override the top-1 agreement tolerance.")
-def parity(artifact: Path, backends: str, steps: int, seed: int, prompts_file: Path | None, report: Path | None,
+@backend_options
+def parity(artifact: Path, backends: list[str], steps: int, seed: int, prompts_file: Path | None, report: Path | None,
            plot: Path | None, required: tuple[str, ...], junit: Path | None, atol: float | None, rtol: float | None,
-           min_top1: float | None) -> None:
+           min_top1: float | None, threads: int | None, device: str, provider: str) -> None:
     """Compare every backend with the float32 PyTorch reference, step by step; exit 3 on drift.
 
     A tensor that went through d layers may differ by atol + rtol * d * its own magnitude (the
     logits: per position); float32's rtol follows from the model's accumulation length."""
     from toolkit import parity_report as pr
 
-    names = _backend_list(backends, required)
+    names = backends
     if plot is not None:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
             raise click.ClickException("--plot needs matplotlib: pip install 'tk[plot]'") from None
-    result = pr.parity(artifact, names, steps, seed, prompts_file, {"atol": atol, "rtol": rtol, "min_top1": min_top1})
+    result = pr.parity(artifact, names, steps, seed, prompts_file, {"atol": atol, "rtol": rtol, "min_top1": min_top1},
+                       BackendOptions(threads, device, provider))
     click.echo(pr.summary(result), err=True)
     if report is not None:
         report.write_text(json.dumps(result, indent=2))
@@ -226,7 +254,7 @@ def parity(artifact: Path, backends: str, steps: int, seed: int, prompts_file: P
         pr.plot(result, plot)
     failure = pr.verdict(result, required)
     if failure:
-        raise ValidationFailed(failure)
+        raise CheckFailed(failure)
     click.echo("parity passed")
 
 
@@ -253,7 +281,7 @@ def build_engine(artifact: Path, precision: str | None, max_batch: int, max_inpu
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def doctor(as_json: bool) -> None:
     """Which backends, providers, GPUs and versions this machine has."""
-    from toolkit.engines import doctor_report
+    from toolkit.doctor import doctor_report
 
     report = doctor_report()
     if as_json:
@@ -267,21 +295,23 @@ def doctor(as_json: bool) -> None:
 
 @main.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--backends", default="torch,ort", show_default=True, help="Comma-separated: torch, ort, trt.")
+@click.option("--backends", default="torch,ort", show_default=True, type=BackendList(),
+              help="Comma-separated: torch, ort, trt.")
 @click.option("--prompt-len", default=128, show_default=True, type=int)
 @click.option("--new-tokens", default=128, show_default=True, type=int)
 @click.option("--batch", default=1, show_default=True, type=int)
 @click.option("--repeats", default=3, show_default=True, type=int)
-@click.option("--threads", type=click.IntRange(min=1), help="ONNX Runtime intra-op threads.")
+@backend_options
 @click.option("--report", type=click.Path(dir_okay=False, path_type=Path), help="Write the JSON report here.")
 @click.option("--profile", is_flag=True, help="Also split an ORT decode step into Python, executor and kernel time.")
-def bench(artifact: Path, backends: str, prompt_len: int, new_tokens: int, batch: int, repeats: int,
-          threads: int | None, report: Path | None, profile: bool) -> None:
+def bench(artifact: Path, backends: list[str], prompt_len: int, new_tokens: int, batch: int, repeats: int,
+          threads: int | None, device: str, provider: str, report: Path | None, profile: bool) -> None:
     """Time to first token, decode speed and memory of each backend, side by side in one run."""
     from toolkit.bench import bench as run_bench
     from toolkit.bench import format_bench, format_profile, profile_decode
 
-    result = run_bench(artifact, _backend_list(backends), prompt_len, new_tokens, batch, repeats, threads)
+    result = run_bench(artifact, backends, prompt_len, new_tokens, batch, repeats,
+                       BackendOptions(threads, device, provider))
     click.echo(format_bench(result))
     if profile:
         result["decode_profile"] = profile_decode(artifact, prompt_len, new_tokens, threads)
@@ -291,7 +321,7 @@ def bench(artifact: Path, backends: str, prompt_len: int, new_tokens: int, batch
 
 
 @main.command()
-@click.option("--preset", default="tiny", show_default=True, help="Built-in model preset.")
+@click.option("--preset", default="tiny", show_default=True, help="Built-in model preset: tiny, small, trained-like.")
 @click.option("--prompt", default="Once upon a time", show_default=True)
 @click.option("--max-new-tokens", default=24, show_default=True, type=click.IntRange(min=1))
 def demo(preset: str, prompt: str, max_new_tokens: int) -> None:

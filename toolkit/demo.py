@@ -15,10 +15,11 @@ from typing import Callable
 from models.presets import write_preset
 from runtimes.generate import left_pad
 from runtimes.sampling import SamplingConfig
-from toolkit.artifact import export_artifact, reference_runtime
+from toolkit.backends import open_runtime, reference_runtime
+from toolkit.export import export_artifact
 from toolkit.parity import tolerance_for
 from toolkit.parity_report import compare_backends
-from toolkit.textgen import Tokenizer, generate_text, open_runtime
+from toolkit.textgen import Tokenizer, generate_text
 
 
 def run_demo(preset: str, prompt: str, max_new_tokens: int, echo: Callable[[str], None] = print) -> dict:
@@ -35,13 +36,13 @@ def run_demo(preset: str, prompt: str, max_new_tokens: int, echo: Callable[[str]
         results = {}
         for backend in ("torch", "ort"):
             result, texts = generate_text(open_runtime(art, backend), tok, [ids], max_new_tokens, SamplingConfig(),
-                                          manifest["config"]["eos_token_ids"], ignore_eos=True)
+                                          manifest.eos_token_ids, ignore_eos=True)
             results[backend] = result
             echo(f"   {backend:5} {texts[0]!r}")
         same = results["torch"].rows[0].tokens == results["ort"].rows[0].tokens
         # Largest logit difference: feed torch's tokens to ORT (teacher forcing), compare every step.
         pids, mask = left_pad([ids])
-        tol = tolerance_for("float32", manifest["config"])
+        tol = tolerance_for("float32", manifest.config)
         with reference_runtime(art) as ref, open_runtime(art, "ort") as ort:
             report = compare_backends(ref, {"ort": ort}, {"demo": (pids, mask)}, tol, max_new_tokens - 1,
                                       probes=False, free_running=False)

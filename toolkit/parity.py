@@ -16,9 +16,9 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
-from models.contract import position_ids_from_mask, present_names
+from models.contract import present_names
 from runtimes.base import Runtime
-from runtimes.generate import DecodeFeed, decode_step, left_pad
+from runtimes.generate import left_pad
 
 
 # Unit roundoff (half the machine epsilon) of each activation dtype.
@@ -149,22 +149,22 @@ class Comparison:
 def run_trace(runtime: Runtime, ids: np.ndarray, mask: np.ndarray, steps: int,
               forced: np.ndarray | None = None, keep_present: bool = True) -> Trace:
     """Prefill then `steps` decode steps; greedy tokens unless `forced` (B, steps) is given."""
-    logits, cache = runtime.prefill(ids, mask, position_ids_from_mask(mask))
-    feed = DecodeFeed(mask, room=steps)
-    trace = Trace(runtime.name, np.zeros((ids.shape[0], steps), dtype=np.int64), [logits])
-    if keep_present:
-        trace.present.append(runtime.cache_arrays(cache))
-    if runtime.hidden is not None:
-        trace.hidden.append(runtime.hidden)
-    for k in range(steps):
-        token = forced[:, k] if forced is not None else logits[:, -1].argmax(-1)
-        trace.tokens[:, k] = token
-        logits, cache = decode_step(runtime, token, feed, cache)
-        trace.logits.append(logits)
-        if keep_present:  # only the position this step wrote; earlier ones were compared already
-            trace.present.append([a[:, :, -1:] for a in runtime.cache_arrays(cache)])
-        if runtime.hidden is not None:
-            trace.hidden.append(runtime.hidden)
+    out, session = runtime.start(ids, mask, room=steps)
+    with session:
+        trace = Trace(runtime.name, np.zeros((ids.shape[0], steps), dtype=np.int64), [out.logits])
+        if keep_present:
+            trace.present.append(runtime.cache_arrays(session))
+        if out.hidden is not None:
+            trace.hidden.append(out.hidden)
+        for k in range(steps):
+            token = forced[:, k] if forced is not None else out.logits[:, -1].argmax(-1)
+            trace.tokens[:, k] = token
+            out = runtime.step(session, token)
+            trace.logits.append(out.logits)
+            if keep_present:  # only the position this step wrote; earlier ones were compared already
+                trace.present.append([a[:, :, -1:] for a in runtime.cache_arrays(session)])
+            if out.hidden is not None:
+                trace.hidden.append(out.hidden)
     return trace
 
 

@@ -14,10 +14,13 @@ from pathlib import Path
 
 import numpy as np
 
-from runtimes.base import BackendUnavailable, Runtime, read_manifest
+from models.artifact import Manifest
+from models.errors import UsageProblem
+from runtimes.base import BackendUnavailable, InputError, Runtime
 from runtimes.generate import left_pad
 from toolkit.parity import (Comparison, Tolerance, compare_traces, first_divergence, format_table,
                             random_cases, run_trace, tolerance_for)
+from toolkit.backends import BackendOptions, open_runtime, reference_runtime
 from toolkit.probes import run_probes
 
 SCHEMA_VERSION = 2
@@ -82,27 +85,25 @@ def artifact_cases(artifact: Path, prompts_file: Path | None, vocab_size: int, s
         tok = Tokenizer(artifact)
         prompts = [tok.encode(line) for line in text.splitlines() if line.strip()]
     if not isinstance(prompts, list) or not prompts or not all(isinstance(p, list) and p for p in prompts):
-        raise ValueError(f"{prompts_file} holds no prompts: one text per line, or a JSON list of token-id lists")
+        raise InputError(f"{prompts_file} holds no prompts: one text per line, or a JSON list of token-id lists")
     return {f"file-batch{len(prompts)}": left_pad(prompts)}
 
 
 def parity(artifact: Path, backends: list[str], steps: int = 16, seed: int = 0, prompts_file: Path | None = None,
-           overrides: dict | None = None) -> dict:
+           overrides: dict | None = None, options: BackendOptions = BackendOptions()) -> dict:
     """The whole `tk parity` run on an artifact; backends that cannot load are reported as skipped."""
-    from toolkit.artifact import reference_runtime
-    from toolkit.textgen import open_runtime
-
     if steps < 1:
-        raise ValueError(f"--steps must be at least 1, got {steps}")
-    manifest = read_manifest(artifact)
-    manifest_dtype = manifest["dtype"]
-    tol = tolerance_for(manifest_dtype, manifest["config"], **(overrides or {}))
+        raise UsageProblem(f"--steps must be at least 1, got {steps}")
+    manifest = Manifest.read(artifact)
+    manifest_dtype = manifest.dtype
+    tol = tolerance_for(manifest_dtype, manifest.config, **(overrides or {}))
     with contextlib.ExitStack() as active:  # every loaded runtime is closed, whatever happens
-        ref = active.enter_context(reference_runtime(artifact, debug=True))  # hidden states, where others have them
+        # hidden states, where others have them
+        ref = active.enter_context(reference_runtime(artifact, manifest, debug=True))
         runtimes: dict[str, Runtime | str] = {}
         for name in backends:
             try:
-                runtimes[name] = active.enter_context(open_runtime(artifact, name))
+                runtimes[name] = active.enter_context(open_runtime(artifact, name, options))
             except BackendUnavailable as e:  # not installed here, or (trt) no engines built yet
                 runtimes[name] = str(e)
         cases = artifact_cases(artifact, prompts_file, ref.dims.vocab_size, seed)

@@ -23,9 +23,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from models.contract import position_ids_from_mask
 from runtimes.base import Runtime
-from runtimes.generate import DecodeFeed, decode_step, left_pad
+from runtimes.generate import left_pad
 from toolkit.parity import Tolerance
 
 
@@ -55,8 +54,9 @@ class Diff:
 
 def _prefill(rt: Runtime, ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
     """-> (logits (B, S or 1, V), the cache as arrays (B, H, S, D))."""
-    logits, cache = rt.prefill(ids, mask, position_ids_from_mask(mask))
-    return logits, rt.cache_arrays(cache)
+    out, session = rt.start(ids, mask)
+    with session:
+        return out.logits, rt.cache_arrays(session)
 
 
 def _cache_diff(diff: Diff, a: list[np.ndarray], b: list[np.ndarray], row: int, positions: slice) -> None:
@@ -112,13 +112,10 @@ def position_drift(rt: Runtime, rng: np.random.Generator, tol: Tolerance, ref: P
     diff = Diff()
     diff.add(alone, _prefill(rt, ids, mask)[0][0, -len(alone):])  # the same text, its last positions
     tokens = rng.integers(0, rt.dims.vocab_size, steps)
-    caches = [rt.prefill(alone_ids, alone_mask, position_ids_from_mask(alone_mask))[1],
-              rt.prefill(ids, mask, position_ids_from_mask(mask))[1]]
-    feeds = [DecodeFeed(alone_mask, steps), DecodeFeed(mask, steps)]
-    for k in range(steps):
-        la, caches[0] = decode_step(rt, tokens[k : k + 1], feeds[0], caches[0])
-        lb, caches[1] = decode_step(rt, tokens[[k, k]], feeds[1], caches[1])
-        diff.add(la[0], lb[0])
+    (_, a), (_, b) = rt.start(alone_ids, alone_mask, steps), rt.start(ids, mask, steps)
+    with a, b:
+        for k in range(steps):
+            diff.add(rt.step(a, tokens[k : k + 1]).logits[0], rt.step(b, tokens[[k, k]]).logits[0])
     return _result("position_drift", diff, tol, ref,
                    f"the same {n} tokens at cache offset 0 and {offset}, prefill and {steps} decode steps")
 
@@ -128,19 +125,18 @@ def cache_vs_recompute(rt: Runtime, rng: np.random.Generator, tol: Tolerance, re
     ids = rng.integers(0, rt.dims.vocab_size, (1, n))
     full, full_cache = _prefill(rt, ids, np.ones_like(ids))
     first = n - full.shape[1]  # the first position whose logits the full prefill returns
-    mask = np.ones((1, n - k), dtype=np.int64)
-    logits, cache = rt.prefill(ids[:, : n - k], mask, position_ids_from_mask(mask))
-    positions = range(n - k - logits.shape[1], n - k)  # those the short prefill returns
-    diff = Diff()
-    for i, p in enumerate(positions):
-        if p >= first:
-            diff.add(full[0, p - first], logits[0, i])
-    for t in range(n - k, n):
-        mask = np.ones((1, t + 1), dtype=np.int64)
-        logits, cache = rt.decode(ids[:, t : t + 1], mask, np.array([[t]]), cache)
-        if t >= first:
-            diff.add(full[0, t - first], logits[0, 0])
-    _cache_diff(diff, full_cache, rt.cache_arrays(cache), 0, slice(None))
+    out, session = rt.start(ids[:, : n - k], np.ones((1, n - k), dtype=np.int64), k)
+    with session:
+        positions = range(n - k - out.logits.shape[1], n - k)  # those the short prefill returns
+        diff = Diff()
+        for i, p in enumerate(positions):
+            if p >= first:
+                diff.add(full[0, p - first], out.logits[0, i])
+        for t in range(n - k, n):
+            logits = rt.step(session, ids[:, t]).logits
+            if t >= first:
+                diff.add(full[0, t - first], logits[0, 0])
+        _cache_diff(diff, full_cache, rt.cache_arrays(session), 0, slice(None))
     return _result("cache_vs_recompute", diff, tol, ref,
                    f"prefill {n} vs prefill {n - k} + {k} decode steps, logits and cache")
 
@@ -149,15 +145,16 @@ def finite(rt: Runtime, rng: np.random.Generator, tol: Tolerance, ref: ProbeResu
            ) -> ProbeResult:
     ids, mask = left_pad([rng.integers(0, rt.dims.vocab_size, 9).tolist(),
                           rng.integers(0, rt.dims.vocab_size, 4).tolist()])
-    logits, cache = rt.prefill(ids, mask, position_ids_from_mask(mask))
-    bad = [] if np.isfinite(logits).all() else ["prefill logits"]
-    feed = DecodeFeed(mask, steps)
-    for k in range(steps):
-        logits, cache = decode_step(rt, logits[:, -1].argmax(-1), feed, cache)
-        if not np.isfinite(logits).all():
-            bad.append(f"step {k + 1} logits")
-    if not all(np.isfinite(a).all() for a in rt.cache_arrays(cache)):
-        bad.append("cache")
+    out, session = rt.start(ids, mask, steps)
+    with session:
+        logits = out.logits
+        bad = [] if np.isfinite(logits).all() else ["prefill logits"]
+        for k in range(steps):
+            logits = rt.step(session, logits[:, -1].argmax(-1)).logits
+            if not np.isfinite(logits).all():
+                bad.append(f"step {k + 1} logits")
+        if not all(np.isfinite(a).all() for a in rt.cache_arrays(session)):
+            bad.append("cache")
     return ProbeResult("finite", not bad, 0.0, 0.0, "NaN/Inf in " + ", ".join(bad) if bad else "all finite")
 
 

@@ -1,5 +1,7 @@
-"""Text in, text out around the backend-agnostic loop: tokenizer loading, backend selection from an
-artifact, stop strings and streaming. This is where tokenization lives; the loop knows none.
+"""Text in, text out around the backend-agnostic loop: tokenizer loading, chat templates, and an
+incremental detokenizer that streaming and stop strings consume token by token (each new token
+decodes a short window, not the whole text so far). This is where tokenization lives; the loop
+knows none.
 """
 
 from __future__ import annotations
@@ -7,11 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Sequence
 
-from runtimes.base import ArtifactError, InputError, Runtime, read_manifest
-from runtimes.generate import GenerationResult, generate
+from models.artifact import ArtifactError
+from runtimes.base import InputError, Runtime
+from runtimes.generate import Generation, GenerationResult
 from runtimes.sampling import SamplingConfig
-
-BACKENDS = ("torch", "ort", "trt")
 
 
 class Tokenizer:
@@ -64,24 +65,6 @@ class Tokenizer:
         return self._decode(list(ids))
 
 
-def open_runtime(artifact: Path, backend: str, threads: int | None = None, device: str = "auto") -> Runtime:
-    """A runtime for `backend` over the artifact (not yet activated)."""
-    manifest = read_manifest(artifact)
-    if backend == "torch":
-        from toolkit.artifact import reference_runtime
-
-        return reference_runtime(artifact, manifest, dtype=manifest["dtype"], device=device)
-    if backend == "ort":
-        from runtimes.ort_runtime import open_ort
-
-        return open_ort(artifact, threads=threads)
-    if backend == "trt":
-        from runtimes.trt_runtime import TrtRuntime
-
-        return TrtRuntime(artifact)
-    raise InputError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
-
-
 def parse_ids(text: str) -> list[int]:
     try:
         ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
@@ -98,24 +81,50 @@ def stop_at(text: str, stops: Sequence[str]) -> tuple[str, bool]:
     return (text[: min(cuts)], True) if cuts else (text, False)
 
 
-class _Streamer:
-    """Prints row 0's text as it grows, holding back an incomplete UTF-8 sequence or a stop string."""
+class TextStream:
+    """One row's text as its tokens arrive (vLLM's incremental detokenization): each token decodes
+    the tokens since the last complete piece, so a row of n tokens costs O(n), not O(n^2). Holds back
+    an incomplete UTF-8 sequence, and whatever could still become a stop string."""
 
-    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str], out: Callable[[str], None]):
-        self.tokenizer, self.stops, self.out = tokenizer, stops, out
+    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str] = ()):
+        self.tokenizer, self.stops = tokenizer, [s for s in stops if s]
         self.tokens: list[int] = []
-        self.shown = ""
+        self.prefix = self.read = 0  # tokens[prefix:read] decode to the text's last complete piece
+        self.text = ""  # decoded so far
+        self.shown = 0  # characters of `text` handed out
+        self.stopped = False
 
-    def __call__(self, row: int, token: int) -> None:
-        if row == 0:
-            self.tokens.append(token)
-            self.flush(stop_at(self.tokenizer.decode(self.tokens), self.stops)[0])
+    def add(self, token: int) -> str:
+        """The new text this token makes safe to show ("" while it is pending); sets `stopped` when a
+        stop string appears (the text is then cut before it)."""
+        self.tokens.append(token)
+        decode = self.tokenizer.decode
+        before = decode(self.tokens[self.prefix : self.read])
+        now = decode(self.tokens[self.prefix :])
+        if len(now) > len(before) and not now.endswith("\ufffd"):
+            self.text += now[len(before):]
+            self.prefix, self.read = self.read, len(self.tokens)
+        hold = max((len(s) for s in self.stops), default=1) - 1
+        if self.stops:
+            window = self.text[max(0, self.shown - hold):]
+            cut, found = stop_at(window, self.stops)
+            if found:
+                self.text, self.stopped = self.text[: max(0, self.shown - hold)] + cut, True
+                return self._take(len(self.text))
+        return self._take(len(self.text) - hold if self.stops else len(self.text))
 
-    def flush(self, text: str, final: bool = False) -> None:
-        """Show what `text` adds; an incomplete UTF-8 sequence at its end waits for more, unless final."""
-        if len(text) > len(self.shown) and text.startswith(self.shown) and (final or not text.endswith("\ufffd")):
-            self.out(text[len(self.shown):])
-            self.shown = text
+    def finish(self) -> str:
+        """Everything not yet shown (at the end of the row)."""
+        if not self.stopped:
+            rest = self.tokenizer.decode(self.tokens[self.prefix :])
+            self.text += rest[len(self.tokenizer.decode(self.tokens[self.prefix : self.read])):]
+            self.text = stop_at(self.text, self.stops)[0]
+        return self._take(len(self.text))
+
+    def _take(self, upto: int) -> str:
+        out = self.text[self.shown : max(upto, self.shown)]
+        self.shown += len(out)
+        return out
 
 
 def generate_text(runtime: Runtime, tokenizer: Tokenizer | None, prompts: list[list[int]], max_new_tokens: int,
@@ -125,11 +134,17 @@ def generate_text(runtime: Runtime, tokenizer: Tokenizer | None, prompts: list[l
     """Generate and detokenize. `stream` receives the new text of a single prompt as it arrives."""
     if stops and tokenizer is None:
         raise InputError("--stop needs the artifact's tokenizer to read the generated text")
-    stop = (lambda row, tokens: stop_at(tokenizer.decode(tokens), stops)[1]) if stops else None
-    streamer = _Streamer(tokenizer, stops, stream) if stream and tokenizer and len(prompts) == 1 else None
+    texts = [TextStream(tokenizer, stops) for _ in prompts] if tokenizer else None
+    show = stream if stream and texts and len(prompts) == 1 else None
     with runtime:
-        result = generate(runtime, prompts, max_new_tokens, sampling, eos_ids, ignore_eos, stop, streamer)
-    texts = [stop_at(tokenizer.decode(r.tokens), stops)[0] if tokenizer else "" for r in result.rows]
-    if streamer is not None:
-        streamer.flush(texts[0], final=True)
-    return result, texts
+        gen = Generation(runtime, prompts, max_new_tokens, sampling, eos_ids, ignore_eos)
+        for event in gen:
+            if texts is None:
+                continue
+            text = texts[event.row]
+            piece = text.add(event.token) if event.token is not None else text.finish()
+            if event.token is not None and text.stopped:
+                gen.stop(event.row)
+            if show and piece:
+                show(piece)
+    return gen.result, [t.text for t in texts] if texts else [""] * len(prompts)

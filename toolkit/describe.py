@@ -1,4 +1,5 @@
-"""`tk inspect`: what a checkpoint or an artifact holds, and what it will cost in memory."""
+"""`tk inspect`: what a checkpoint or an artifact holds, and what it will cost in memory.
+(Named describe, not inspect, so that it does not shadow the standard library's module.)"""
 
 from __future__ import annotations
 
@@ -6,23 +7,24 @@ import math
 from pathlib import Path
 
 from models import contract
+from models.artifact import Manifest, Precision
 from models.config import DecoderConfig
+from models.dtypes import DTYPES
 from models.loading import hf_shapes, read_config
-from runtimes.base import read_manifest
-
-BYTES = contract.DTYPE_BYTES
 
 
 def parameter_count(cfg: DecoderConfig) -> int:
     return sum(math.prod(s) for s in hf_shapes(cfg).values())
 
 
-def memory_plan(cfg: DecoderConfig, dtype: str, batch: int, seq_len: int) -> dict:
-    """Weights + KV bytes. KV = 2 * layers * batch * seq * kv_heads * head_dim * bytes."""
-    dims = contract.GraphDims(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size, dtype)
-    weights = parameter_count(cfg) * BYTES[dtype]
+def memory_plan(cfg: DecoderConfig, precision: Precision, batch: int, seq_len: int) -> dict:
+    """Weights (in the weights' dtype) + KV bytes (in the cache's). KV = 2 * layers * batch * seq *
+    kv_heads * head_dim * bytes."""
+    dims = contract.GraphDims(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size, precision.kv)
+    weights = int(parameter_count(cfg) * DTYPES[precision.weights].bytes)
     kv = dims.kv_bytes_per_token(batch) * seq_len
-    return {"dtype": dtype, "batch": batch, "seq_len": seq_len, "weights_bytes": weights,
+    return {"dtype": precision.activations, "weights_dtype": precision.weights, "kv_dtype": precision.kv,
+            "batch": batch, "seq_len": seq_len, "weights_bytes": weights,
             "kv_bytes_per_token": dims.kv_bytes_per_token(1), "kv_bytes": kv, "total_bytes": weights + kv}
 
 
@@ -42,28 +44,28 @@ def _io_table(path: Path) -> tuple[list[dict], int, dict]:
 def inspect_path(path: str | Path, batch: int = 1, seq_len: int | None = None) -> dict:
     path = Path(path)
     if (path / contract.MANIFEST).is_file():
-        manifest = read_manifest(path)
-        cfg = DecoderConfig.from_dict(manifest["config"])
-        dtype = manifest["dtype"]
+        manifest = Manifest.read(path)
+        cfg = DecoderConfig.from_dict(manifest.config)
+        precision = manifest.precision
         graphs = {}
         for graph in contract.GRAPHS:
-            io, opset, ops = _io_table(path / manifest["graphs"][graph]["file"])
+            io, opset, ops = _io_table(path / manifest.graphs[graph].file)
             graphs[graph] = {"io": io, "opset": opset, "ops": ops}
-        info = {"kind": "artifact", "path": str(path), "source": manifest["source"]["path"], "graphs": graphs,
-                "target": manifest.get("target", "portable"), "kv_cache": manifest.get("kv_cache", "dynamic"),
-                "prefill_logits": manifest["dims"].get("prefill_logits", "all"),
-                "trt_lint": manifest.get("trt_lint"),
-                "validation": {k: v for k, v in manifest["validation"].items() if k != "comparisons"}}
+        v = manifest.variant
+        info = {"kind": "artifact", "path": str(path), "source": manifest.source["path"], "graphs": graphs,
+                "target": v.target.value, "kv_cache": v.cache.value, "prefill_logits": v.prefill_logits.value,
+                "trt_lint": manifest.trt_lint,
+                "validation": {k: v for k, v in manifest.validation.items() if k != "comparisons"}}
     else:
         cfg = read_config(path)
-        dtype = "float32"
+        precision = Precision()
         info = {"kind": "checkpoint", "path": str(path)}
     seq_len = seq_len or cfg.max_position_embeddings
     info.update({
         "architecture": cfg.architecture,
         "parameters": parameter_count(cfg),
         "config": cfg.to_dict(),
-        "memory": memory_plan(cfg, dtype, batch, seq_len),
+        "memory": memory_plan(cfg, precision, batch, seq_len),
     })
     return info
 
@@ -79,7 +81,8 @@ def format_info(info: dict) -> str:
         f"architecture: {info['architecture']}  parameters: {info['parameters']:,}",
         f"layers {c['num_layers']}  hidden {c['hidden_size']}  heads {c['num_heads']}  kv heads {c['num_kv_heads']}  "
         f"head_dim {c['head_dim']}  vocab {c['vocab_size']}  context {c['max_position_embeddings']}",
-        f"memory ({m['dtype']}, batch {m['batch']}, seq {m['seq_len']}): weights {_mib(m['weights_bytes'])} + "
+        f"memory (weights {m['weights_dtype']}, KV {m['kv_dtype']}, batch {m['batch']}, seq {m['seq_len']}): "
+        f"weights {_mib(m['weights_bytes'])} + "
         f"KV {_mib(m['kv_bytes'])} = {_mib(m['total_bytes'])}  (KV per token {m['kv_bytes_per_token']:,} B)",
     ]
     if "target" in info:

@@ -1,0 +1,250 @@
+"""What an artifact folder holds, as typed data: read by the exporter, the runtimes and the toolkit.
+
+Owns the one dtype table, the export `Variant` (target, cache layout, prefill logits, debug
+outputs, opset), the `Precision` (weights, activations and KV cache as separate dtypes, so a
+quantized weight dtype is a precision, not a code path), `ExportOptions` checked completely before
+any weight is read, and the `Manifest` (manifest.json) with its file checks. Standard library
+only, so runtimes and the CLI may import it without pulling in torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+from models import contract
+from models.dtypes import canonical_dtype
+from models.errors import TkError, UsageProblem
+
+
+class ArtifactError(TkError):
+    """The artifact folder is missing files or does not match this tk or this machine."""
+
+
+# --- what an export is -----------------------------------------------------------------------
+
+
+class Target(str, Enum):
+    PORTABLE = "portable"  # standard ONNX: ONNX Runtime and TensorRT
+    ORT = "ort"  # ONNX Runtime's fused contrib kernels, ONNX Runtime only
+
+
+class CacheLayout(str, Enum):
+    DYNAMIC = "dynamic"  # past in, a present one position longer out
+    STATIC = "static"  # a fixed-capacity buffer written in place at per-row write indices
+
+
+class PrefillLogits(str, Enum):
+    ALL = "all"
+    LAST = "last"  # the last position only: what generation needs
+
+
+MIN_OPSET, DEFAULT_OPSET, MAX_OPSET = 18, 23, 23
+STATIC_OPSET = 24  # TensorScatter
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Weights, activations and KV cache as separate dtypes (today all three are one float dtype)."""
+
+    weights: str = "float32"
+    activations: str = "float32"
+    kv: str = "float32"
+
+    @classmethod
+    def of(cls, dtype: str) -> "Precision":
+        d = canonical_dtype(dtype)
+        return cls(d, d, d)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What changes the graphs but not the contract's tensor names."""
+
+    target: Target = Target.PORTABLE
+    cache: CacheLayout = CacheLayout.DYNAMIC
+    capacity: int | None = None  # the static cache's positions
+    prefill_logits: PrefillLogits = PrefillLogits.ALL
+    debug_outputs: bool = False  # each layer's hidden state as an extra output (hidden.{i})
+    opset: int = DEFAULT_OPSET
+
+    def __post_init__(self):  # accept the plain strings of the CLI and of manifest.json
+        object.__setattr__(self, "target", Target(self.target))
+        object.__setattr__(self, "cache", CacheLayout(self.cache))
+        object.__setattr__(self, "prefill_logits", PrefillLogits(self.prefill_logits))
+
+    def to_dict(self) -> dict:
+        return {k: v.value if isinstance(v, Enum) else v for k, v in dataclasses.asdict(self).items()}
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    precision: Precision = Precision()
+    variant: Variant = Variant()
+    validate: bool = True
+    force: bool = False
+
+    @classmethod
+    def from_flags(cls, dtype: str = "fp32", opset: int = DEFAULT_OPSET, kv_cache: str = "dynamic",
+                   max_seq_len: int | None = None, target: str = "portable", prefill_logits: str = "all",
+                   debug_outputs: bool = False, validate: bool = True, force: bool = False) -> "ExportOptions":
+        """The options of `tk export`, each checked alone and in combination (usage errors, exit 2)."""
+        for value, kind in ((target, Target), (kv_cache, CacheLayout), (prefill_logits, PrefillLogits)):
+            if value not in {k.value for k in kind}:
+                raise UsageProblem(f"unknown {kind.__name__} {value!r}; use one of "
+                                   f"{', '.join(k.value for k in kind)}")
+        if kv_cache == "static" and (max_seq_len is None or max_seq_len < 2):
+            raise UsageProblem("--kv-cache static needs --max-seq-len N (N >= 2): the capacity of the cache")
+        if kv_cache == "dynamic" and max_seq_len is not None:
+            raise UsageProblem("--max-seq-len sets the capacity of a static cache; add --kv-cache static")
+        if not MIN_OPSET <= opset <= MAX_OPSET:
+            raise UsageProblem(f"opset {opset} is not supported; use {MIN_OPSET}..{MAX_OPSET} (default {DEFAULT_OPSET})")
+        if debug_outputs and (kv_cache == "static" or target != "portable"):
+            raise UsageProblem("--debug-outputs works with the dynamic cache and the portable target; drop "
+                               "--kv-cache static and --target for a debug export")
+        variant = Variant(target, kv_cache, max_seq_len, prefill_logits, debug_outputs, opset)
+        return cls(Precision.of(dtype), variant, validate, force)
+
+    def check(self, config, has_cuda_provider: bool = False) -> None:
+        """Refusals that depend on the model (a DecoderConfig), all before any weight is read."""
+        v = self.variant
+        if v.capacity is not None and v.capacity > config.max_position_embeddings:
+            raise UsageProblem(f"--max-seq-len ({v.capacity}) is beyond the model's context of "
+                               f"{config.max_position_embeddings}")
+        if v.target is Target.ORT:
+            from models.ort_kernels import unsupported
+
+            problems = unsupported(config)
+            if problems:
+                raise UsageProblem(f"--target ort does not support {' or '.join(problems)} ({config.architecture}); "
+                                   "export with --target portable")
+        if self.validate and self.precision.activations == "bfloat16" and not has_cuda_provider:
+            raise UsageProblem("bf16 graphs cannot be validated here: ONNX Runtime's CPU provider has no bf16 "
+                               "MatMul; export with --no-validate and check on a GPU (tk parity), or use --dtype fp16")
+
+
+# --- the manifest ----------------------------------------------------------------------------
+
+
+def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
+    """The sha256 an artifact records for each file it depends on."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class GraphFile:
+    file: str
+    sha256: str
+    data_file: str | None
+    data_bytes: int
+    opset: int
+    export_s: float = 0.0
+
+
+@dataclass
+class Manifest:
+    """manifest.json: what was exported from where, how, and whether it validated."""
+
+    config: dict  # DecoderConfig.to_dict(); models/ reads it back, runtimes need only a few sizes
+    precision: Precision
+    variant: Variant
+    graphs: dict[str, GraphFile]
+    source: dict  # {"path": checkpoint folder, "config_sha256": ...}
+    created: str = ""
+    tokenizer_files: list[str] = field(default_factory=list)
+    versions: dict = field(default_factory=dict)
+    trt_lint: dict = field(default_factory=dict)
+    validation: dict = field(default_factory=lambda: {"skipped": True})
+    contract_version: int = contract.CONTRACT_VERSION
+
+    @property
+    def dims(self) -> contract.GraphDims:
+        """The sizes and variant of the graphs' I/O (the contract resolves every spec from them)."""
+        c = self.config
+        return contract.GraphDims(c["num_layers"], c["num_kv_heads"], c["head_dim"], c["vocab_size"], self.precision.kv,
+                                  self.variant.capacity, c["hidden_size"] if self.variant.debug_outputs else None,
+                                  self.variant.prefill_logits.value)
+
+    @property
+    def dtype(self) -> str:
+        """The activations' dtype: what the tolerance table and the torch backend follow."""
+        return self.precision.activations
+
+    @property
+    def max_context(self) -> int:
+        return self.config["max_position_embeddings"]
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return list(self.config.get("eos_token_ids", []))
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["variant"] = self.variant.to_dict()
+        return {"contract_version": d.pop("contract_version"), **d}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Manifest":
+        if "variant" in d:
+            variant, precision = Variant(**d["variant"]), Precision(**d["precision"])
+        else:  # written by tk before the typed manifest: one dtype, the variant spread over dims
+            dims = d["dims"]
+            variant = Variant(d.get("target", "portable"), d.get("kv_cache", "dynamic"), dims.get("kv_capacity"),
+                              dims.get("prefill_logits", "all"), dims.get("hidden_size") is not None,
+                              d.get("opset", DEFAULT_OPSET))
+            precision = Precision.of(d["dtype"])
+        graphs = {g: GraphFile(**entry) for g, entry in d["graphs"].items()}
+        return cls(d["config"], precision, variant, graphs, d["source"], d.get("created", ""),
+                   d.get("tokenizer_files", []), d.get("versions", {}), d.get("trt_lint", {}),
+                   d.get("validation", {"skipped": True}), d.get("contract_version"))
+
+    @classmethod
+    def read(cls, artifact: str | Path) -> "Manifest":
+        artifact = Path(artifact)
+        path = artifact / contract.MANIFEST
+        if not artifact.is_dir():
+            raise ArtifactError(f"artifact folder {artifact} does not exist; create it with tk export")
+        if not path.is_file():
+            raise ArtifactError(f"{artifact} has no {contract.MANIFEST}; it is not a tk artifact (tk export makes one)")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ArtifactError(f"{path} is not valid JSON ({e}); re-export the artifact") from None
+        found = raw.get("contract_version")
+        if found != contract.CONTRACT_VERSION:
+            raise ArtifactError(f"artifact has graph contract version {found}, this tk reads version "
+                                f"{contract.CONTRACT_VERSION}; re-export it with this version of tk (tk export)")
+        try:
+            return cls.from_dict(raw)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ArtifactError(f"{path} is not a manifest this tk can read ({type(e).__name__}: {e}); "
+                                "re-export the artifact") from None
+
+    def write(self, folder: Path) -> None:
+        (Path(folder) / contract.MANIFEST).write_text(json.dumps(self.to_dict(), indent=2))
+
+    def verify_files(self, artifact: Path) -> dict[str, Path]:
+        """Graph paths by name, after checking each exists and matches its recorded sha256 and size."""
+        artifact = Path(artifact)
+        paths = {}
+        for graph in contract.GRAPHS:
+            entry = self.graphs[graph]
+            path = artifact / entry.file
+            if not path.is_file():
+                raise ArtifactError(f"{artifact} is missing {entry.file}; re-export the artifact")
+            if sha256_file(path) != entry.sha256:
+                raise ArtifactError(f"{path} does not match the sha256 in {contract.MANIFEST}; it was changed "
+                                    "after export: re-export the artifact")
+            data = artifact / entry.data_file if entry.data_file else None
+            if data is not None and (not data.is_file() or data.stat().st_size != entry.data_bytes):
+                raise ArtifactError(f"{data} is missing or has the wrong size; re-export the artifact")
+            paths[graph] = path
+        return paths

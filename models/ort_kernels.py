@@ -1,0 +1,153 @@
+"""Mirrors of ONNX Runtime's fused kernels, for tk export --target ort.
+
+Two custom ops mark where ONNX Runtime has a kernel that fuses several of the reference's layers:
+`tk::add_rms_norm` (residual add + RMSNorm -> SkipSimplifiedLayerNormalization) and `tk::gqa`
+(RoPE, cache write and attention of one decode step -> GroupQueryAttention, in ONNX Runtime's
+calling convention). Their eager bodies are the reference math, so the fused forward below
+computes what `Decoder.forward` computes (tested), and the exporter translates the two ops.
+`unsupported(cfg)` says what these kernels cannot express, next to the code that limits it.
+The reference model (models/decoder.py) knows nothing of any of this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from models.decoder import Decoder, KVCache, RMSNorm, apply_rope, causal_mask, kv_write, rope_cos_sin
+
+
+def unsupported(cfg) -> list[str]:
+    """What of a DecoderConfig the fused kernels cannot express (empty: the ort target can export it)."""
+    return [why for why, bad in (("partial rotary embeddings", cfg.rotary_dim != cfg.head_dim),
+                                 ("per-head q/k norms", cfg.qk_norm)) if bad]
+
+
+@torch.library.custom_op("tk::add_rms_norm", mutates_args=())
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, scale: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(h + delta) * scale, h + delta): ONNX Runtime's SkipSimplifiedLayerNormalization."""
+    s = h + delta
+    return F.rms_norm(s.float(), (s.shape[-1],), scale.float(), eps).to(s.dtype), s
+
+
+@add_rms_norm.register_fake
+def _(h, delta, scale, eps):
+    return torch.empty_like(h), torch.empty_like(h)
+
+
+def add_norm(norm: RMSNorm, h: torch.Tensor, delta: torch.Tensor | None):
+    """The residual stream is carried as (h, delta): norm(h + delta) and h + delta, in one kernel."""
+    if delta is None:
+        return norm(h), h
+    return add_rms_norm(h, delta, norm.scale().to(h.dtype), norm.eps)
+
+
+@dataclass
+class FusedAttentionInputs:
+    """What GroupQueryAttention takes besides qkv and the cache, computed once per decode step."""
+
+    seqlens_k: torch.Tensor  # (B,) int32: cache index of the new token (GQA: total length - 1)
+    total: torch.Tensor  # () int32: the mask's width (the static capacity, or past + 1)
+    cos_cache: torch.Tensor  # (N, D/2): RoPE tables over every position the cache can hold
+    sin_cache: torch.Tensor
+    position_ids: torch.Tensor  # (B, 1) int64
+    bias: torch.Tensor  # (B, 1, 1, total) additive: 0 where the query may attend, dtype's min elsewhere
+    static: bool  # the cache is a fixed-capacity buffer (present has the past's shape)
+
+
+@torch.library.custom_op("tk::gqa", mutates_args=())
+def gqa(qkv: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor, seqlens_k: torch.Tensor, total: torch.Tensor,
+        cos_cache: torch.Tensor, sin_cache: torch.Tensor, position_ids: torch.Tensor, bias: torch.Tensor,
+        num_heads: int, kv_num_heads: int, static: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One attention step as ONNX Runtime's GroupQueryAttention computes it, from packed qkv
+    (B, S, (H + 2 Hkv) D): RoPE (half-split) at position_ids, k and v written into the cache at
+    seqlens_k - S + 1, attention over the first `total` cache positions plus `bias`.
+    Returns (y (B, S, H D), present_k, present_v); present is max(total, past) long."""
+    B, S, _ = qkv.shape
+    D = past_k.shape[-1]
+    q, k, v = (t.view(B, S, -1, D).transpose(1, 2)
+               for t in qkv.split([num_heads * D, kv_num_heads * D, kv_num_heads * D], dim=-1))
+    cos, sin = (torch.cat([t[position_ids]] * 2, dim=-1)[:, None].to(qkv.dtype)  # (B, 1, S, D)
+                for t in (cos_cache, sin_cache))
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    T = int(total)
+    grow = T - past_k.shape[2]
+    if grow > 0:
+        past_k, past_v = (F.pad(t, (0, 0, 0, grow)) for t in (past_k, past_v))
+    start = seqlens_k.long() - S + 1
+    present_k, present_v = kv_write(past_k, k, start), kv_write(past_v, v, start)
+    # causal within the step, and nothing past a row's newest token, whatever the bias says
+    query_at = start[:, None, None] + torch.arange(S, device=qkv.device)[:, None]  # (B, S, 1)
+    beyond = (torch.arange(T, device=qkv.device) > query_at)[:, None]  # (B, 1, S, T)
+    bias = bias[..., :T].masked_fill(beyond, torch.finfo(bias.dtype).min)
+    y = F.scaled_dot_product_attention(q, present_k[:, :, :T], present_v[:, :, :T], attn_mask=bias,
+                                       enable_gqa=num_heads != kv_num_heads)
+    return y.transpose(1, 2).reshape(B, S, num_heads * D), present_k, present_v
+
+
+@gqa.register_fake
+def _(qkv, past_k, past_v, seqlens_k, total, cos_cache, sin_cache, position_ids, bias, num_heads, kv_num_heads,
+      static):
+    B, S, _ = qkv.shape
+    shape = past_k.shape if static else (B, past_k.shape[1], past_k.shape[2] + S, past_k.shape[3])
+    return qkv.new_empty(B, S, num_heads * past_k.shape[-1]), past_k.new_empty(shape), past_v.new_empty(shape)
+
+
+def fused_attention_inputs(inv_freq: torch.Tensor, positions: int, attention_mask: torch.Tensor,
+                           position_ids: torch.Tensor, sliding_window: int | None, write_index: torch.Tensor | None,
+                           dtype: torch.dtype) -> FusedAttentionInputs:
+    """GroupQueryAttention's side inputs for one decode step; positions: how many rows the RoPE
+    tables need. The kernel itself never looks past a row's new token (seqlens_k), so the bias
+    only carries what else `causal_mask` hides: padding (except the token itself) and keys
+    beyond the sliding window. Fewer nodes than the full mask, run once per step."""
+    B, T = attention_mask.shape
+    device = attention_mask.device
+    freqs = torch.arange(positions, dtype=torch.float32, device=device)[:, None] * inv_freq  # (N, R/2)
+    new = torch.full((B,), T - 1, device=device) if write_index is None else write_index  # the new token's index
+    dist = new[:, None] - torch.arange(T, device=device)  # (B, T): how far each key lies behind the new token
+    visible = attention_mask.bool() | (dist == 0)
+    if sliding_window is not None:
+        visible = visible & (dist < sliding_window)
+    bias = torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)[:, None, None, :]  # (B, 1, 1, T)
+    return FusedAttentionInputs(new.to(torch.int32), torch.full((), T, dtype=torch.int32), freqs.cos().to(dtype),
+                                freqs.sin().to(dtype), position_ids, bias, write_index is not None)
+
+
+def forward(model: Decoder, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+            past_key_values: KVCache | None = None, write_index: torch.Tensor | None = None,
+            last_only: bool = False) -> tuple[torch.Tensor, KVCache]:
+    """`Decoder.forward` through the fused kernels: the residual stream carried as (h, delta) so
+    each add meets its norm in one SkipSimplifiedLayerNormalization, and in decode (a past is
+    given) one GroupQueryAttention per layer."""
+    cfg = model.config
+    x = model.embed_inputs(input_ids)  # (B, S, C)
+    fused = None
+    if past_key_values is not None:  # decode: GroupQueryAttention does RoPE and masking itself
+        positions = attention_mask.shape[1] if write_index is not None else cfg.max_position_embeddings
+        fused = fused_attention_inputs(model.inv_freq, positions, attention_mask, position_ids, cfg.sliding_window,
+                                       write_index, x.dtype)
+    else:
+        cos, sin = rope_cos_sin(position_ids, model.inv_freq, x.dtype)
+        mask = causal_mask(attention_mask, input_ids.shape[1], cfg.sliding_window, write_index)
+    present: KVCache = []
+    h, delta = x, None
+    for i, layer in enumerate(model.layers):
+        xn, h = add_norm(layer.attn_norm, h, delta)
+        attn = layer.attn
+        if fused is not None:
+            past = past_key_values[i]
+            y, k, v = gqa(attn.wqkv(xn), past[0], past[1], fused.seqlens_k, fused.total, fused.cos_cache,
+                          fused.sin_cache, fused.position_ids, fused.bias, attn.n_heads, attn.n_kv, fused.static)
+            a, kv = attn.wo(y), (k, v)
+        else:
+            a, kv = attn(xn, cos, sin, mask, None, write_index)
+        xn, h = add_norm(layer.ffn_norm, h, a)
+        delta = layer.ffn(xn)
+        present.append(kv)
+    if last_only:  # left padding puts every row's newest token last
+        h, delta = h[:, -1:], delta[:, -1:]
+    xn, _ = add_norm(model.norm, h, delta)
+    return model.lm_head(xn).float(), present

@@ -1,0 +1,109 @@
+"""How a session's KV cache grows, written once for every backend.
+
+- `DynamicLayout` (tk export's default graphs): decode takes the past and returns a present one
+  position longer; the mask grows by one real position per step.
+- `StaticLayout` (`--kv-cache static --max-seq-len N`): the cache is N-position buffers that the
+  decode graph writes in place at per-row `write_indices`; the prefill's present is copied into
+  them once, and the mask covers the whole buffer (0 beyond what is written). The same feed
+  arrays are rewritten in place every step, so a backend may bind them once per session.
+
+Backends supply the buffers (`Runtime._alloc_cache`, `_write_prefix`, `_take`, `_release`,
+`_to_numpy`); the layouts own the masks, positions, capacity guards and write indices.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from models import contract
+from runtimes.base import InputError, Runtime, Session, StepOutput
+
+
+def _prefill(rt: Runtime, ids: np.ndarray, mask: np.ndarray) -> tuple[StepOutput, list]:
+    feeds = {"input_ids": ids, "attention_mask": mask, "position_ids": contract.position_ids_from_mask(mask)}
+    return rt._run(contract.PREFILL, feeds, None, None)
+
+
+class DynamicLayout:
+    def start(self, rt: Runtime, ids: np.ndarray, mask: np.ndarray, room: int) -> tuple[StepOutput, Session]:
+        out, present = _prefill(rt, ids, mask)
+        return out, Session(rt, present, mask, room)
+
+    def step(self, rt: Runtime, s: Session, tokens: np.ndarray) -> StepOutput:
+        if s.length == s.mask.shape[1]:  # past the room reserved at start
+            s.mask = np.concatenate([s.mask, np.ones_like(s.mask)], axis=1)
+        s.length += 1
+        s.positions += 1
+        feeds = {"input_ids": tokens, "attention_mask": s.mask[:, : s.length], "position_ids": s.positions}
+        out, s.cache = rt._run(contract.DECODE, feeds, s.cache, s)
+        s.steps += 1
+        return out
+
+    def arrays(self, rt: Runtime, s: Session) -> list[np.ndarray]:
+        return [rt._to_numpy(b)[:, :, : s.length].astype(np.float32) for b in s.cache]
+
+    def keep(self, rt: Runtime, s: Session, rows: np.ndarray) -> None:
+        s.cache = rt._take(s.cache, rows)
+        rt._release_session(s)
+        s.state.clear()
+
+    def release(self, rt: Runtime, s: Session) -> None:
+        rt._release(s.cache)
+
+
+class StaticLayout:
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+
+    def start(self, rt: Runtime, ids: np.ndarray, mask: np.ndarray, room: int) -> tuple[StepOutput, Session]:
+        B, T = ids.shape
+        if T >= self.capacity:
+            raise InputError(f"prefill: {T} tokens leave no room in the static cache of {self.capacity}; "
+                             "export with a larger --max-seq-len")
+        out, present = _prefill(rt, ids, mask)
+        d = rt.dims
+        buffers = [rt._alloc_cache((B, d.num_kv_heads, self.capacity, d.head_dim), d.kv_dtype) for _ in present]
+        for buf, src in zip(buffers, present):
+            rt._write_prefix(buf, src, T)
+        rt._release(present)
+        s = Session(rt, buffers, mask, 0)
+        s.mask = np.zeros((B, self.capacity), dtype=np.int64)
+        s.mask[:, :T] = mask
+        s.write = np.full((B,), T, dtype=np.int64)  # per row: the cache index its next token goes to
+        self._feeds(s)
+        return out, s
+
+    @staticmethod
+    def _feeds(s: Session) -> None:
+        s.feeds = {"input_ids": np.zeros((s.batch, 1), np.int64), "attention_mask": s.mask,
+                   "position_ids": s.positions, "write_indices": s.write}
+
+    def step(self, rt: Runtime, s: Session, tokens: np.ndarray) -> StepOutput:
+        if s.length >= self.capacity:
+            raise InputError(f"decode: the static cache holds {self.capacity} positions and is full; "
+                             "export with a larger --max-seq-len")
+        s.feeds["input_ids"][:] = tokens  # in place: the arrays a backend bound stay the ones it reads
+        s.positions += 1
+        s.write[:] = s.length
+        s.mask[:, s.length] = 1
+        out, _ = rt._run(contract.DECODE, s.feeds, s.cache, s, in_place=True)
+        s.length += 1
+        s.steps += 1
+        return out
+
+    def arrays(self, rt: Runtime, s: Session) -> list[np.ndarray]:
+        return [rt._to_numpy(b)[:, :, : s.length].astype(np.float32) for b in s.cache]
+
+    def keep(self, rt: Runtime, s: Session, rows: np.ndarray) -> None:
+        s.cache = rt._take(s.cache, rows)
+        s.write = s.write[rows]
+        rt._release_session(s)
+        s.state.clear()  # bindings point at the old arrays
+        self._feeds(s)
+
+    def release(self, rt: Runtime, s: Session) -> None:
+        rt._release(s.cache)
+
+
+def layout_for(dims: contract.GraphDims) -> DynamicLayout | StaticLayout:
+    return StaticLayout(dims.kv_capacity) if dims.kv_capacity is not None else DynamicLayout()

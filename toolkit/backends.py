@@ -1,0 +1,89 @@
+"""The backends tk can run an artifact on: one registry, read by the CLI's choices, `tk doctor`,
+`tk bench` and `tk parity`. A new backend is one module (a `runtimes.base.Runtime`) and one
+`register(...)` line. Opening a backend is cheap: runtimes load on activation. Nothing heavy is
+imported here until a backend is opened.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from models.artifact import ArtifactError, Manifest, sha256_file
+
+
+PROVIDERS = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    threads: int | None = None  # ONNX Runtime intra-op threads
+    device: str = "auto"  # torch: auto | cpu | cuda
+    provider: str = "auto"  # ONNX Runtime: auto | cpu | cuda
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    open: Callable  # (artifact: Path, manifest: Manifest, options: BackendOptions) -> Runtime
+    summary: str
+
+
+BACKENDS: dict[str, Backend] = {}
+
+
+def register(backend: Backend) -> None:
+    BACKENDS[backend.name] = backend
+
+
+def open_runtime(artifact: str | Path, name: str, options: BackendOptions = BackendOptions()):
+    """A runtime for backend `name` over the artifact (not yet activated)."""
+    artifact = Path(artifact)
+    return BACKENDS[name].open(artifact, Manifest.read(artifact), options)
+
+
+def reference_runtime(artifact: str | Path, manifest: Manifest | None = None, dtype: str = "float32",
+                      device: str = "cpu", debug: bool = False):
+    """The PyTorch backend for an artifact: the reference decoder, loaded on activation from the source
+    checkpoint recorded in its manifest (tk does not copy the weights a second time)."""
+    from runtimes.torch_runtime import TorchRuntime
+
+    manifest = manifest or Manifest.read(artifact)
+    source = Path(manifest.source["path"])
+    if not (source / "config.json").is_file():
+        raise ArtifactError(f"the torch backend loads the source checkpoint {source} recorded in the manifest, "
+                            "and it is gone; restore it or re-export from its new place")
+    if sha256_file(source / "config.json") != manifest.source["config_sha256"]:
+        raise ArtifactError(f"the checkpoint at {source} changed since export (config.json differs); re-export")
+
+    def load():
+        from models.loading import load_decoder
+
+        return load_decoder(source, dtype)
+
+    # the reference runs the plain graphs' math: no static buffer, every position's logits
+    dims = dataclasses.replace(manifest.dims, kv_dtype=dtype, kv_capacity=None, hidden_size=None, prefill_logits="all")
+    return TorchRuntime(loader=load, device=device, debug=debug, dims=dims, max_context=manifest.max_context)
+
+
+def _open_torch(artifact: Path, manifest: Manifest, options: BackendOptions):
+    return reference_runtime(artifact, manifest, dtype=manifest.dtype, device=options.device)
+
+
+def _open_ort(artifact: Path, manifest: Manifest, options: BackendOptions):
+    from runtimes.ort_runtime import OrtRuntime
+
+    return OrtRuntime(artifact, threads=options.threads, provider=options.provider)
+
+
+def _open_trt(artifact: Path, manifest: Manifest, options: BackendOptions):
+    from runtimes.trt_runtime import TrtRuntime
+
+    return TrtRuntime(artifact)
+
+
+register(Backend("torch", _open_torch, "the PyTorch reference decoder (the checkpoint the artifact came from)"))
+register(Backend("ort", _open_ort, "ONNX Runtime over prefill.onnx and decode.onnx"))
+register(Backend("trt", _open_trt, "TensorRT engines built by tk build-engine (NVIDIA GPU)"))

@@ -1,0 +1,179 @@
+"""`tk export` as a library call: plan, export both graphs, check them, validate with the parity
+engine, and only then publish the folder.
+
+Every option, and every refusal that depends on the model, is checked from config.json before a
+weight is read (`ExportOptions.check`). Everything is written to a temporary folder beside OUT
+(OUT's missing parents are created); any failure removes what this export created, so OUT either
+does not exist or holds a complete, validated artifact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import os
+import platform
+import shutil
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Callable
+
+import onnx
+
+from exporters.contract_check import check_graph_file
+from exporters.onnx_export import CONTRIB_OPS, export_graph, graph_dims
+from exporters.trt_lint import lint_graphs
+from models import contract
+from models.artifact import ExportOptions, GraphFile, Manifest, Target, sha256_file
+from models.errors import CheckFailed, FilesystemProblem
+from models.loading import load_decoder, read_config
+from toolkit.backends import reference_runtime
+from toolkit.parity import Comparison, format_table, random_cases, tolerance_for
+from toolkit.parity_report import compare_backends, describe_divergence
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
+VALIDATION_STEPS = 8
+
+
+def versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for pkg in ("tk", "torch", "onnx", "onnxscript", "onnxruntime", "transformers"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def _ort_has_cuda() -> bool:
+    import onnxruntime
+
+    return "CUDAExecutionProvider" in onnxruntime.get_available_providers()
+
+
+def _prepare_out(out: Path, force: bool) -> tuple[Path, Path | None]:
+    """Refuse an existing OUT without force; create OUT's missing parent folders; return a fresh
+    temporary folder beside OUT and the top-most folder this created (None when all existed), so
+    that a failed export can remove everything it made."""
+    if out.exists() and not force:
+        raise FilesystemProblem(f"{out} already exists; pass --force to replace it")
+    parent = out.absolute().parent
+    missing = [p for p in (parent, *parent.parents) if not p.exists()]
+    created = missing[-1] if missing else None
+    base = created.parent if created else parent
+    if not base.is_dir():
+        raise FilesystemProblem(f"cannot write {out}: {base} is not a folder")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=parent)), created
+    except OSError as e:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        raise FilesystemProblem(f"cannot write to {base} ({e.strerror}); choose a writable -o") from None
+
+
+def _move_into_place(tmp: Path, out: Path) -> None:
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp made it private; the artifact gets the user's usual permissions
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(out)
+
+
+def validate(artifact: Path, manifest: Manifest, steps: int = VALIDATION_STEPS) -> tuple[dict, str, str | None]:
+    """Export validation: ORT on the artifact vs the float32 PyTorch reference, through the parity
+    engine without its probes. Returns the manifest record, a printable table, and where ORT first
+    left its tolerance (None when it passed)."""
+    from runtimes.ort_runtime import OrtRuntime
+
+    tol = tolerance_for(manifest.dtype, manifest.config)
+    debug = manifest.variant.debug_outputs  # a debug export: localize to the layer output
+    with reference_runtime(artifact, manifest, debug=debug) as ref, OrtRuntime(artifact) as ort:
+        report = compare_backends(ref, {"ort": ort}, random_cases(ref.dims.vocab_size), tol, steps, probes=False,
+                                  free_running=False)
+    entry = report["backends"]["ort"]
+    record = {"passed": report["passed"], "reference": "torch float32", "steps": steps,
+              "tolerance": dataclasses.asdict(tol), "comparisons": entry["cases"],
+              "first_divergence": entry["first_divergence"]}
+    table = format_table([Comparison.from_dict(c) for c in entry["cases"]])
+    where = describe_divergence("ort", entry["first_divergence"]) if entry["first_divergence"] else None
+    return record, table, where
+
+
+def _export_graphs(model_dir: Path, tmp: Path, config, options: ExportOptions,
+                   progress: Callable[[str], None]) -> dict[str, GraphFile]:
+    """Load the model, export and contract-check both graphs; the model is gone when this returns."""
+    t = time.perf_counter()
+    model = load_decoder(model_dir, options.precision.activations)
+    progress(f"load {model_dir} ({options.precision.activations}): {time.perf_counter() - t:.1f} s")
+    dims = graph_dims(config, options.precision, options.variant)
+    graphs = {}
+    for graph in contract.GRAPHS:
+        path = tmp / contract.GRAPH_FILES[graph]
+        seconds = export_graph(model, graph, path, dims, options.variant)
+        proto = check_graph_file(path, graph, dims, CONTRIB_OPS[options.variant.target])
+        data = path.with_name(path.name + ".data")
+        graphs[graph] = GraphFile(path.name, sha256_file(path), data.name if data.exists() else None,
+                                  data.stat().st_size if data.exists() else 0, onnx_opset(proto), round(seconds, 2))
+        cache = f", static cache of {dims.kv_capacity}" if graph == contract.DECODE and dims.kv_capacity else ""
+        fused = ", ONNX Runtime fused kernels" if options.variant.target is Target.ORT else ""
+        progress(f"export {graph}{cache}{fused}: {seconds:.1f} s, contract ok")
+    return graphs
+
+
+def export_artifact(model_dir: str | Path, out: str | Path, options: ExportOptions | None = None,
+                    progress: Callable[[str], None] = lambda msg: None, **flags) -> Manifest:
+    """Write a complete artifact to `out` and return its manifest. `options`, or the flags of
+    `ExportOptions.from_flags` (dtype, opset, kv_cache, max_seq_len, target, prefill_logits,
+    debug_outputs, validate, force)."""
+    model_dir, out = Path(model_dir), Path(out)
+    options = options or ExportOptions.from_flags(**flags)
+    config = read_config(model_dir)  # a bad checkpoint fails before the filesystem is touched
+    options.check(config, has_cuda_provider=options.validate and options.precision.activations == "bfloat16"
+                  and _ort_has_cuda())
+    tmp, created = _prepare_out(out, options.force)
+    try:
+        graphs = _export_graphs(model_dir, tmp, config, options, progress)
+        lint = lint_graphs({g: onnx.load(str(tmp / contract.GRAPH_FILES[g]), load_external_data=False)
+                            for g in contract.GRAPHS})
+        progress(f"TensorRT lint: {'ok' if lint.ok else f'{len(lint.problems)} problem(s)'}, needs TensorRT "
+                 f">= {lint.min_tensorrt}")
+        copied = [f for f in TOKENIZER_FILES if (model_dir / f).is_file()]
+        for f in copied:
+            shutil.copy2(model_dir / f, tmp / f)
+        manifest = Manifest(config.to_dict(), options.precision, options.variant, graphs,
+                            {"path": str(model_dir.resolve()), "config_sha256": sha256_file(model_dir / "config.json")},
+                            dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), copied, versions(),
+                            lint.to_dict())
+        manifest.write(tmp)
+        if options.validate:
+            _validate(tmp, manifest, progress)
+        _move_into_place(tmp, out)
+        return manifest
+    except BaseException:
+        shutil.rmtree(created or tmp, ignore_errors=True)
+        raise
+
+
+def _validate(tmp: Path, manifest: Manifest, progress: Callable[[str], None]) -> None:
+    t = time.perf_counter()
+    manifest.validation, table, where = validate(tmp, manifest)
+    manifest.write(tmp)
+    verdict = "passed" if manifest.validation["passed"] else "FAILED"
+    progress(f"validate ORT vs torch float32 ({VALIDATION_STEPS} decode steps): {verdict}, "
+             f"{time.perf_counter() - t:.1f} s")
+    if not manifest.validation["passed"]:
+        raise CheckFailed(f"export validation failed: {where or 'ort failed its ' + manifest.dtype + ' tolerance'}",
+                          table)
+
+
+def onnx_opset(model: onnx.ModelProto) -> int:
+    return next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
