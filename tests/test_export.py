@@ -102,7 +102,7 @@ def test_graphs_follow_the_contract(artifacts):
     model.graph.input[0].type.tensor_type.elem_type = onnx.TensorProto.INT32
     problems = graph_problems(model, contract.DECODE, dims)
     assert any("outputs are ['logits', 'present_key_0'" in p for p in problems)
-    assert "decode input input_ids has dtype elem_type 6, the contract says int64" in problems
+    assert "decode input input_ids has dtype int32, the contract says int64" in problems
 
 
 def test_weights_live_in_external_data_and_reload_elsewhere(artifacts, tmp_path):

@@ -202,3 +202,40 @@ def test_torch_backend_cuda_without_a_gpu(tiny_artifact):
     assert result.exit_code == 1
     assert error_line(result) == ("Error: the torch backend was asked for CUDA but torch sees no CUDA device; "
                                   "use --device cpu or install a CUDA build of torch on a GPU machine")
+
+
+def test_text_stream_is_incremental_and_cuts_at_stop_strings(tiny_artifact):
+    """Each token decodes a short window: a row of n tokens costs O(n) decoded tokens, not O(n^2)."""
+    from toolkit.textgen import TextStream, Tokenizer
+
+    tok = Tokenizer(tiny_artifact)
+    ids = tok.encode("Once upon a time there was a small model that wanted to run everywhere: on a laptop, "
+                     "on a server, on a GPU. Numbers: 3.14159 2.71828. Once upon a time.")
+    decoded = []
+    real = tok._decode
+    tok._decode = lambda t: decoded.append(len(t)) or real(t)
+    stream = TextStream(tok)
+    shown = "".join(stream.add(t) for t in ids) + stream.finish()
+    assert shown == stream.text == real(ids)
+    assert sum(decoded) < 8 * len(ids)  # the whole text so far, every token, would be ~len(ids)^2 / 2
+    for stop in ("wanted", "laptop, on", "GPU."):  # stop strings that span tokens
+        s = TextStream(tok, [stop])
+        pieces = []
+        for t in ids:
+            pieces.append(s.add(t))
+            if s.stopped:
+                break
+        pieces.append(s.finish())
+        assert s.stopped and "".join(pieces) == s.text == real(ids).split(stop)[0]
+
+
+def test_ort_provider_option(tiny_artifact):
+    import onnxruntime
+
+    if "CUDAExecutionProvider" in onnxruntime.get_available_providers():
+        pytest.skip("ONNX Runtime has its CUDA provider here; the test covers machines without it")
+    result = run("generate", tiny_artifact, "--provider", "cuda", "--prompt-ids", "1,2")
+    assert result.exit_code == 1 and error_line(result) == (
+        "Error: ONNX Runtime has no CUDA provider here; pip install onnxruntime-gpu on a machine with an NVIDIA GPU, "
+        "or use --provider cpu")
+    assert run("generate", tiny_artifact, "--provider", "cpu", "--prompt-ids", "1,2", "--json").exit_code == 0

@@ -45,7 +45,7 @@ def _decode_both(model, ids, mask, steps, capacity=None):
     with torch.no_grad():
         pos = position_ids_from_mask(mask)
         a, cache_a = model(ids, mask, pos)
-        b, cache_b = model(ids, mask, pos, fused=True)
+        b, cache_b = ort_kernels.forward(model, ids, mask, pos)
         worst = max(worst, (a - b).abs().max().item())
         B, T = mask.shape
         if capacity is not None:  # static: the caches as fixed-capacity buffers
@@ -62,7 +62,7 @@ def _decode_both(model, ids, mask, steps, capacity=None):
                 args = (torch.nn.functional.pad(mask, (0, capacity - mask.shape[1])), pos)
                 write = torch.full((B,), T + step)
             a, cache_a = model(token, *args, cache_a, write)
-            b, cache_b = model(token, *args, cache_b, write, fused=True)
+            b, cache_b = ort_kernels.forward(model, token, *args, cache_b, write)
             worst = max(worst, (a - b).abs().max().item(),
                         max((x - y).abs().max().item() for ka, kb in zip(cache_a, cache_b) for x, y in zip(ka, kb)))
     return worst
@@ -111,13 +111,13 @@ def test_fused_tokens_equal_portable_and_transformers(checkpoints, artifacts, fu
         a = [r.tokens for r in generate(fused, PROMPTS, 24, ignore_eos=True).rows]
         b = [r.tokens for r in generate(portable, PROMPTS, 24, ignore_eos=True).rows]
         ids, mask = left_pad(PROMPTS)
-        last, cache = fused.prefill(ids, mask, position_ids_from_mask(mask))
-        full, _ = portable.prefill(ids, mask, position_ids_from_mask(mask))
-        assert last.shape == (2, 1, 384)
-        np.testing.assert_allclose(last[:, 0], full[:, -1], atol=1e-4)
-        buffer = cache.arrays[0]
-        _, cache = fused.decode(np.array([[9], [9]]), np.ones((2, 15), np.int64), np.array([[5], [14]]), cache)
-        assert cache.arrays[0] is buffer and buffer[:, :, 14].any()  # GroupQueryAttention wrote into tk's buffer
+        last, session = fused.start(ids, mask)
+        full, _ = portable.start(ids, mask)
+        assert last.logits.shape == (2, 1, 384)
+        np.testing.assert_allclose(last.logits[:, 0], full.logits[:, -1], atol=1e-4)
+        buffer = session.cache[0]
+        fused.step(session, [9, 9])
+        assert session.cache[0] is buffer and buffer[:, :, 14].any()  # GroupQueryAttention wrote into tk's buffer
     assert a == b
     assert a[1] == hf_greedy(checkpoints("llama"), PROMPTS[1], 24)
 
@@ -143,20 +143,21 @@ def test_fused_dynamic_cache_on_other_families(checkpoints, tmp_path, family):
 @pytest.mark.parametrize("family, why", [("qwen3", "per-head q/k norms"), ("phi3", "partial rotary embeddings")])
 def test_ort_target_refuses_what_its_kernels_cannot_express(checkpoints, tmp_path, family, why):
     result = run("export", checkpoints(family), "-o", tmp_path / "out", "--target", "ort")
-    assert result.exit_code == 1
+    assert result.exit_code == 2  # refused from config.json, before any weight is read
     assert result.stderr.strip().splitlines()[-1].startswith(f"Error: --target ort does not support {why}")
     assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--target", "tensorrt"], "Error: unknown target 'tensorrt'; use one of portable, ort"),
-    (["--prefill-logits", "first"], "Error: unknown prefill logits 'first'; use one of all, last"),
+    (["--target", "tensorrt"], "Error: Invalid value for '--target': 'tensorrt' is not one of 'portable', 'ort'."),
+    (["--prefill-logits", "first"], "Error: Invalid value for '--prefill-logits': 'first' is not one of 'all', "
+                                    "'last'."),
     (["--target", "ort", "--debug-outputs"], "Error: --debug-outputs works with the dynamic cache and the portable "
                                              "target; drop --kv-cache static and --target for a debug export"),
 ])
 def test_export_option_errors(tiny, tmp_path, args, message):
     result = run("export", tiny, "-o", tmp_path / "out", *args)
-    assert result.exit_code == 1 and result.stderr.strip().splitlines()[-1] == message
+    assert result.exit_code == 2 and result.stderr.strip().splitlines()[-1] == message
     assert not (tmp_path / "out").exists()
 
 
@@ -171,18 +172,20 @@ def test_build_engine_refuses_an_ort_target_artifact(fused_llama):
 class LastOnly(TorchRuntime):
     """A backend whose prefill returns the last position's logits only, as --prefill-logits last does."""
 
-    def _prefill(self, input_ids, attention_mask, position_ids):
-        logits, cache = super()._prefill(input_ids, attention_mask, position_ids)
-        return logits[:, -1:], cache
+    def _run(self, graph, feeds, past, session, in_place=False):
+        out, present = super()._run(graph, feeds, past, session, in_place)
+        if graph == contract.PREFILL:
+            out.logits = out.logits[:, -1:]
+        return out, present
 
 
 def test_probes_still_catch_a_leak_when_prefill_returns_the_last_position_only(checkpoints):
-    healthy = LastOnly(load_decoder(checkpoints("llama")))
+    healthy = LastOnly(load_decoder(checkpoints("llama"))).activate()
     tol = tolerance_for("float32", healthy.model.config)
     assert all(p.passed for p in run_probes(healthy, tol)), run_probes(healthy, tol)
     leaky = load_decoder(checkpoints("llama"))
     forward = leaky.layers[0].forward
-    leaky.layers[0].forward = lambda h, delta, cos, sin, mask, *rest: forward(h, delta, cos, sin, None, *rest)
-    results = {p.name: p for p in run_probes(LastOnly(leaky), tol)}
+    leaky.layers[0].forward = lambda x, cos, sin, mask, *rest: forward(x, cos, sin, None, *rest)
+    results = {p.name: p for p in run_probes(LastOnly(leaky).activate(), tol)}
     assert not results["future_leak"].passed  # seen in layer 1's cache at the earlier positions
     assert "the cache at 0..5 compared" in results["future_leak"].detail

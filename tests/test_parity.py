@@ -110,7 +110,7 @@ class Fp16SquareNorm(RMSNorm):
 
 def _drop_mask(layer):
     forward = layer.forward
-    layer.forward = lambda h, delta, cos, sin, mask, *rest: forward(h, delta, cos, sin, None, *rest)
+    layer.forward = lambda x, cos, sin, mask, *rest: forward(x, cos, sin, None, *rest)
 
 
 def _swap_kv(layer, cfg):
@@ -185,7 +185,8 @@ def test_injected_bug_fails_and_is_localized(mutation_checkpoints, model, kind, 
     healthy.name = "healthy"
     mutant = TorchRuntime(_mutate(load_decoder(folder), kind), debug=hidden)
     mutant.name = "mutant"
-    report = compare_backends(reference, {"healthy": healthy, "mutant": mutant}, cases, tol, steps=3)
+    with reference, healthy, mutant:
+        report = compare_backends(reference, {"healthy": healthy, "mutant": mutant}, cases, tol, steps=3)
     assert report["backends"]["healthy"]["status"] == "passed"
     assert report["backends"]["mutant"]["status"] == "failed"
     where, layer = MUTATIONS[kind][hidden]
