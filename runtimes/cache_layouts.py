@@ -24,7 +24,22 @@ def _prefill(rt: Runtime, ids: np.ndarray, mask: np.ndarray) -> tuple[StepOutput
     return rt._run(contract.PREFILL, feeds, None, None)
 
 
-class DynamicLayout:
+class _Layout:
+    """What both layouts do alike: the cache as arrays, rows leaving, release."""
+
+    def arrays(self, rt: Runtime, s: Session) -> list[np.ndarray]:
+        return [rt._to_numpy(b)[:, :, : s.length].astype(np.float32) for b in s.cache]
+
+    def keep(self, rt: Runtime, s: Session, rows: np.ndarray) -> None:
+        s.cache = rt._take(s.cache, rows)
+        rt._release_session(s)
+        s.state.clear()  # whatever the backend bound points at the old buffers
+
+    def release(self, rt: Runtime, s: Session) -> None:
+        rt._release(s.cache)
+
+
+class DynamicLayout(_Layout):
     def start(self, rt: Runtime, ids: np.ndarray, mask: np.ndarray, room: int) -> tuple[StepOutput, Session]:
         out, present = _prefill(rt, ids, mask)
         return out, Session(rt, present, mask, room)
@@ -39,19 +54,8 @@ class DynamicLayout:
         s.steps += 1
         return out
 
-    def arrays(self, rt: Runtime, s: Session) -> list[np.ndarray]:
-        return [rt._to_numpy(b)[:, :, : s.length].astype(np.float32) for b in s.cache]
 
-    def keep(self, rt: Runtime, s: Session, rows: np.ndarray) -> None:
-        s.cache = rt._take(s.cache, rows)
-        rt._release_session(s)
-        s.state.clear()
-
-    def release(self, rt: Runtime, s: Session) -> None:
-        rt._release(s.cache)
-
-
-class StaticLayout:
+class StaticLayout(_Layout):
     def __init__(self, capacity: int):
         self.capacity = capacity
 
@@ -91,18 +95,10 @@ class StaticLayout:
         s.steps += 1
         return out
 
-    def arrays(self, rt: Runtime, s: Session) -> list[np.ndarray]:
-        return [rt._to_numpy(b)[:, :, : s.length].astype(np.float32) for b in s.cache]
-
     def keep(self, rt: Runtime, s: Session, rows: np.ndarray) -> None:
-        s.cache = rt._take(s.cache, rows)
+        super().keep(rt, s, rows)
         s.write = s.write[rows]
-        rt._release_session(s)
-        s.state.clear()  # bindings point at the old arrays
         self._feeds(s)
-
-    def release(self, rt: Runtime, s: Session) -> None:
-        rt._release(s.cache)
 
 
 def layout_for(dims: contract.GraphDims) -> DynamicLayout | StaticLayout:

@@ -239,3 +239,18 @@ def test_ort_provider_option(tiny_artifact):
         "Error: ONNX Runtime has no CUDA provider here; pip install onnxruntime-gpu on a machine with an NVIDIA GPU, "
         "or use --provider cpu")
     assert run("generate", tiny_artifact, "--provider", "cpu", "--prompt-ids", "1,2", "--json").exit_code == 0
+
+
+@pytest.mark.parametrize("backend", ["ort", "torch"])
+def test_a_finished_row_leaves_the_batch_and_the_others_are_unchanged(tiny_artifact, backend):
+    """Rows that stop early stop being computed (the session keeps the rest); what the others
+    generate is what they generate alone."""
+    with open_runtime(tiny_artifact, backend) as rt:
+        solo = [generate(rt, [p], 10, ignore_eos=True).rows[0].tokens for p in PROMPTS]
+        steps = []
+        original = rt.step
+        rt.step = lambda session, tokens: steps.append(session.batch) or original(session, tokens)
+        result = generate(rt, PROMPTS, 10, ignore_eos=True, stop=lambda row, toks: row == 0 and len(toks) == 3)
+    assert result.rows[0].tokens == solo[0][:3] and result.rows[0].finish_reason == "stop"
+    assert [r.tokens for r in result.rows[1:]] == solo[1:]
+    assert steps[:2] == [len(PROMPTS)] * 2 and set(steps[2:]) == {len(PROMPTS) - 1}  # row 0 left after its 3rd

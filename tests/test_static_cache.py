@@ -46,6 +46,9 @@ def test_static_tokens_equal_dynamic_and_transformers(checkpoints, artifacts, st
         b = [r.tokens for r in generate(dyn, prompts, 24, ignore_eos=True).rows]
     assert a == b
     assert a[1] == hf_greedy(checkpoints("llama"), prompts[1], 24)
+    with open_ort(static_llama) as st:  # a row that stops leaves the static buffers; the other goes on alone
+        cut = generate(st, prompts, 24, ignore_eos=True, stop=lambda row, toks: row == 0 and len(toks) == 5).rows
+    assert cut[0].tokens == a[0][:5] and cut[1].tokens == a[1]
 
 
 def test_static_cache_is_updated_in_place_and_guards_capacity(static_llama):
