@@ -19,6 +19,7 @@ from conftest import FAMILY_NAMES, assert_close
 from hf_models import hf_greedy
 from models import contract
 from exporters.contract_check import graph_problems
+from exporters.weights import WEIGHTS_FILE, external_initializers
 from models.artifact import Manifest
 from runtimes.generate import generate
 from runtimes.ort_runtime import OrtRuntime
@@ -111,7 +112,7 @@ def test_weights_live_in_external_data_and_reload_elsewhere(artifacts, tmp_path)
         proto = onnx.load(str(art / contract.GRAPH_FILES[graph]), load_external_data=False)
         external = [t for t in proto.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
         assert external, "weights were embedded in the graph; models over 2 GB would not export"
-        assert (art / f"{contract.GRAPH_FILES[graph]}.data").stat().st_size > 200_000
+        assert {dict((e.key, e.value) for e in t.external_data)["location"] for t in external} == {WEIGHTS_FILE}
         full = onnx.load(str(art / contract.GRAPH_FILES[graph]))  # resolves external data
         assert any(t.name == external[0].name and len(t.raw_data) > 0 for t in full.graph.initializer)
     moved = tmp_path / "moved"
@@ -119,6 +120,37 @@ def test_weights_live_in_external_data_and_reload_elsewhere(artifacts, tmp_path)
     ids, mask = random_cases(384)["batch1-len7"]
     with OrtRuntime(art) as a, OrtRuntime(moved) as b:
         assert np.array_equal(a.start(ids, mask)[0].logits, b.start(ids, mask)[0].logits)
+
+
+def test_both_graphs_share_one_weights_file(artifacts, checkpoints):
+    """The artifact is the size of the weights plus two small graphs: prefill and decode read one file."""
+    from models.loading import load_decoder
+
+    art = artifacts("llama")
+    assert sorted(p.name for p in art.glob("*.data")) == [WEIGHTS_FILE]
+    manifest = Manifest.read(art)
+    assert {g.data_file for g in manifest.graphs.values()} == {WEIGHTS_FILE}
+    params = sum(p.numel() * 4 for p in load_decoder(checkpoints("llama")).parameters())
+    tensors = len(external_initializers(onnx.load(str(art / "decode.onnx"), load_external_data=False)))
+    # each distinct tensor once, at a page-aligned offset (ONNX Runtime maps aligned data)
+    assert params <= (art / WEIGHTS_FILE).stat().st_size <= params + 4096 * tensors
+    assert all(offset % 4096 == 0 for offset, *_ in external_initializers(
+        onnx.load(str(art / "prefill.onnx"), load_external_data=False)).values())
+
+
+def test_a_manifest_written_before_the_typed_artifact_still_loads(artifacts, tmp_path):
+    art = tmp_path / "old"
+    shutil.copytree(artifacts("llama"), art)
+    m = json.loads((art / contract.MANIFEST).read_text())
+    v, p = m.pop("variant"), m.pop("precision")
+    m.update(dtype=p["activations"], opset=v["opset"], kv_cache=v["cache"], target=v["target"],
+             dims={"num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "vocab_size": 384, "kv_dtype": "float32",
+                   "kv_capacity": None, "hidden_size": None, "prefill_logits": "all"})
+    (art / contract.MANIFEST).write_text(json.dumps(m))
+    old, new = Manifest.read(art), Manifest.read(artifacts("llama"))
+    assert (old.dims, old.precision, old.variant) == (new.dims, new.precision, new.variant)
+    with OrtRuntime(art) as a, OrtRuntime(artifacts("llama")) as b:
+        assert generate(a, [[5, 6, 7]], 8, ignore_eos=True).rows == generate(b, [[5, 6, 7]], 8, ignore_eos=True).rows
 
 
 def test_polygraphy_reads_and_runs_the_decode_graph(artifacts):

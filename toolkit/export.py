@@ -25,6 +25,7 @@ import onnx
 from exporters.contract_check import check_graph_file
 from exporters.onnx_export import CONTRIB_OPS, export_graph, graph_dims
 from exporters.trt_lint import lint_graphs
+from exporters.weights import share_weights
 from models import contract
 from models.artifact import ExportOptions, GraphFile, Manifest, Target, sha256_file
 from models.errors import CheckFailed, FilesystemProblem
@@ -110,23 +111,26 @@ def validate(artifact: Path, manifest: Manifest, steps: int = VALIDATION_STEPS) 
 
 def _export_graphs(model_dir: Path, tmp: Path, config, options: ExportOptions,
                    progress: Callable[[str], None]) -> dict[str, GraphFile]:
-    """Load the model, export and contract-check both graphs; the model is gone when this returns."""
+    """Load the model, export and contract-check both graphs, then store their weights once; the
+    model is gone when this returns."""
     t = time.perf_counter()
     model = load_decoder(model_dir, options.precision.activations)
     progress(f"load {model_dir} ({options.precision.activations}): {time.perf_counter() - t:.1f} s")
     dims = graph_dims(config, options.precision, options.variant)
-    graphs = {}
+    opsets, seconds = {}, {}
     for graph in contract.GRAPHS:
         path = tmp / contract.GRAPH_FILES[graph]
-        seconds = export_graph(model, graph, path, dims, options.variant)
-        proto = check_graph_file(path, graph, dims, CONTRIB_OPS[options.variant.target])
-        data = path.with_name(path.name + ".data")
-        graphs[graph] = GraphFile(path.name, sha256_file(path), data.name if data.exists() else None,
-                                  data.stat().st_size if data.exists() else 0, onnx_opset(proto), round(seconds, 2))
+        seconds[graph] = export_graph(model, graph, path, dims, options.variant)
+        opsets[graph] = onnx_opset(check_graph_file(path, graph, dims, CONTRIB_OPS[options.variant.target]))
         cache = f", static cache of {dims.kv_capacity}" if graph == contract.DECODE and dims.kv_capacity else ""
         fused = ", ONNX Runtime fused kernels" if options.variant.target is Target.ORT else ""
-        progress(f"export {graph}{cache}{fused}: {seconds:.1f} s, contract ok")
-    return graphs
+        progress(f"export {graph}{cache}{fused}: {seconds[graph]:.1f} s, contract ok")
+    del model
+    t = time.perf_counter()
+    data_file, data_bytes = share_weights(tmp, [contract.GRAPH_FILES[g] for g in contract.GRAPHS])
+    progress(f"one weights file for both graphs ({data_bytes / 2**20:,.1f} MiB): {time.perf_counter() - t:.1f} s")
+    return {g: GraphFile(contract.GRAPH_FILES[g], sha256_file(tmp / contract.GRAPH_FILES[g]), data_file, data_bytes,
+                         opsets[g], round(seconds[g], 2)) for g in contract.GRAPHS}
 
 
 def export_artifact(model_dir: str | Path, out: str | Path, options: ExportOptions | None = None,
