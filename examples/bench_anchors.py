@@ -37,7 +37,7 @@ from runtimes.ort_runtime import open_ort
 
 
 def tk_ort(artifact: Path, threads: int, huge_pages: bool = True):
-    rt = open_ort(artifact, threads=threads, huge_pages=huge_pages).activate()
+    rt = open_ort(artifact, threads=threads, huge_pages=huge_pages, prepack=True).activate()  # speed: packed weights
 
     def run(prompt: list[int], n: int):
         r = generate(rt, [prompt], n, ignore_eos=True)

@@ -20,6 +20,7 @@ from models import contract
 from models.artifact import STATIC_OPSET, Precision, Target, Variant
 from models.decoder import Decoder
 from models.errors import TkError
+from exporters.weights import WEIGHTS_FILE, attach_external
 
 MS_DOMAIN = "com.microsoft"
 CONTRIB_OPS = {Target.PORTABLE: frozenset(),  # what each target may use outside the default domain
@@ -170,9 +171,11 @@ def _rename_dims(ir_graph) -> None:
         value.shape = ir.Shape(dims)
 
 
-def export_graph(model: Decoder, graph: str, path: Path, dims: contract.GraphDims, variant: Variant) -> float:
-    """Export one graph of the contract `dims` describes to `path` (weights to `path`.data).
-    Returns seconds taken. The variant was checked (ExportOptions) before the model was loaded.
+def export_graph(model: Decoder, graph: str, path: Path, dims: contract.GraphDims, variant: Variant,
+                 weights: dict[str, tuple]) -> float:
+    """Export one graph of the contract `dims` describes to `path`, from the meta-device export
+    view `model`, its initializers pointing into the weights file `weights` describes
+    (exporters/weights.py). Returns seconds taken. The variant was checked (ExportOptions) first.
 
     With `dims.kv_capacity` the decode graph gets a static-capacity cache and opset 24 (TensorScatter).
     target "ort" fuses residual add + RMSNorm (both graphs) and the decode step's RoPE, cache write
@@ -182,6 +185,7 @@ def export_graph(model: Decoder, graph: str, path: Path, dims: contract.GraphDim
     static = graph == contract.DECODE and dims.kv_capacity is not None
     opset = STATIC_OPSET if static and not fused else variant.opset
     module, args, shapes = _example(graph, model, dims, fused)
+    args = tuple(a.to("meta") for a in args)  # traced on the meta device: no weights in memory
     table = {}
     if static:
         table[torch.ops.tk.kv_write.default] = _tensor_scatter
@@ -201,11 +205,15 @@ def export_graph(model: Decoder, graph: str, path: Path, dims: contract.GraphDim
         try:
             program = torch.onnx.export(
                 module.eval(), args, dynamo=True, opset_version=opset, dynamic_shapes=shapes,
-                input_names=in_names, output_names=out_names, verbose=False, optimize=True,
+                input_names=in_names, output_names=out_names, verbose=False, optimize=False,
                 custom_translation_table=table or None,
             )
         except Exception as e:  # the exporter raises many unrelated types; one line is what the user needs
             raise ExportError(f"torch.onnx.export failed for the {graph} graph: {str(e).splitlines()[0]}") from e
+        import onnx_ir as ir
+
+        attach_external(program.model, weights, WEIGHTS_FILE, path.parent)
+        program.optimize()  # what export(optimize=True) runs (folding, fusions), now over the real data
     _rename_dims(program.model.graph)
-    program.save(str(path), external_data=True)
+    ir.save(program.model, str(path))
     return time.perf_counter() - start

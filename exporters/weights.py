@@ -1,81 +1,116 @@
-"""One weights file for both graphs: prefill and decode hold the same weights, so the artifact
-stores them once.
+"""The artifact's one weights file, written by streaming tensors from the checkpoint, and the
+meta-device view of the decoder the graphs are traced from.
 
-The exporter writes each graph with its own external data (`prefill.onnx.data`,
-`decode.onnx.data`), and names the same tensor differently in each (a folded transpose is
-`val_78` in one, `val_72` in the other). `share_weights` reads every external tensor of both
-graphs, one at a time through a memory map, writes each distinct tensor once into
-`weights.onnx.data` at a page-aligned offset (ONNX Runtime memory-maps aligned external data),
-and points both graphs' initializers at it (ONNX external data: `location`, `offset`,
-`length`). Memory stays at one tensor; the per-graph files are removed.
+Exporting with real tensors costs several copies of the weights: the model, the exporter's own,
+and every transposed weight its optimizer folds into a new initializer (`MatMul(x, Transpose(W))`
+becomes `MatMul(x, W')`, a copy per graph, named differently in each). tk instead
+- builds an export view of the decoder on the meta device (no memory) whose linear layers hold
+  their weight already as `[in, out]` (`LinearT`: what ONNX MatMul reads, so nothing is folded;
+  also the layout a quantized `DequantizeLinear` weight takes) and whose norms hold their full
+  scale in float32 (the offset of Gemma's norms added at write time);
+- writes `weights.onnx.data` once, one tensor at a time from the safetensors files (concatenating
+  q/k/v and gate/up, transposing, casting as it goes), each at a page-aligned offset (ONNX Runtime
+  memory-maps aligned external data);
+- traces each graph on the meta device and points its initializers at that file (ONNX external
+  data: location, offset, length) before the exporter's optimizer runs, so what it folds it reads
+  from the file. Both graphs share the file; tracing costs the same whatever the model's size.
 """
 
 from __future__ import annotations
 
-import hashlib
-import mmap
 from pathlib import Path
 
+import numpy as np
 import onnx
+import torch
 from onnx.external_data_helper import ExternalDataInfo
+from torch import nn
+
+from models.config import DecoderConfig
+from models.decoder import Decoder, RMSNorm, rope_inv_freq
+from models.loading import CheckpointReader
 
 WEIGHTS_FILE = "weights.onnx.data"
 ALIGN = 4096  # a page: ONNX Runtime maps page-aligned external data instead of reading it
+PREFIX = "model."  # the graph wrapper holds the decoder as `model`
 
 
-def _external(model: onnx.ModelProto) -> list[onnx.TensorProto]:
-    return [t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+class LinearT(nn.Module):
+    """y = x @ weight_t + bias, weight_t stored [in, out]."""
+
+    def __init__(self, k: int, n: int, bias: bool, dtype: torch.dtype):
+        super().__init__()
+        self.weight_t = nn.Parameter(torch.empty(k, n, device="meta", dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(n, device="meta", dtype=dtype)) if bias else None
+
+    def forward(self, x):
+        y = x @ self.weight_t
+        return y if self.bias is None else y + self.bias
 
 
-def share_weights(folder: Path, graph_files: list[str]) -> tuple[str, int]:
-    """Rewrite the graphs in `folder` to share one external-data file; returns (its name, its bytes)."""
-    folder = Path(folder)
-    models = {f: onnx.load(str(folder / f), load_external_data=False) for f in graph_files}
-    written: dict[tuple, tuple[int, int]] = {}  # (digest, length) -> (offset, length)
-    sources: dict[str, tuple] = {}
-    out_path = folder / WEIGHTS_FILE
-    with open(out_path, "wb") as out:
-        for f, model in models.items():
-            for tensor in _external(model):
-                info = ExternalDataInfo(tensor)
-                src = folder / info.location
-                if src not in sources:
-                    fh = open(src, "rb")
-                    sources[src] = (fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if src.stat().st_size else b"")
-                view = memoryview(sources[src][1])[info.offset : info.offset + info.length]
-                key = (hashlib.blake2b(view, digest_size=16).digest(), info.length, tensor.data_type,
-                       tuple(tensor.dims))
-                if key not in written:
-                    pad = -out.tell() % ALIGN
-                    out.write(b"\0" * pad)
-                    written[key] = (out.tell(), info.length)
-                    out.write(view)
-                view.release()
-                _point(tensor, *written[key])
-        size = out.tell()
-    for fh, mm in sources.values():
-        if mm:
-            mm.close()
-        fh.close()
-    for f, model in models.items():
-        onnx.save(model, str(folder / f))
-    for src in sources:
-        if src.name != WEIGHTS_FILE:
-            src.unlink()
-    return WEIGHTS_FILE, size
+def export_view(cfg: DecoderConfig, dtype: torch.dtype) -> Decoder:
+    """The decoder on the meta device, with LinearT layers and float32 norm scales."""
+    with torch.device("meta"):
+        model = Decoder(cfg).to(dtype)
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, name, LinearT(child.in_features, child.out_features, child.bias is not None, dtype))
+            elif isinstance(child, RMSNorm):
+                child.weight = nn.Parameter(torch.empty(child.weight.shape, device="meta", dtype=torch.float32))
+                child.offset = 0.0  # the written scale includes it
+    model.inv_freq = torch.empty(rope_inv_freq(cfg).shape, device="meta", dtype=torch.float32)
+    return model.eval()
 
 
-def _point(tensor: onnx.TensorProto, offset: int, length: int) -> None:
-    del tensor.external_data[:]
-    for key, value in (("location", WEIGHTS_FILE), ("offset", str(offset)), ("length", str(length))):
-        entry = tensor.external_data.add()
-        entry.key, entry.value = key, value
+def _tensor(reader: CheckpointReader, name: str, dtype: torch.dtype) -> torch.Tensor:
+    """One tensor of the export view, computed from the checkpoint."""
+    cfg = reader.cfg
+    if name == "inv_freq":
+        return rope_inv_freq(cfg)
+    if name.endswith(".weight_t"):
+        return reader.tensor(name.removesuffix("_t"), dtype).T
+    if name.endswith("norm.weight"):  # computed as RMSNorm.scale() computes it, from the dtype's weight
+        offset = cfg.norm_offset if not name.split(".")[-2] in ("q_norm", "k_norm") else 0.0
+        return reader.tensor(name, dtype).float() + offset
+    return reader.tensor(name, dtype)
+
+
+def write_weights(reader: CheckpointReader, view: Decoder, path: Path, dtype: torch.dtype) -> dict[str, tuple]:
+    """Stream every parameter and buffer of the view into `path`; -> initializer name ->
+    (offset, length, dtype, shape)."""
+    table = {}
+    names = [n for n, _ in view.named_parameters()] + [n for n, _ in view.named_buffers()]
+    with open(path, "wb") as out:
+        for name in names:
+            t = _tensor(reader, name, dtype).contiguous()
+            out.write(b"\0" * (-out.tell() % ALIGN))
+            offset = out.tell()
+            data = t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()  # numpy has no bf16
+            out.write(memoryview(np.ascontiguousarray(data)).cast("B"))
+            table[PREFIX + name] = (offset, out.tell() - offset, t.dtype, tuple(t.shape))
+            del t, data
+    return table
+
+
+def attach_external(ir_model, table: dict[str, tuple], location: str, base_dir: Path) -> None:
+    """Point the graph's meta initializers at their place in the weights file."""
+    import onnx_ir as ir
+
+    dtypes = {torch.float32: ir.DataType.FLOAT, torch.float16: ir.DataType.FLOAT16,
+              torch.bfloat16: ir.DataType.BFLOAT16}
+    for name, value in ir_model.graph.initializers.items():
+        if name in table:
+            offset, length, dtype, shape = table[name]
+            value.const_value = ir.ExternalTensor(location, offset, length, dtypes[dtype], shape=ir.Shape(shape),
+                                                  name=name, base_dir=str(base_dir))
 
 
 def external_initializers(model: onnx.ModelProto) -> dict[str, tuple[int, int, int, tuple[int, ...]]]:
-    """name -> (offset, length, onnx data type, dims) of every initializer stored in the weights file."""
+    """name -> (offset, length, onnx data type, dims) of every initializer stored as external data."""
     out = {}
-    for tensor in _external(model):
-        info = ExternalDataInfo(tensor)
-        out[tensor.name] = (info.offset, info.length, tensor.data_type, tuple(tensor.dims))
+    for tensor in model.graph.initializer:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            info = ExternalDataInfo(tensor)
+            out[tensor.name] = (info.offset, info.length, tensor.data_type, tuple(tensor.dims))
     return out

@@ -130,38 +130,54 @@ def _open(path: Path):
         raise CheckpointError(f"{path} is not a readable safetensors file ({e}); re-download or re-save it") from None
 
 
+class CheckpointReader:
+    """A checkpoint's tensors under our names, one at a time: every shape is checked against the
+    config when the reader opens, before any weight is read; `tensor(ours)` reads and concatenates
+    the Hugging Face tensors that make one of ours (nothing else stays in memory)."""
+
+    def __init__(self, folder: Path, cfg: DecoderConfig):
+        self.folder, self.cfg = Path(folder), cfg
+        files = _weight_files(self.folder)
+        expected = hf_shapes(cfg)
+        missing = [n for n in expected if n not in files]
+        unexpected = [n for n in files if n not in expected and not n.endswith(IGNORED_SUFFIXES)
+                      and not (cfg.tie_embeddings and n == "lm_head.weight")]
+        if missing:
+            raise CheckpointError(f"checkpoint lacks {len(missing)} tensor(s) its config needs, e.g. {missing[0]}")
+        if unexpected:
+            raise CheckpointError(
+                f"checkpoint has {len(unexpected)} tensor(s) its config does not describe, e.g. {unexpected[0]}"
+            )
+        self.files = files
+        self.handles = {p: _open(p) for p in set(files[n] for n in expected)}
+        for name, shape in expected.items():
+            try:
+                got = tuple(self.handles[files[name]].get_slice(name).get_shape())
+            except SafetensorError as e:
+                raise CheckpointError(f"cannot read {name} from {files[name]} ({e})") from None
+            if got != shape:
+                raise CheckpointError(f"tensor {name} has shape {list(got)} but config.json implies {list(shape)}")
+        self.map = weight_map(cfg)
+        if cfg.tie_embeddings:
+            self.map = {**self.map, "lm_head.weight": self.map["embed.weight"]}
+
+    def _read(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        try:
+            return self.handles[self.files[name]].get_tensor(name).to(dtype)
+        except (SafetensorError, RuntimeError) as e:
+            raise CheckpointError(f"cannot read {name} from {self.files[name]} ({e}); the file may be "
+                                  "truncated") from None
+
+    def tensor(self, ours: str, dtype: torch.dtype) -> torch.Tensor:
+        """Our parameter `ours` (e.g. layers.0.attn.wqkv.weight), concatenated where we fuse."""
+        tensors = [self._read(name, dtype) for name, _ in self.map[ours]]
+        return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
+
+
 def load_state_dict(folder: Path, cfg: DecoderConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Our state dict, shapes checked first, fused where the model fuses."""
-    files = _weight_files(folder)
-    expected = hf_shapes(cfg)
-    missing = [n for n in expected if n not in files]
-    unexpected = [n for n in files if n not in expected and not n.endswith(IGNORED_SUFFIXES)
-                  and not (cfg.tie_embeddings and n == "lm_head.weight")]
-    if missing:
-        raise CheckpointError(f"checkpoint lacks {len(missing)} tensor(s) its config needs, e.g. {missing[0]}")
-    if unexpected:
-        raise CheckpointError(
-            f"checkpoint has {len(unexpected)} tensor(s) its config does not describe, e.g. {unexpected[0]}"
-        )
-    handles = {p: _open(p) for p in set(files[n] for n in expected)}
-    for name, shape in expected.items():
-        try:
-            got = tuple(handles[files[name]].get_slice(name).get_shape())
-        except SafetensorError as e:
-            raise CheckpointError(f"cannot read {name} from {files[name]} ({e})") from None
-        if got != shape:
-            raise CheckpointError(f"tensor {name} has shape {list(got)} but config.json implies {list(shape)}")
-
-    def read(name: str) -> torch.Tensor:
-        try:
-            return handles[files[name]].get_tensor(name).to(dtype)
-        except (SafetensorError, RuntimeError) as e:
-            raise CheckpointError(f"cannot read {name} from {files[name]} ({e}); the file may be truncated") from None
-
-    sd = {}
-    for ours, parts in weight_map(cfg).items():
-        tensors = [read(name) for name, _ in parts]
-        sd[ours] = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
+    reader = CheckpointReader(folder, cfg)
+    sd = {ours: reader.tensor(ours, dtype) for ours in weight_map(cfg)}
     if cfg.tie_embeddings:
         sd["lm_head.weight"] = sd["embed.weight"]
     return sd

@@ -22,6 +22,7 @@ class BackendOptions:
     threads: int | None = None  # ONNX Runtime intra-op threads
     device: str = "auto"  # torch: auto | cpu | cuda
     provider: str = "auto"  # ONNX Runtime: auto | cpu | cuda
+    prepack: bool = False  # ONNX Runtime: each session repacks its weights (faster, a copy per session)
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ def _open_torch(artifact: Path, manifest: Manifest, options: BackendOptions):
 def _open_ort(artifact: Path, manifest: Manifest, options: BackendOptions):
     from runtimes.ort_runtime import OrtRuntime
 
-    return OrtRuntime(artifact, threads=options.threads, provider=options.provider)
+    return OrtRuntime(artifact, threads=options.threads, provider=options.provider, prepack=options.prepack)
 
 
 def _open_trt(artifact: Path, manifest: Manifest, options: BackendOptions):

@@ -23,8 +23,11 @@ def memory_plan(cfg: DecoderConfig, precision: Precision, batch: int, seq_len: i
     dims = contract.GraphDims(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size, precision.kv)
     weights = int(parameter_count(cfg) * DTYPES[precision.weights].bytes)
     kv = dims.kv_bytes_per_token(batch) * seq_len
+    # TensorRT: prefill.engine and decode.engine each embed the weights; refit only replaces an
+    # engine's own weights, and no documented TensorRT API lets two engines read one device copy
+    # (README, "Memory"), so on the GPU the weights are there twice.
     return {"dtype": precision.activations, "weights_dtype": precision.weights, "kv_dtype": precision.kv,
-            "batch": batch, "seq_len": seq_len, "weights_bytes": weights,
+            "batch": batch, "seq_len": seq_len, "weights_bytes": weights, "trt_weights_bytes": 2 * weights,
             "kv_bytes_per_token": dims.kv_bytes_per_token(1), "kv_bytes": kv, "total_bytes": weights + kv}
 
 
@@ -84,6 +87,8 @@ def format_info(info: dict) -> str:
         f"memory (weights {m['weights_dtype']}, KV {m['kv_dtype']}, batch {m['batch']}, seq {m['seq_len']}): "
         f"weights {_mib(m['weights_bytes'])} + "
         f"KV {_mib(m['kv_bytes'])} = {_mib(m['total_bytes'])}  (KV per token {m['kv_bytes_per_token']:,} B)",
+        f"on ONNX Runtime both graphs share one memory-mapped copy of the weights; TensorRT's two engines hold "
+        f"one each: {_mib(m['trt_weights_bytes'])} of weights on the GPU",
     ]
     if "target" in info:
         lines.append(f"target {info['target']}  kv cache {info['kv_cache']}  prefill logits {info['prefill_logits']}")

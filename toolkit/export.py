@@ -25,14 +25,14 @@ import onnx
 from exporters.contract_check import check_graph_file
 from exporters.onnx_export import CONTRIB_OPS, export_graph, graph_dims
 from exporters.trt_lint import lint_graphs
-from exporters.weights import share_weights
+from exporters.weights import WEIGHTS_FILE, export_view, write_weights
 from models import contract
 from models.artifact import ExportOptions, GraphFile, Manifest, Target, sha256_file
 from models.errors import CheckFailed, FilesystemProblem
-from models.loading import load_decoder, read_config
+from models.loading import CheckpointReader, read_config, torch_dtype
 from toolkit.backends import reference_runtime
 from toolkit.parity import Comparison, format_table, random_cases, tolerance_for
-from toolkit.parity_report import compare_backends, describe_divergence
+from toolkit.parity_report import compare_backends, describe_divergence, run_reference
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
@@ -97,9 +97,11 @@ def validate(artifact: Path, manifest: Manifest, steps: int = VALIDATION_STEPS) 
 
     tol = tolerance_for(manifest.dtype, manifest.config)
     debug = manifest.variant.debug_outputs  # a debug export: localize to the layer output
-    with reference_runtime(artifact, manifest, debug=debug) as ref, OrtRuntime(artifact) as ort:
-        report = compare_backends(ref, {"ort": ort}, random_cases(ref.dims.vocab_size), tol, steps, probes=False,
-                                  free_running=False)
+    cases = random_cases(manifest.dims.vocab_size)
+    with reference_runtime(artifact, manifest, debug=debug) as ref:  # unloaded before ORT loads
+        reference = run_reference(ref, cases, steps, tol, probes=False)
+    with OrtRuntime(artifact) as ort:
+        report = compare_backends(reference, {"ort": ort}, cases, tol, steps, probes=False, free_running=False)
     entry = report["backends"]["ort"]
     record = {"passed": report["passed"], "reference": "torch float32", "steps": steps,
               "tolerance": dataclasses.asdict(tol), "comparisons": entry["cases"],
@@ -111,26 +113,26 @@ def validate(artifact: Path, manifest: Manifest, steps: int = VALIDATION_STEPS) 
 
 def _export_graphs(model_dir: Path, tmp: Path, config, options: ExportOptions,
                    progress: Callable[[str], None]) -> dict[str, GraphFile]:
-    """Load the model, export and contract-check both graphs, then store their weights once; the
-    model is gone when this returns."""
+    """Stream the weights into the artifact's one weights file, then trace and contract-check both
+    graphs on the meta device (exporters/weights.py): the weights are never in memory whole."""
     t = time.perf_counter()
-    model = load_decoder(model_dir, options.precision.activations)
-    progress(f"load {model_dir} ({options.precision.activations}): {time.perf_counter() - t:.1f} s")
+    dtype = torch_dtype(options.precision.weights)
+    view = export_view(config, dtype)  # on the meta device
+    table = write_weights(CheckpointReader(model_dir, config), view, tmp / WEIGHTS_FILE, dtype)
+    data_bytes = (tmp / WEIGHTS_FILE).stat().st_size
+    progress(f"write {WEIGHTS_FILE} from {model_dir} ({options.precision.weights}, {data_bytes / 2**20:,.1f} MiB, "
+             f"streamed): {time.perf_counter() - t:.1f} s")
     dims = graph_dims(config, options.precision, options.variant)
     opsets, seconds = {}, {}
     for graph in contract.GRAPHS:
         path = tmp / contract.GRAPH_FILES[graph]
-        seconds[graph] = export_graph(model, graph, path, dims, options.variant)
+        seconds[graph] = export_graph(view, graph, path, dims, options.variant, table)
         opsets[graph] = onnx_opset(check_graph_file(path, graph, dims, CONTRIB_OPS[options.variant.target]))
         cache = f", static cache of {dims.kv_capacity}" if graph == contract.DECODE and dims.kv_capacity else ""
         fused = ", ONNX Runtime fused kernels" if options.variant.target is Target.ORT else ""
         progress(f"export {graph}{cache}{fused}: {seconds[graph]:.1f} s, contract ok")
-    del model
-    t = time.perf_counter()
-    data_file, data_bytes = share_weights(tmp, [contract.GRAPH_FILES[g] for g in contract.GRAPHS])
-    progress(f"one weights file for both graphs ({data_bytes / 2**20:,.1f} MiB): {time.perf_counter() - t:.1f} s")
-    return {g: GraphFile(contract.GRAPH_FILES[g], sha256_file(tmp / contract.GRAPH_FILES[g]), data_file, data_bytes,
-                         opsets[g], round(seconds[g], 2)) for g in contract.GRAPHS}
+    return {g: GraphFile(contract.GRAPH_FILES[g], sha256_file(tmp / contract.GRAPH_FILES[g]), WEIGHTS_FILE,
+                         data_bytes, opsets[g], round(seconds[g], 2)) for g in contract.GRAPHS}
 
 
 def export_artifact(model_dir: str | Path, out: str | Path, options: ExportOptions | None = None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -18,10 +19,10 @@ from models.artifact import Manifest
 from models.errors import UsageProblem
 from runtimes.base import BackendUnavailable, InputError, Runtime
 from runtimes.generate import left_pad
-from toolkit.parity import (Comparison, Tolerance, compare_traces, first_divergence, format_table,
+from toolkit.parity import (Comparison, Tolerance, Trace, compare_traces, first_divergence, format_table,
                             random_cases, run_trace, tolerance_for)
 from toolkit.backends import BackendOptions, open_runtime, reference_runtime
-from toolkit.probes import run_probes
+from toolkit.probes import ProbeResult, run_probes
 
 SCHEMA_VERSION = 2
 SCHEMA_PATH = Path(__file__).with_name("parity_report.schema.json")
@@ -33,17 +34,37 @@ def greedy_match(ref_tokens: np.ndarray, free_tokens: np.ndarray) -> list[int]:
     return [int(row.argmin()) if not row.all() else int(row.size) for row in same]
 
 
-def compare_backends(reference: Runtime, backends: dict[str, Runtime | str], cases: dict, tol: Tolerance,
-                     steps: int, seed: int = 0, probes: bool = True, free_running: bool = True) -> dict:
+@dataclass
+class ReferenceRun:
+    """What the reference computed: its greedy traces per case and its own probe results."""
+
+    backend: str
+    dtype: str
+    traces: dict[str, Trace]
+    probes: list[ProbeResult]
+
+
+def run_reference(reference: Runtime, cases: dict, steps: int, tol: Tolerance, seed: int = 0,
+                  probes: bool = True) -> ReferenceRun:
+    return ReferenceRun(reference.name, reference.dims.kv_dtype,
+                        {case: run_trace(reference, ids, mask, steps) for case, (ids, mask) in cases.items()},
+                        run_probes(reference, tol, seed) if probes else [])
+
+
+def compare_backends(reference: Runtime | ReferenceRun, backends: dict[str, Runtime | str], cases: dict,
+                     tol: Tolerance, steps: int, seed: int = 0, probes: bool = True, free_running: bool = True) -> dict:
     """Run, then compare. `backends` maps a name to a runtime, or to the reason it was skipped.
 
     The one parity engine: `tk parity` runs it whole; export validation runs it without the
-    probes and the free-running pass (probes=False, free_running=False)."""
-    ref_probes = run_probes(reference, tol, seed) if probes else []
-    report = {"reference": {"backend": reference.name, "dtype": reference.dims.kv_dtype,
+    probes and the free-running pass (probes=False, free_running=False), and from a `ReferenceRun`
+    made before ONNX Runtime loads, so the reference's weights and ORT's are never in memory at once."""
+    if not isinstance(reference, ReferenceRun):
+        reference = run_reference(reference, cases, steps, tol, seed, probes)
+    ref_probes = reference.probes
+    report = {"reference": {"backend": reference.backend, "dtype": reference.dtype,
                             "probes": [p.to_dict() for p in ref_probes]},
               "backends": {}}
-    traces = {case: run_trace(reference, ids, mask, steps) for case, (ids, mask) in cases.items()}
+    traces = reference.traces
     for name, rt in backends.items():
         if isinstance(rt, str):
             report["backends"][name] = {"status": "skipped", "reason": rt}
