@@ -35,15 +35,19 @@ class OrtRuntime(Runtime):
     name = "ort"
 
     def __init__(self, artifact: str | Path, threads: int | None = None, provider: str = "auto",
-                 profile: bool = False, huge_pages: bool = True, prepack: bool = False):
+                 profile: bool = False, huge_pages: bool = True, prepack: bool = False, one_graph: bool = False):
         """prepack: let each session repack its MatMul weights for the CPU's kernels (faster decode,
         a private copy per session); without it both sessions read the artifact's one weights file,
-        which ONNX Runtime memory-maps: one copy in memory."""
+        which ONNX Runtime memory-maps: one copy in memory (each session maps it, so RSS, which counts
+        a page once per mapping, shows it twice once both graphs ran; PSS shows it once).
+        one_graph: hold one graph's session at a time, loaded when it runs (cheap over the mapped
+        file): export validation, whose teacher-forced decode steps need no prefill in between, then
+        peaks at one mapping of the weights."""
         self.artifact = Path(artifact)
         self.manifest = Manifest.read(self.artifact)
         super().__init__(self.manifest.dims, self.manifest.max_context)
         self.threads, self.provider, self.profile, self.huge_pages = threads, provider, profile, huge_pages
-        self.prepack = prepack
+        self.prepack, self.one_graph = prepack, one_graph
         self.huge_page_bytes = 0  # how much of what the sessions allocated now sits on huge pages
 
     def _load(self) -> None:
@@ -61,6 +65,7 @@ class OrtRuntime(Runtime):
         providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if use_cuda else ["CPUExecutionProvider"]
         self.device = "cuda" if use_cuda else "cpu"
         self._ort = ort
+        self.output_names: dict[str, list[str]] = {}
         opts = ort.SessionOptions()
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         opts.log_severity_level = 3
@@ -83,18 +88,32 @@ class OrtRuntime(Runtime):
         if self.profile:  # ORT's own trace of every run and kernel (tk bench --profile)
             opts.enable_profiling = True
             opts.profile_file_prefix = str(Path(tempfile.gettempdir()) / "tk-ort-profile")
+        self._paths, self._opts, self._providers = paths, opts, providers
+        self.sessions = {}
+        if self.one_graph:
+            return
         before = hugepages.anonymous_regions() if self.huge_pages and not use_cuda else None
-        try:
-            self.sessions = {g: ort.InferenceSession(str(p), opts, providers=providers) for g, p in paths.items()}
-        except Exception as e:  # ORT raises its own pybind types (NotImplemented, Fail, ...)
-            kernel = "NOT_IMPLEMENTED" in str(e)
-            hint = (f"ONNX Runtime's {self.device.upper()} provider lacks a kernel this {self.dims.kv_dtype} graph "
-                    "needs" if kernel else "ONNX Runtime could not load the graphs")
-            raise BackendUnavailable(f"{hint}: {str(e).split(' : ')[-1].strip()}") from None
-        self.output_names = {g: [o.name for o in s.get_outputs()] for g, s in self.sessions.items()}
+        for graph in contract.GRAPHS:
+            self._session(graph)
         if before is not None:  # the prepacked weights: a decode step streams them all (runtimes/hugepages.py)
             new = hugepages.mapped_since(before, hugepages.anonymous_regions())
             self.huge_page_bytes = hugepages.back_with_huge_pages(new)
+
+    def _session(self, graph: str):
+        """The graph's session, created on first use (with one_graph, in place of the other's)."""
+        if graph not in self.sessions:
+            if self.one_graph:
+                self.sessions.clear()  # unmaps the other graph's view of the weights
+            try:
+                self.sessions[graph] = self._ort.InferenceSession(str(self._paths[graph]), self._opts,
+                                                                  providers=self._providers)
+            except Exception as e:  # ORT raises its own pybind types (NotImplemented, Fail, ...)
+                kernel = "NOT_IMPLEMENTED" in str(e)
+                hint = (f"ONNX Runtime's {self.device.upper()} provider lacks a kernel this {self.dims.kv_dtype} "
+                        "graph needs" if kernel else "ONNX Runtime could not load the graphs")
+                raise BackendUnavailable(f"{hint}: {str(e).split(' : ')[-1].strip()}") from None
+            self.output_names[graph] = [o.name for o in self.sessions[graph].get_outputs()]
+        return self.sessions[graph]
 
     def end_profiling(self) -> dict[str, Path]:
         """Stop ORT's profiler; the trace file of each graph's session."""
@@ -112,7 +131,8 @@ class OrtRuntime(Runtime):
     def _run(self, graph, feeds, past, session, in_place=False):
         if in_place:
             return self._run_in_place(feeds, past, session)
-        binding = self.sessions[graph].io_binding()
+        session = self._session(graph)
+        binding = session.io_binding()
         for name, value in feeds.items():
             binding.bind_cpu_input(name, np.ascontiguousarray(value))
         for name, value in zip(self.past_names, past or []):
@@ -122,7 +142,7 @@ class OrtRuntime(Runtime):
                 binding.bind_ortvalue_input(name, value)
         for name in self.output_names[graph]:
             binding.bind_output(name, self.device)
-        self.sessions[graph].run_with_iobinding(binding)
+        session.run_with_iobinding(binding)
         outs = binding.get_outputs()
         n_kv = 2 * self.dims.num_layers
         hidden = [h.numpy() for h in outs[1 + n_kv:]] or None  # debug exports only
@@ -133,7 +153,7 @@ class OrtRuntime(Runtime):
         arrays (rewritten in place each step) and the cache buffers (past and present at once)."""
         state = session.state
         if "binding" not in state:
-            binding = self.sessions[contract.DECODE].io_binding()
+            binding = self._session(contract.DECODE).io_binding()
             state["logits"] = np.zeros((session.batch, 1, self.dims.vocab_size), np.float32)
             host = self._ort.OrtValue.ortvalue_from_numpy  # a CPU OrtValue over the array's own memory
             inputs = {name: host(array) for name, array in feeds.items()}  # later writes to them are seen
@@ -146,7 +166,7 @@ class OrtRuntime(Runtime):
                 binding.bind_ortvalue_input(name, value)
                 binding.bind_ortvalue_output(out, value)  # the same buffer: updated in place
             state["binding"], state["values"] = binding, (inputs, values)
-        self.sessions[contract.DECODE].run_with_iobinding(state["binding"])
+        self._session(contract.DECODE).run_with_iobinding(state["binding"])
         return StepOutput(state["logits"].copy()), past
 
     def _alloc_cache(self, shape, dtype):

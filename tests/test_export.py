@@ -23,6 +23,7 @@ from exporters.weights import WEIGHTS_FILE, external_initializers
 from models.artifact import Manifest
 from runtimes.generate import generate
 from runtimes.ort_runtime import OrtRuntime
+from toolkit.export import export_artifact
 from toolkit.parity import random_cases, run_trace, tolerance_for
 
 pytestmark = pytest.mark.slow
@@ -165,3 +166,26 @@ def test_polygraphy_reads_and_runs_the_decode_graph(artifacts):
                           "--val-range", "input_ids:[0,383]", "attention_mask:[1,1]", "position_ids:[5,5]"],
                          cwd=art, capture_output=True, text=True)
     assert out.returncode == 0 and "PASSED" in out.stdout + out.stderr, out.stdout + out.stderr
+
+
+def test_weights_stream_from_the_checkpoint_into_the_file(tiny, tmp_path):
+    """The export view is traced on the meta device (no weight in memory); each tensor is written once,
+    transposed to [in, out] for MatMul, in the export's dtype (bf16 written as its 16 bits)."""
+    from exporters.weights import export_view
+    from models.loading import load_decoder, read_config
+
+    view = export_view(read_config(tiny), torch.bfloat16)
+    assert all(p.device.type == "meta" for p in view.parameters())
+    art = tmp_path / "bf16"
+    export_artifact(tiny, art, dtype="bf16", validate=False)
+    table = external_initializers(onnx.load(str(art / "decode.onnx"), load_external_data=False))
+    data = np.memmap(art / WEIGHTS_FILE, dtype=np.uint16, mode="r")
+    ref = load_decoder(tiny, "bfloat16")
+    for name, param in (("model.layers.1.ffn.w_down.weight_t", ref.layers[1].ffn.w_down.weight.T),
+                        ("model.embed.weight", ref.embed.weight)):
+        offset, length, _, dims = table[name]
+        got = data[offset // 2 : (offset + length) // 2].reshape(dims)
+        assert np.array_equal(got, param.contiguous().view(torch.int16).numpy().view(np.uint16))
+    graph = onnx.load(str(art / "decode.onnx"), load_external_data=False).graph
+    weights = {t.name for t in graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL}
+    assert not [n for n in graph.node if n.op_type == "Transpose" and set(n.input) & weights]  # nothing to fold
