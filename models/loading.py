@@ -12,6 +12,7 @@ checkpoints from the same table.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -25,6 +26,7 @@ from models.decoder import Decoder, rope_inv_freq
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved
+_ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 
 
 class CheckpointError(TkError, ValueError):
@@ -157,16 +159,30 @@ class CheckpointReader:
                 raise CheckpointError(f"cannot read {name} from {files[name]} ({e})") from None
             if got != shape:
                 raise CheckpointError(f"tensor {name} has shape {list(got)} but config.json implies {list(shape)}")
+        self._headers: dict[Path, tuple[dict, int]] = {}
         self.map = weight_map(cfg)
         if cfg.tie_embeddings:
             self.map = {**self.map, "lm_head.weight": self.map["embed.weight"]}
 
     def _read(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        try:
-            return self.handles[self.files[name]].get_tensor(name).to(dtype)
-        except (SafetensorError, RuntimeError) as e:
-            raise CheckpointError(f"cannot read {name} from {self.files[name]} ({e}); the file may be "
-                                  "truncated") from None
+        """Read with pread, not through safetensors' memory map: mapped pages would stay resident
+        (and count in RSS) for as long as the reader lives, a second copy of the checkpoint."""
+        path = self.files[name]
+        if path not in self._headers:
+            with open(path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                self._headers[path] = (json.loads(f.read(n)), 8 + n)
+        header, base = self._headers[path]
+        info = header[name]
+        begin, end = info["data_offsets"]
+        buf = bytearray(end - begin)
+        with open(path, "rb") as f:
+            got = os.preadv(f.fileno(), [buf], base + begin)
+        if got != len(buf) or info["dtype"] not in _ST_DTYPES:
+            raise CheckpointError(f"cannot read {name} from {path} (read {got} of {len(buf)} bytes, dtype "
+                                  f"{info['dtype']}); the file may be truncated")
+        t = torch.frombuffer(buf, dtype=_ST_DTYPES[info["dtype"]]) if buf else torch.empty(0, dtype=dtype)
+        return t.reshape(info["shape"]).to(dtype)
 
     def tensor(self, ours: str, dtype: torch.dtype) -> torch.Tensor:
         """Our parameter `ours` (e.g. layers.0.attn.wqkv.weight), concatenated where we fuse."""
