@@ -76,6 +76,25 @@ def timed(cmd: list[str], **kw) -> tuple[float, int, subprocess.CompletedProcess
     return wall, peak, out
 
 
+def watched(cmd: list[str], max_rss: int) -> str:
+    """Run `cmd`, killing it if its RSS passes `max_rss` (a runtime that widens fp16 weights to fp32
+    on the CPU would take the machine down with it); returns its stdout."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while proc.poll() is None:
+        try:
+            rss = int(Path(f"/proc/{proc.pid}/statm").read_text().split()[1]) * 4096
+        except (FileNotFoundError, ProcessLookupError):
+            break
+        if rss > max_rss:
+            proc.kill()
+            sys.exit(f"killed {cmd[0]}: its RSS passed {max_rss / 2**30:.0f} GiB")
+        time.sleep(0.5)
+    out, err = proc.communicate()
+    if proc.returncode != 0:
+        sys.exit(f"runtime check failed: {err[-2000:]}")
+    return out
+
+
 RUNTIME = """
 import json, sys
 sys.path.insert(0, {root!r})
@@ -102,6 +121,8 @@ def main() -> None:
     ap.add_argument("--work", type=Path, required=True)
     ap.add_argument("--no-validate", action="store_true")
     ap.add_argument("--genai-python", help="a Python with onnxruntime-genai (its builder is timed on the same folder)")
+    ap.add_argument("--no-prepacked", action="store_true", help="skip the ORT run with prepacked weights (a copy each)")
+    ap.add_argument("--max-rss-gib", type=float, default=20.0, help="kill a runtime check whose RSS passes this")
     ap.add_argument("--report", type=Path)
     args = ap.parse_args()
     root = str(Path(__file__).resolve().parents[1])
@@ -124,10 +145,10 @@ def main() -> None:
     artifact = sum(p.stat().st_size for p in art.iterdir() if p.is_file())
     report = {"shape": args.shape, "dtype": args.dtype, "weights_bytes": weights, "export_s": wall,
               "export_peak_rss": time_peak, "artifact_bytes": artifact}
-    for prepack in (False, True):
-        r = subprocess.run([sys.executable, "-c", RUNTIME.format(root=root, art=str(art), prepack=prepack)],
-                           capture_output=True, text=True, check=True)
-        report["ort_prepacked" if prepack else "ort_shared"] = json.loads(r.stdout.strip().splitlines()[-1])
+    for prepack in (False,) if args.no_prepacked else (False, True):
+        code = RUNTIME.format(root=root, art=str(art), prepack=prepack)
+        result = watched([sys.executable, "-c", code], int(args.max_rss_gib * 2**30))
+        report["ort_prepacked" if prepack else "ort_shared"] = json.loads(result.strip().splitlines()[-1])
     if args.genai_python:
         genai_out = args.work / "genai"
         shutil.rmtree(genai_out, ignore_errors=True)

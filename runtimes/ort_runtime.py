@@ -146,7 +146,10 @@ class OrtRuntime(Runtime):
         outs = binding.get_outputs()
         n_kv = 2 * self.dims.num_layers
         hidden = [h.numpy() for h in outs[1 + n_kv:]] or None  # debug exports only
-        return StepOutput(outs[0].numpy(), hidden), list(outs[1 : 1 + n_kv])
+        present = list(outs[1 : 1 + n_kv])
+        if self.one_graph:  # an output OrtValue keeps its session, and so that session's map of the weights
+            present = [v.numpy() for v in present]
+        return StepOutput(outs[0].numpy(), hidden), present
 
     def _run_in_place(self, feeds, past, session):
         """A static-capacity decode step: the binding is made once per session over the layout's feed

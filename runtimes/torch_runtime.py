@@ -51,6 +51,8 @@ class TorchRuntime(Runtime):
     def _unload(self) -> None:
         if self._loader is not None:
             self.model = None  # loads again on the next activation
+            _return_freed_memory()
+
 
     def _run(self, graph, feeds, past, session, in_place=False):
         t = self._torch
@@ -69,3 +71,16 @@ class TorchRuntime(Runtime):
         index = self._torch.as_tensor(rows, device=self.device)
         return [b.index_select(0, index) for b in buffers]
 
+
+def _return_freed_memory() -> None:
+    """Hand the freed weights back to the OS. glibc keeps freed heap memory for reuse (and raises its
+    mmap threshold after large frees, so tensors land on the heap): without this, a reference
+    unloaded before ONNX Runtime loads (export validation) would still count in the process's RSS."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
