@@ -254,3 +254,21 @@ def test_a_finished_row_leaves_the_batch_and_the_others_are_unchanged(tiny_artif
     assert result.rows[0].tokens == solo[0][:3] and result.rows[0].finish_reason == "stop"
     assert [r.tokens for r in result.rows[1:]] == solo[1:]
     assert steps[:2] == [len(PROMPTS)] * 2 and set(steps[2:]) == {len(PROMPTS) - 1}  # row 0 left after its 3rd
+
+
+def test_ort_weight_modes_give_the_same_tokens(tiny_artifact):
+    """Default: both sessions read the memory-mapped weights file; --prepack: each repacks its own copy;
+    one_graph (export validation): one session at a time, the cache handed back as numpy so the other
+    session's map of the weights is gone."""
+    from runtimes.ort_runtime import OrtRuntime
+
+    runs = {}
+    for name, kw in (("shared", {}), ("prepack", {"prepack": True}), ("one_graph", {"one_graph": True})):
+        with OrtRuntime(tiny_artifact, **kw) as rt:
+            runs[name] = [r.tokens for r in generate(rt, PROMPTS, 8, ignore_eos=True).rows]
+            if name == "one_graph":
+                assert list(rt.sessions) == ["decode"]  # the prefill session was dropped for the decode one
+    assert runs["shared"] == runs["prepack"] == runs["one_graph"]
+    cli = run("generate", tiny_artifact, "--prepack", "--prompt-ids", "5,17,99,3", "--max-new-tokens", "8",
+              "--ignore-eos", "--json")
+    assert cli.exit_code == 0 and json.loads(cli.stdout)["rows"][0]["tokens"] == runs["shared"][0]
