@@ -15,6 +15,7 @@ import json
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
+from typing import Callable
 
 from models import contract
 from models.dtypes import canonical_dtype
@@ -109,8 +110,9 @@ class ExportOptions:
         variant = Variant(target, kv_cache, max_seq_len, prefill_logits, debug_outputs, opset)
         return cls(Precision.of(dtype), variant, validate, force)
 
-    def check(self, config, has_cuda_provider: bool = False) -> None:
-        """Refusals that depend on the model (a DecoderConfig), all before any weight is read."""
+    def check(self, config, has_cuda_provider: Callable[[], bool] = lambda: False) -> None:
+        """Refusals that depend on the model (a DecoderConfig), all before any weight is read.
+        `has_cuda_provider` is asked only where it matters (validating bf16)."""
         v = self.variant
         if v.capacity is not None and v.capacity > config.max_position_embeddings:
             raise UsageProblem(f"--max-seq-len ({v.capacity}) is beyond the model's context of "
@@ -122,7 +124,7 @@ class ExportOptions:
             if problems:
                 raise UsageProblem(f"--target ort does not support {' or '.join(problems)} ({config.architecture}); "
                                    "export with --target portable")
-        if self.validate and self.precision.activations == "bfloat16" and not has_cuda_provider:
+        if self.validate and self.precision.activations == "bfloat16" and not has_cuda_provider():
             raise UsageProblem("bf16 graphs cannot be validated here: ONNX Runtime's CPU provider has no bf16 "
                                "MatMul; export with --no-validate and check on a GPU (tk parity), or use --dtype fp16")
 

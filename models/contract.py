@@ -135,11 +135,6 @@ class GraphDims:
     def outputs(self, graph: str) -> tuple[TensorSpec, ...]:
         return _resolved_outputs(self, graph)
 
-    def checked_inputs(self, graph: str) -> tuple[TensorSpec, ...]:
-        """The inputs a runtime checks before each run: every past tensor has the same spec but
-        its name, so the first stands for all of them (a runtime's cache tensors are alike)."""
-        return _checked_inputs(self, graph)
-
     def kv_bytes_per_token(self, batch: int = 1) -> int:
         """2 (key and value) * layers * kv_heads * head_dim * bytes, per token of context per row."""
         return int(2 * self.num_layers * batch * self.num_kv_heads * self.head_dim * DTYPES[self.kv_dtype].bytes)
@@ -149,12 +144,6 @@ class GraphDims:
 def _resolved_inputs(dims: GraphDims, graph: str) -> tuple[TensorSpec, ...]:
     return tuple(s.resolve(dims.kv_dtype, dims.num_kv_heads, dims.head_dim, dims.vocab_size)
                  for s in inputs(graph, dims.num_layers, dims.kv_capacity))
-
-
-@functools.lru_cache(maxsize=64)
-def _checked_inputs(dims: GraphDims, graph: str) -> tuple[TensorSpec, ...]:
-    rest = set(past_names(dims.num_layers)[1:])
-    return tuple(s for s in dims.inputs(graph) if s.name not in rest)
 
 
 @functools.lru_cache(maxsize=64)

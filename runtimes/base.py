@@ -41,14 +41,13 @@ class InputError(RuntimeProblem, ValueError):
 
 
 def check_inputs(graph: str, dims: contract.GraphDims, feeds: dict[str, tuple[tuple, str]]) -> None:
-    """Check named (shape, dtype) pairs against the contract (Polygraphy's check_inputs).
+    """Check named (shape, dtype) pairs against the contract (Polygraphy's check_inputs), once per
+    session at its start: the decode feeds are built by the cache layout, not by callers.
 
-    Symbolic dims must agree wherever they recur: batch everywhere, the decode mask one longer
-    than the past. Messages name the tensor and both shapes. The first past tensor stands for
-    the cache: a runtime's cache tensors are alike.
+    Symbolic dims must agree wherever they recur. Messages name the tensor and both shapes.
     """
     bound: dict[str, int] = {}
-    for spec in dims.checked_inputs(graph):
+    for spec in dims.inputs(graph):
         if spec.name not in feeds:
             raise InputError(f"{graph}: input {spec.name} is missing")
         shape, dtype = feeds[spec.name]
@@ -61,9 +60,6 @@ def check_inputs(graph: str, dims: contract.GraphDims, feeds: dict[str, tuple[tu
             if not ok or got <= 0:
                 raise InputError(f"{graph}: {spec.name} has shape {list(shape)}, expected {list(spec.dims)} "
                                  f"with {', '.join(f'{k}={v}' for k, v in bound.items())}")
-    if graph == contract.DECODE and contract.PAST in bound and bound[contract.TOTAL] != bound[contract.PAST] + 1:
-        raise InputError(f"decode: attention_mask covers {bound[contract.TOTAL]} tokens, expected past "
-                         f"{bound[contract.PAST]} + 1")
 
 
 def check_token_ids(input_ids: np.ndarray, vocab_size: int) -> None:
@@ -101,7 +97,6 @@ class Session:
         self.positions = mask.sum(-1, keepdims=True) - 1  # (B, 1): the last token's, a real one
         self.mask = np.ones((B, T + max(room, 1)), dtype=np.int64)  # grows as a view (no array per step)
         self.mask[:, :T] = mask
-        self.steps = 0
         self.state: dict[str, Any] = {}  # the backend's own (an ORT binding, say)
 
     @property

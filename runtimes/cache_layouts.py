@@ -51,7 +51,6 @@ class DynamicLayout(_Layout):
         s.positions += 1
         feeds = {"input_ids": tokens, "attention_mask": s.mask[:, : s.length], "position_ids": s.positions}
         out, s.cache = rt._run(contract.DECODE, feeds, s.cache, s)
-        s.steps += 1
         return out
 
 
@@ -92,7 +91,6 @@ class StaticLayout(_Layout):
         s.mask[:, s.length] = 1
         out, _ = rt._run(contract.DECODE, s.feeds, s.cache, s, in_place=True)
         s.length += 1
-        s.steps += 1
         return out
 
     def keep(self, rt: Runtime, s: Session, rows: np.ndarray) -> None:

@@ -124,8 +124,10 @@ class Generation:
                 if not keep:
                     break
                 tick = time.perf_counter()
-                session.keep(keep)  # finished rows leave: they are not computed any more
-                out = rt.step(session, token[keep])
+                if len(keep) < session.batch:  # finished rows leave: they are not computed any more
+                    session.keep(keep)
+                    token = token[keep]
+                out = rt.step(session, token)
                 token = sampler(out.logits[:, -1], seen, session.rows, B)
                 self.result.decode_s.append(time.perf_counter() - tick)
 

@@ -143,8 +143,7 @@ def export_artifact(model_dir: str | Path, out: str | Path, options: ExportOptio
     model_dir, out = Path(model_dir), Path(out)
     options = options or ExportOptions.from_flags(**flags)
     config = read_config(model_dir)  # a bad checkpoint fails before the filesystem is touched
-    options.check(config, has_cuda_provider=options.validate and options.precision.activations == "bfloat16"
-                  and _ort_has_cuda())
+    options.check(config, has_cuda_provider=_ort_has_cuda)
     tmp, created = _prepare_out(out, options.force)
     try:
         graphs = _export_graphs(model_dir, tmp, config, options, progress)
