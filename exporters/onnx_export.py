@@ -7,6 +7,7 @@ names, and writing each graph with its weights as external data. It does not val
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import warnings
@@ -20,7 +21,8 @@ from models import contract
 from models.artifact import STATIC_OPSET, Precision, Target, Variant
 from models.decoder import Decoder
 from models.errors import TkError
-from exporters.weights import WEIGHTS_FILE, attach_external
+from exporters.replicate import TRACED_LAYERS, grow, order_io
+from exporters.weights import WEIGHTS_FILE, attach_external, export_view
 
 MS_DOMAIN = "com.microsoft"
 CONTRIB_OPS = {Target.PORTABLE: frozenset(),  # what each target may use outside the default domain
@@ -172,15 +174,46 @@ def _rename_dims(ir_graph) -> None:
 
 
 def export_graph(model: Decoder, graph: str, path: Path, dims: contract.GraphDims, variant: Variant,
-                 weights: dict[str, tuple]) -> float:
+                 weights: dict[str, tuple]) -> tuple[float, str]:
     """Export one graph of the contract `dims` describes to `path`, from the meta-device export
     view `model`, its initializers pointing into the weights file `weights` describes
-    (exporters/weights.py). Returns seconds taken. The variant was checked (ExportOptions) first.
+    (exporters/weights.py). Returns seconds taken and how the layers were made ("traced N layers,
+    copied to M", or "traced N layers"). The variant was checked (ExportOptions) first.
 
     With `dims.kv_capacity` the decode graph gets a static-capacity cache and opset 24 (TensorScatter).
     target "ort" fuses residual add + RMSNorm (both graphs) and the decode step's RoPE, cache write
     and attention into ONNX Runtime's contrib kernels; the graphs' inputs and outputs do not change.
+    A model deeper than TRACED_LAYERS + 1 is traced with TRACED_LAYERS layers and grown
+    (exporters/replicate.py); when its layers do not repeat exactly, every layer is traced.
     """
+    import onnx_ir as ir
+
+    start = time.perf_counter()
+    layers = model.config.num_layers
+    how = f"traced {layers} layers"
+    program = None
+    if layers > TRACED_LAYERS + 1:
+        shallow_cfg = dataclasses.replace(model.config, num_layers=TRACED_LAYERS)
+        shallow = export_view(shallow_cfg, model.dtype)
+        program = _trace(shallow, graph, dataclasses.replace(dims, num_layers=TRACED_LAYERS), variant, weights,
+                         path.parent)
+        why = grow(program.model, layers, weights, lambda m: attach_external(m, weights, WEIGHTS_FILE, path.parent))
+        if why is None:
+            order_io(program.model.graph, [s.name for s in dims.inputs(graph)], [s.name for s in dims.outputs(graph)])
+            how = f"traced {TRACED_LAYERS} layers, copied to {layers}"
+        else:
+            program, how = None, f"traced {layers} layers ({why})"
+    if program is None:
+        program = _trace(model, graph, dims, variant, weights, path.parent)
+    _rename_dims(program.model.graph)
+    ir.save(program.model, str(path))
+    return time.perf_counter() - start, how
+
+
+def _trace(model: Decoder, graph: str, dims: contract.GraphDims, variant: Variant, weights: dict[str, tuple],
+           base_dir: Path):
+    """torch.onnx.export on the meta device, initializers pointed into the weights file, then the
+    exporter's optimizer (folding, fusions) over the real data."""
     fused = variant.target is Target.ORT
     static = graph == contract.DECODE and dims.kv_capacity is not None
     opset = STATIC_OPSET if static and not fused else variant.opset
@@ -197,7 +230,6 @@ def export_graph(model: Decoder, graph: str, path: Path, dims: contract.GraphDim
         table[torch.ops.tk.gqa.default] = _group_query_attention
     in_names = [s.name for s in dims.inputs(graph)]
     out_names = [s.name for s in dims.outputs(graph)]
-    start = time.perf_counter()
     # "torchvision is not installed. Skipping torchvision::nms" and kin: not the user's business
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
     with warnings.catch_warnings(), torch.no_grad():
@@ -210,10 +242,6 @@ def export_graph(model: Decoder, graph: str, path: Path, dims: contract.GraphDim
             )
         except Exception as e:  # the exporter raises many unrelated types; one line is what the user needs
             raise ExportError(f"torch.onnx.export failed for the {graph} graph: {str(e).splitlines()[0]}") from e
-        import onnx_ir as ir
-
-        attach_external(program.model, weights, WEIGHTS_FILE, path.parent)
+        attach_external(program.model, weights, WEIGHTS_FILE, base_dir)
         program.optimize()  # what export(optimize=True) runs (folding, fusions), now over the real data
-    _rename_dims(program.model.graph)
-    ir.save(program.model, str(path))
-    return time.perf_counter() - start
+    return program

@@ -61,12 +61,12 @@ def jitter_(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(0.05 * noise)
 
 
-def make_checkpoint(family: str, folder: Path, seed: int = 0) -> Path:
+def make_checkpoint(family: str, folder: Path, seed: int = 0, layers: int = 2) -> Path:
     """Save a jittered tiny `transformers` model of `family` with a trained tokenizer."""
     import transformers
 
     cfg_cls, model_cls, extra = ALL[family]
-    cfg = getattr(transformers, cfg_cls)(**_COMMON, **extra)
+    cfg = getattr(transformers, cfg_cls)(**{**_COMMON, "num_hidden_layers": layers}, **extra)
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(cfg).eval()
     jitter_(model, seed)

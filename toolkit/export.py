@@ -126,11 +126,11 @@ def _export_graphs(model_dir: Path, tmp: Path, config, options: ExportOptions,
     opsets, seconds = {}, {}
     for graph in contract.GRAPHS:
         path = tmp / contract.GRAPH_FILES[graph]
-        seconds[graph] = export_graph(view, graph, path, dims, options.variant, table)
+        seconds[graph], how = export_graph(view, graph, path, dims, options.variant, table)
         opsets[graph] = onnx_opset(check_graph_file(path, graph, dims, CONTRIB_OPS[options.variant.target]))
         cache = f", static cache of {dims.kv_capacity}" if graph == contract.DECODE and dims.kv_capacity else ""
         fused = ", ONNX Runtime fused kernels" if options.variant.target is Target.ORT else ""
-        progress(f"export {graph}{cache}{fused}: {seconds[graph]:.1f} s, contract ok")
+        progress(f"export {graph}{cache}{fused} ({how}): {seconds[graph]:.1f} s, contract ok")
     return {g: GraphFile(contract.GRAPH_FILES[g], sha256_file(tmp / contract.GRAPH_FILES[g]), WEIGHTS_FILE,
                          data_bytes, opsets[g], round(seconds[g], 2)) for g in contract.GRAPHS}
 
