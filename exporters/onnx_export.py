@@ -173,47 +173,76 @@ def _rename_dims(ir_graph) -> None:
         value.shape = ir.Shape(dims)
 
 
-def export_graph(model: Decoder, graph: str, path: Path, dims: contract.GraphDims, variant: Variant,
-                 weights: dict[str, tuple]) -> tuple[float, str]:
-    """Export one graph of the contract `dims` describes to `path`, from the meta-device export
-    view `model`, its initializers pointing into the weights file `weights` describes
-    (exporters/weights.py). Returns seconds taken and how the layers were made ("traced N layers,
-    copied to M", or "traced N layers"). The variant was checked (ExportOptions) first.
+@dataclasses.dataclass
+class Traced:
+    """One graph traced on the meta device, not yet pointed at its weights."""
+
+    graph: str
+    dims: contract.GraphDims
+    variant: Variant
+    program: object  # torch.onnx.ONNXProgram
+    layers: int  # how many layers were traced
+    seconds: float
+
+
+def trace_graph(model: Decoder, graph: str, dims: contract.GraphDims, variant: Variant) -> Traced:
+    """Trace one graph of the contract `dims` describes from the meta-device export view `model`:
+    no weight is needed, so this runs while the weights file is written. A model deeper than
+    TRACED_LAYERS + 1 is traced with TRACED_LAYERS layers (finish_graph grows it).
 
     With `dims.kv_capacity` the decode graph gets a static-capacity cache and opset 24 (TensorScatter).
     target "ort" fuses residual add + RMSNorm (both graphs) and the decode step's RoPE, cache write
     and attention into ONNX Runtime's contrib kernels; the graphs' inputs and outputs do not change.
-    A model deeper than TRACED_LAYERS + 1 is traced with TRACED_LAYERS layers and grown
-    (exporters/replicate.py); when its layers do not repeat exactly, every layer is traced.
     """
+    start = time.perf_counter()
+    layers = model.config.num_layers
+    if layers > TRACED_LAYERS + 1:
+        layers = TRACED_LAYERS
+        model = export_view(dataclasses.replace(model.config, num_layers=layers), model.dtype)
+    program = _trace(model, graph, dataclasses.replace(dims, num_layers=layers), variant)
+    return Traced(graph, dims, variant, program, layers, time.perf_counter() - start)
+
+
+def finish_graph(traced: Traced, model: Decoder, path: Path, weights: dict[str, tuple]) -> tuple[float, str]:
+    """Point the traced graph's initializers into the weights file `weights` describes (it must be
+    written by now), run the exporter's optimizer over the real data, grow the layers
+    (exporters/replicate.py; when they do not repeat exactly, trace every layer instead) and save it
+    to `path`. Returns the graph's seconds in all, and how its layers were made."""
     import onnx_ir as ir
 
     start = time.perf_counter()
-    layers = model.config.num_layers
-    how = f"traced {layers} layers"
-    program = None
-    if layers > TRACED_LAYERS + 1:
-        shallow_cfg = dataclasses.replace(model.config, num_layers=TRACED_LAYERS)
-        shallow = export_view(shallow_cfg, model.dtype)
-        program = _trace(shallow, graph, dataclasses.replace(dims, num_layers=TRACED_LAYERS), variant, weights,
-                         path.parent)
+    graph, dims, layers = traced.graph, traced.dims, model.config.num_layers
+    program, how = traced.program, f"traced {layers} layers"
+    _optimize(program, weights, path.parent)
+    if traced.layers < layers:
         why = grow(program.model, layers, weights, lambda m: attach_external(m, weights, WEIGHTS_FILE, path.parent))
         if why is None:
             order_io(program.model.graph, [s.name for s in dims.inputs(graph)], [s.name for s in dims.outputs(graph)])
-            how = f"traced {TRACED_LAYERS} layers, copied to {layers}"
+            how = f"traced {traced.layers} layers, copied to {layers}"
         else:
-            program, how = None, f"traced {layers} layers ({why})"
-    if program is None:
-        program = _trace(model, graph, dims, variant, weights, path.parent)
+            program = _trace(model, graph, dims, traced.variant)
+            _optimize(program, weights, path.parent)
+            how += f" ({why})"
     _rename_dims(program.model.graph)
     ir.save(program.model, str(path))
-    return time.perf_counter() - start, how
+    return traced.seconds + time.perf_counter() - start, how
 
 
-def _trace(model: Decoder, graph: str, dims: contract.GraphDims, variant: Variant, weights: dict[str, tuple],
-           base_dir: Path):
-    """torch.onnx.export on the meta device, initializers pointed into the weights file, then the
-    exporter's optimizer (folding, fusions) over the real data."""
+def export_graph(model: Decoder, graph: str, path: Path, dims: contract.GraphDims, variant: Variant,
+                 weights: dict[str, tuple]) -> tuple[float, str]:
+    """trace_graph, then finish_graph: one graph, its weights file already written."""
+    return finish_graph(trace_graph(model, graph, dims, variant), model, path, weights)
+
+
+def _optimize(program, weights: dict[str, tuple], base_dir: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        attach_external(program.model, weights, WEIGHTS_FILE, base_dir)
+        program.optimize()  # what export(optimize=True) runs (folding, fusions), now over the real data
+
+
+def _trace(model: Decoder, graph: str, dims: contract.GraphDims, variant: Variant):
+    """torch.onnx.export on the meta device, unoptimized (the optimizer needs the weights' data)."""
     fused = variant.target is Target.ORT
     static = graph == contract.DECODE and dims.kv_capacity is not None
     opset = STATIC_OPSET if static and not fused else variant.opset
@@ -242,6 +271,4 @@ def _trace(model: Decoder, graph: str, dims: contract.GraphDims, variant: Varian
             )
         except Exception as e:  # the exporter raises many unrelated types; one line is what the user needs
             raise ExportError(f"torch.onnx.export failed for the {graph} graph: {str(e).splitlines()[0]}") from e
-        attach_external(program.model, weights, WEIGHTS_FILE, base_dir)
-        program.optimize()  # what export(optimize=True) runs (folding, fusions), now over the real data
     return program

@@ -18,6 +18,7 @@ becomes `MatMul(x, W')`, a copy per graph, named differently in each). tk instea
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -76,19 +77,36 @@ def _tensor(reader: CheckpointReader, name: str, dtype: torch.dtype) -> torch.Te
     return reader.tensor(name, dtype)
 
 
-def write_weights(reader: CheckpointReader, view: Decoder, path: Path, dtype: torch.dtype) -> dict[str, tuple]:
-    """Stream every parameter and buffer of the view into `path`; -> initializer name ->
-    (offset, length, dtype, shape)."""
-    table = {}
-    names = [n for n, _ in view.named_parameters()] + [n for n, _ in view.named_buffers()]
+def plan_weights(view: Decoder) -> dict[str, tuple]:
+    """Where each parameter and buffer of the view goes in the weights file, before a byte is read:
+    initializer name -> (offset, length, dtype, shape), page-aligned, in the view's order. The graphs
+    can point at the file while it is still being written."""
+    table, offset = {}, 0
+    tensors = [*view.named_parameters(), *view.named_buffers()]
+    for name, t in tensors:
+        offset += -offset % ALIGN
+        length = t.numel() * t.element_size()
+        table[PREFIX + name] = (offset, length, t.dtype, tuple(t.shape))
+        offset += length
+    return table
+
+
+def write_weights(reader: CheckpointReader, view: Decoder, path: Path, dtype: torch.dtype,
+                  stop: threading.Event | None = None) -> dict[str, tuple] | None:
+    """Stream every parameter and buffer of the view into `path`, at the places `plan_weights` gives;
+    -> that plan, or None when `stop` was set before the end (the caller failed meanwhile)."""
+    table = plan_weights(view)
     with open(path, "wb") as out:
-        for name in names:
-            t = _tensor(reader, name, dtype).contiguous()
-            out.write(b"\0" * (-out.tell() % ALIGN))
-            offset = out.tell()
+        for name, (offset, length, want_dtype, shape) in table.items():
+            if stop is not None and stop.is_set():
+                return None
+            t = _tensor(reader, name.removeprefix(PREFIX), dtype).contiguous()
+            if t.dtype != want_dtype or tuple(t.shape) != shape:
+                raise AssertionError(f"{name}: wrote {t.dtype} {tuple(t.shape)}, planned {want_dtype} {shape}")
+            out.write(b"\0" * (offset - out.tell()))
             data = t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()  # numpy has no bf16
             out.write(memoryview(np.ascontiguousarray(data)).cast("B"))
-            table[PREFIX + name] = (offset, out.tell() - offset, t.dtype, tuple(t.shape))
+            assert out.tell() == offset + length, name
             del t, data
     return table
 

@@ -49,8 +49,6 @@ def reference_runtime(artifact: str | Path, manifest: Manifest | None = None, dt
                       device: str = "cpu", debug: bool = False):
     """The PyTorch backend for an artifact: the reference decoder, loaded on activation from the source
     checkpoint recorded in its manifest (tk does not copy the weights a second time)."""
-    from runtimes.torch_runtime import TorchRuntime
-
     manifest = manifest or Manifest.read(artifact)
     source = Path(manifest.source["path"])
     if not (source / "config.json").is_file():
@@ -58,6 +56,13 @@ def reference_runtime(artifact: str | Path, manifest: Manifest | None = None, dt
                             "and it is gone; restore it or re-export from its new place")
     if sha256_file(source / "config.json") != manifest.source["config_sha256"]:
         raise ArtifactError(f"the checkpoint at {source} changed since export (config.json differs); re-export")
+    return torch_reference(source, manifest.dims, manifest.max_context, dtype, device, debug)
+
+
+def torch_reference(source: Path, dims, max_context: int, dtype: str = "float32", device: str = "cpu",
+                    debug: bool = False):
+    """The reference decoder of the checkpoint at `source` for graphs of `dims`, loaded on activation."""
+    from runtimes.torch_runtime import TorchRuntime
 
     def load():
         from models.loading import load_decoder
@@ -65,8 +70,8 @@ def reference_runtime(artifact: str | Path, manifest: Manifest | None = None, dt
         return load_decoder(source, dtype)
 
     # the reference runs the plain graphs' math: no static buffer, every position's logits
-    dims = dataclasses.replace(manifest.dims, kv_dtype=dtype, kv_capacity=None, hidden_size=None, prefill_logits="all")
-    return TorchRuntime(loader=load, device=device, debug=debug, dims=dims, max_context=manifest.max_context)
+    dims = dataclasses.replace(dims, kv_dtype=dtype, kv_capacity=None, hidden_size=None, prefill_logits="all")
+    return TorchRuntime(loader=load, device=device, debug=debug, dims=dims, max_context=max_context)
 
 
 def _open_torch(artifact: Path, manifest: Manifest, options: BackendOptions):

@@ -15,6 +15,7 @@ import os
 import platform
 import shutil
 import tempfile
+import threading
 import time
 from importlib import metadata
 from pathlib import Path
@@ -23,16 +24,17 @@ from typing import Callable
 import onnx
 
 from exporters.contract_check import check_graph_file
-from exporters.onnx_export import CONTRIB_OPS, export_graph, graph_dims
+from exporters.onnx_export import CONTRIB_OPS, finish_graph, graph_dims, trace_graph
 from exporters.trt_lint import lint_graphs
 from exporters.weights import WEIGHTS_FILE, export_view, write_weights
 from models import contract
 from models.artifact import ExportOptions, GraphFile, Manifest, Target, sha256_file
 from models.errors import CheckFailed, FilesystemProblem
 from models.loading import CheckpointReader, read_config, torch_dtype
-from toolkit.backends import reference_runtime
+from toolkit.background import Background
+from toolkit.backends import reference_runtime, torch_reference
 from toolkit.parity import Comparison, format_table, random_cases, tolerance_for
-from toolkit.parity_report import compare_backends, describe_divergence, run_reference
+from toolkit.parity_report import ReferenceRun, compare_backends, describe_divergence, run_reference
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
@@ -89,17 +91,19 @@ def _move_into_place(tmp: Path, out: Path) -> None:
         tmp.rename(out)
 
 
-def validate(artifact: Path, manifest: Manifest, steps: int = VALIDATION_STEPS) -> tuple[dict, str, str | None]:
+def validate(artifact: Path, manifest: Manifest, steps: int = VALIDATION_STEPS,
+             reference: ReferenceRun | None = None) -> tuple[dict, str, str | None]:
     """Export validation: ORT on the artifact vs the float32 PyTorch reference, through the parity
-    engine without its probes. Returns the manifest record, a printable table, and where ORT first
-    left its tolerance (None when it passed)."""
+    engine without its probes. `reference`: the reference's run when it was made already (export
+    makes it beside tracing, with `reference_run`). Returns the manifest record, a printable table,
+    and where ORT first left its tolerance (None when it passed)."""
     from runtimes.ort_runtime import OrtRuntime
 
     tol = tolerance_for(manifest.dtype, manifest.config)
-    debug = manifest.variant.debug_outputs  # a debug export: localize to the layer output
     cases = random_cases(manifest.dims.vocab_size)
-    with reference_runtime(artifact, manifest, debug=debug) as ref:  # unloaded before ORT loads
-        reference = run_reference(ref, cases, steps, tol, probes=False)
+    if reference is None:
+        with reference_runtime(artifact, manifest, debug=manifest.variant.debug_outputs) as ref:
+            reference = run_reference(ref, cases, steps, tol, probes=False)  # unloaded before ORT loads
     with OrtRuntime(artifact, one_graph=True) as ort:  # one mapping of the weights at a time
         report = compare_backends(reference, {"ort": ort}, cases, tol, steps, probes=False, free_running=False)
     entry = report["backends"]["ort"]
@@ -111,22 +115,41 @@ def validate(artifact: Path, manifest: Manifest, steps: int = VALIDATION_STEPS) 
     return record, table, where
 
 
+def reference_run(model_dir: Path, config, options: ExportOptions, steps: int = VALIDATION_STEPS) -> ReferenceRun:
+    """What validation compares ORT with: the float32 reference decoder of the checkpoint on the
+    validation cases (a debug export localizes to the layer outputs). Needs no artifact, so export
+    runs it in a child process while it writes and traces."""
+    dims = graph_dims(config, options.precision, options.variant)
+    tol = tolerance_for(options.precision.activations, config.to_dict())
+    ref = torch_reference(model_dir, dims, config.max_position_embeddings, debug=options.variant.debug_outputs)
+    with ref:
+        return run_reference(ref, random_cases(dims.vocab_size), steps, tol, probes=False)
+
+
 def _export_graphs(model_dir: Path, tmp: Path, config, options: ExportOptions,
                    progress: Callable[[str], None]) -> dict[str, GraphFile]:
-    """Stream the weights into the artifact's one weights file, then trace and contract-check both
-    graphs on the meta device (exporters/weights.py): the weights are never in memory whole."""
-    t = time.perf_counter()
+    """Write the artifact's one weights file on a thread while both graphs are traced on the meta
+    device (exporters/weights.py: the weights are never in memory whole, and tracing needs none),
+    then point the graphs at the file, optimize, grow and contract-check them."""
     dtype = torch_dtype(options.precision.weights)
     view = export_view(config, dtype)  # on the meta device
-    table = write_weights(CheckpointReader(model_dir, config), view, tmp / WEIGHTS_FILE, dtype)
+    stop = threading.Event()
+    writer = Background.thread(write_weights, CheckpointReader(model_dir, config), view, tmp / WEIGHTS_FILE, dtype,
+                               stop=stop)
+    dims = graph_dims(config, options.precision, options.variant)
+    try:
+        traced = {g: trace_graph(view, g, dims, options.variant) for g in contract.GRAPHS}
+        table = writer.result()
+    finally:
+        stop.set()  # a failed trace stops the writer at its next tensor
+        writer.close()
     data_bytes = (tmp / WEIGHTS_FILE).stat().st_size
     progress(f"write {WEIGHTS_FILE} from {model_dir} ({options.precision.weights}, {data_bytes / 2**20:,.1f} MiB, "
-             f"streamed): {time.perf_counter() - t:.1f} s")
-    dims = graph_dims(config, options.precision, options.variant)
+             f"streamed, beside tracing): {writer.seconds:.1f} s")
     opsets, seconds = {}, {}
     for graph in contract.GRAPHS:
         path = tmp / contract.GRAPH_FILES[graph]
-        seconds[graph], how = export_graph(view, graph, path, dims, options.variant, table)
+        seconds[graph], how = finish_graph(traced[graph], view, path, table)
         opsets[graph] = onnx_opset(check_graph_file(path, graph, dims, CONTRIB_OPS[options.variant.target]))
         cache = f", static cache of {dims.kv_capacity}" if graph == contract.DECODE and dims.kv_capacity else ""
         fused = ", ONNX Runtime fused kernels" if options.variant.target is Target.ORT else ""
@@ -145,6 +168,9 @@ def export_artifact(model_dir: str | Path, out: str | Path, options: ExportOptio
     config = read_config(model_dir)  # a bad checkpoint fails before the filesystem is touched
     options.check(config, has_cuda_provider=_ort_has_cuda)
     tmp, created = _prepare_out(out, options.force)
+    # the float32 reference needs only the checkpoint: a child process runs it while this one
+    # writes and traces, and exits (its memory with it) before ONNX Runtime maps the weights
+    reference = Background.process(reference_run, model_dir, config, options) if options.validate else None
     try:
         graphs = _export_graphs(model_dir, tmp, config, options, progress)
         lint = lint_graphs({g: onnx.load(str(tmp / contract.GRAPH_FILES[g]), load_external_data=False)
@@ -159,18 +185,25 @@ def export_artifact(model_dir: str | Path, out: str | Path, options: ExportOptio
                             dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), copied, versions(),
                             lint.to_dict())
         manifest.write(tmp)
-        if options.validate:
-            _validate(tmp, manifest, progress)
+        if reference is not None:
+            _validate(tmp, manifest, reference, progress)
         _move_into_place(tmp, out)
         return manifest
     except BaseException:
         shutil.rmtree(created or tmp, ignore_errors=True)
         raise
+    finally:
+        if reference is not None:
+            reference.close()
 
 
-def _validate(tmp: Path, manifest: Manifest, progress: Callable[[str], None]) -> None:
+def _validate(tmp: Path, manifest: Manifest, reference: "Background", progress: Callable[[str], None]) -> None:
     t = time.perf_counter()
-    manifest.validation, table, where = validate(tmp, manifest)
+    ref = reference.result()
+    progress(f"reference: torch float32 on the checkpoint, in a child process beside the export: "
+             f"{reference.seconds:.1f} s ({time.perf_counter() - t:.1f} s waited)")
+    t = time.perf_counter()
+    manifest.validation, table, where = validate(tmp, manifest, reference=ref)
     manifest.write(tmp)
     verdict = "passed" if manifest.validation["passed"] else "FAILED"
     progress(f"validate ORT vs torch float32 ({VALIDATION_STEPS} decode steps): {verdict}, "
