@@ -18,6 +18,7 @@ becomes `MatMul(x, W')`, a copy per graph, named differently in each). tk instea
 
 from __future__ import annotations
 
+import math
 import threading
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from models.loading import CheckpointReader
 
 WEIGHTS_FILE = "weights.onnx.data"
 ALIGN = 4096  # a page: ONNX Runtime maps page-aligned external data instead of reading it
+CHUNK = 16 << 20  # bytes per write(): 256 MiB writes cost 4x the kernel time of 16 MiB ones here
 PREFIX = "model."  # the graph wrapper holds the decoder as `model`
 
 
@@ -64,17 +66,33 @@ def export_view(cfg: DecoderConfig, dtype: torch.dtype) -> Decoder:
     return model.eval()
 
 
-def _tensor(reader: CheckpointReader, name: str, dtype: torch.dtype) -> torch.Tensor:
-    """One tensor of the export view, computed from the checkpoint."""
+class _Buffers:
+    """Two buffers reused from tensor to tensor: fresh memory costs a page fault per 4 KiB, much
+    of the writer's kernel time on TinyLlama's 4.1 GiB."""
+
+    def __init__(self):
+        self._bufs = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
+
+    def get(self, i: int, shape, dtype: torch.dtype) -> torch.Tensor:
+        n = math.prod(shape) * dtype.itemsize
+        if self._bufs[i].numel() < n:
+            self._bufs[i] = torch.empty(n, dtype=torch.uint8)
+        return self._bufs[i][:n].view(dtype).view(shape)
+
+
+def _tensor(reader: CheckpointReader, name: str, dtype: torch.dtype, bufs: _Buffers) -> torch.Tensor:
+    """One tensor of the export view, computed from the checkpoint (in `bufs` when large)."""
     cfg = reader.cfg
     if name == "inv_freq":
         return rope_inv_freq(cfg)
-    if name.endswith(".weight_t"):
-        return reader.tensor(name.removesuffix("_t"), dtype).T
     if name.endswith("norm.weight"):  # computed as RMSNorm.scale() computes it, from the dtype's weight
         offset = cfg.norm_offset if not name.split(".")[-2] in ("q_norm", "k_norm") else 0.0
         return reader.tensor(name, dtype).float() + offset
-    return reader.tensor(name, dtype)
+    ours = name.removesuffix("_t")
+    t = reader.tensor(ours, dtype, out=bufs.get(0, reader.shape(ours), dtype))
+    if name.endswith(".weight_t"):  # a contiguous transposed copy: 4-9x faster than into column slices
+        return bufs.get(1, t.T.shape, dtype).copy_(t.T)
+    return t
 
 
 def plan_weights(view: Decoder) -> dict[str, tuple]:
@@ -95,17 +113,19 @@ def write_weights(reader: CheckpointReader, view: Decoder, path: Path, dtype: to
                   stop: threading.Event | None = None) -> dict[str, tuple] | None:
     """Stream every parameter and buffer of the view into `path`, at the places `plan_weights` gives;
     -> that plan, or None when `stop` was set before the end (the caller failed meanwhile)."""
-    table = plan_weights(view)
+    table, bufs = plan_weights(view), _Buffers()
     with open(path, "wb") as out:
         for name, (offset, length, want_dtype, shape) in table.items():
             if stop is not None and stop.is_set():
                 return None
-            t = _tensor(reader, name.removeprefix(PREFIX), dtype).contiguous()
+            t = _tensor(reader, name.removeprefix(PREFIX), dtype, bufs).contiguous()
             if t.dtype != want_dtype or tuple(t.shape) != shape:
                 raise AssertionError(f"{name}: wrote {t.dtype} {tuple(t.shape)}, planned {want_dtype} {shape}")
             out.write(b"\0" * (offset - out.tell()))
             data = t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()  # numpy has no bf16
-            out.write(memoryview(np.ascontiguousarray(data)).cast("B"))
+            view = memoryview(np.ascontiguousarray(data)).cast("B")
+            for start in range(0, len(view), CHUNK):  # 4x less kernel time than one write per tensor
+                out.write(view[start:start + CHUNK])
             assert out.tell() == offset + length, name
             del t, data
     return table

@@ -12,6 +12,7 @@ checkpoints from the same table.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -160,34 +161,66 @@ class CheckpointReader:
             if got != shape:
                 raise CheckpointError(f"tensor {name} has shape {list(got)} but config.json implies {list(shape)}")
         self._headers: dict[Path, tuple[dict, int]] = {}
+        self._buffer = torch.empty(0, dtype=torch.uint8)
         self.map = weight_map(cfg)
         if cfg.tie_embeddings:
             self.map = {**self.map, "lm_head.weight": self.map["embed.weight"]}
 
-    def _read(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        """Read with pread, not through safetensors' memory map: mapped pages would stay resident
-        (and count in RSS) for as long as the reader lives, a second copy of the checkpoint."""
+    def _info(self, name: str) -> tuple[Path, dict, int]:
         path = self.files[name]
         if path not in self._headers:
             with open(path, "rb") as f:
                 n = int.from_bytes(f.read(8), "little")
                 self._headers[path] = (json.loads(f.read(n)), 8 + n)
         header, base = self._headers[path]
-        info = header[name]
-        begin, end = info["data_offsets"]
-        buf = bytearray(end - begin)
-        with open(path, "rb") as f:
-            got = os.preadv(f.fileno(), [buf], base + begin)
-        if got != len(buf) or info["dtype"] not in _ST_DTYPES:
-            raise CheckpointError(f"cannot read {name} from {path} (read {got} of {len(buf)} bytes, dtype "
-                                  f"{info['dtype']}); the file may be truncated")
-        t = torch.frombuffer(buf, dtype=_ST_DTYPES[info["dtype"]]) if buf else torch.empty(0, dtype=dtype)
-        return t.reshape(info["shape"]).to(dtype)
+        return path, header[name], base
 
-    def tensor(self, ours: str, dtype: torch.dtype) -> torch.Tensor:
-        """Our parameter `ours` (e.g. layers.0.attn.wqkv.weight), concatenated where we fuse."""
-        tensors = [self._read(name, dtype) for name, _ in self.map[ours]]
-        return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
+    def _read_into(self, name: str, out: torch.Tensor) -> None:
+        """Read `name` into `out` (its shape, any dtype) with pread, not through safetensors' memory
+        map: mapped pages would stay resident (and count in RSS) for as long as the reader lives, a
+        second copy of the checkpoint. In the checkpoint's dtype the bytes land in `out` directly."""
+        path, info, base = self._info(name)
+        if info["dtype"] not in _ST_DTYPES:
+            raise CheckpointError(f"cannot read {name} from {path}: dtype {info['dtype']} is not one tk reads")
+        begin, end = info["data_offsets"]
+        src = _ST_DTYPES[info["dtype"]]
+        buf = out if out.dtype == src else self._scratch(out.shape, src)
+        got = 0
+        if end > begin:
+            with open(path, "rb") as f:
+                got = os.preadv(f.fileno(), [buf.view(torch.uint8).numpy()], base + begin)
+        if got != end - begin or buf.numel() * buf.element_size() != end - begin:
+            raise CheckpointError(f"cannot read {name} from {path} (read {got} of {end - begin} bytes); "
+                                  "the file may be truncated")
+        if buf is not out:
+            out.copy_(buf)
+
+    def _scratch(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A reused buffer for reads that convert: fresh memory costs a page fault per 4 KiB."""
+        n = math.prod(shape) * dtype.itemsize
+        if self._buffer.numel() < n:
+            self._buffer = torch.empty(n, dtype=torch.uint8)
+        return self._buffer[:n].view(dtype).view(shape)
+
+    def shape(self, ours: str) -> tuple[int, ...]:
+        shapes = [self._info(name)[1]["shape"] for name, _ in self.map[ours]]
+        return (sum(s[0] for s in shapes), *shapes[0][1:]) if shapes[0] else ()
+
+    def tensor(self, ours: str, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Our parameter `ours` (e.g. layers.0.attn.wqkv.weight) in `dtype`, its parts (concatenated
+        along dim 0 where we fuse) read straight into their rows; into `out` when given (a buffer
+        the caller reuses)."""
+        parts = self.map[ours]
+        shapes = [self._info(name)[1]["shape"] for name, _ in parts]
+        if out is None:
+            out = torch.empty(self.shape(ours), dtype=dtype)
+        elif tuple(out.shape) != self.shape(ours) or out.dtype != dtype:
+            raise ValueError(f"{ours} is {dtype} {self.shape(ours)}, not {out.dtype} {tuple(out.shape)}")
+        row = 0
+        for (name, _), shape in zip(parts, shapes):
+            self._read_into(name, out[row:row + shape[0]] if shape else out)
+            row += shape[0] if shape else 0
+        return out
 
 
 def load_state_dict(folder: Path, cfg: DecoderConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -43,14 +43,15 @@ class Background:
         return self
 
     @classmethod
-    def process(cls, fn, *args) -> "Background":
+    def process(cls, fn, *args, env: dict[str, str] | None = None) -> "Background":
         """`fn` and `args` must pickle (a module-level function). The child is a fresh interpreter
         (`python -c`), not a fork (forking a process that runs torch's thread pools can deadlock)
-        and not multiprocessing's spawn (which re-runs the caller's unguarded script)."""
+        and not multiprocessing's spawn (which re-runs the caller's unguarded script); `env` adds to
+        its environment."""
         self = cls()
         read, write = os.pipe()
         self._proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(write)], stdin=subprocess.PIPE,
-                                      pass_fds=(write,))
+                                      pass_fds=(write,), env={**os.environ, **(env or {})})
         os.close(write)
         self._proc.stdin.write(pickle.dumps(sys.path) + pickle.dumps((fn, args)))
         self._proc.stdin.close()

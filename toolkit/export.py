@@ -39,6 +39,7 @@ from toolkit.parity_report import ReferenceRun, compare_backends, describe_diver
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
 VALIDATION_STEPS = 8
+REFERENCE_ENV = {"OMP_NUM_THREADS": "1"}  # the child shares the cores with tracing and the writer
 
 
 def versions() -> dict[str, str]:
@@ -170,7 +171,8 @@ def export_artifact(model_dir: str | Path, out: str | Path, options: ExportOptio
     tmp, created = _prepare_out(out, options.force)
     # the float32 reference needs only the checkpoint: a child process runs it while this one
     # writes and traces, and exits (its memory with it) before ONNX Runtime maps the weights
-    reference = Background.process(reference_run, model_dir, config, options) if options.validate else None
+    reference = Background.process(reference_run, model_dir, config, options, env=REFERENCE_ENV) \
+        if options.validate else None
     try:
         graphs = _export_graphs(model_dir, tmp, config, options, progress)
         lint = lint_graphs({g: onnx.load(str(tmp / contract.GRAPH_FILES[g]), load_external_data=False)
