@@ -21,8 +21,9 @@ from models import contract
 from models.artifact import STATIC_OPSET, Precision, Target, Variant
 from models.decoder import Decoder
 from models.errors import TkError
+from exporters.quantize_graph import dequantize_matmuls
 from exporters.replicate import TRACED_LAYERS, grow, order_io
-from exporters.weights import WEIGHTS_FILE, attach_external, export_view
+from exporters.weights import attach_external, export_view
 
 MS_DOMAIN = "com.microsoft"
 CONTRIB_OPS = {Target.PORTABLE: frozenset(),  # what each target may use outside the default domain
@@ -203,9 +204,11 @@ def trace_graph(model: Decoder, graph: str, dims: contract.GraphDims, variant: V
     return Traced(graph, dims, variant, program, layers, time.perf_counter() - start)
 
 
-def finish_graph(traced: Traced, model: Decoder, path: Path, weights: dict[str, tuple]) -> tuple[float, str]:
+def finish_graph(traced: Traced, model: Decoder, path: Path, weights: dict[str, tuple],
+                 block_size: int | None = None) -> tuple[float, str]:
     """Point the traced graph's initializers into the weights file `weights` describes (it must be
-    written by now), run the exporter's optimizer over the real data, grow the layers
+    written by now; quantized weights, with `block_size`, read through DequantizeLinear:
+    exporters/quantize_graph.py), run the exporter's optimizer over the real data, grow the layers
     (exporters/replicate.py; when they do not repeat exactly, trace every layer instead) and save it
     to `path`. Returns the graph's seconds in all, and how its layers were made."""
     import onnx_ir as ir
@@ -213,15 +216,15 @@ def finish_graph(traced: Traced, model: Decoder, path: Path, weights: dict[str, 
     start = time.perf_counter()
     graph, dims, layers = traced.graph, traced.dims, model.config.num_layers
     program, how = traced.program, f"traced {layers} layers"
-    _optimize(program, weights, path.parent)
+    _optimize(program, weights, path.parent, block_size)
     if traced.layers < layers:
-        why = grow(program.model, layers, weights, lambda m: attach_external(m, weights, WEIGHTS_FILE, path.parent))
+        why = grow(program.model, layers, weights, lambda m: attach_external(m, weights, path.parent))
         if why is None:
             order_io(program.model.graph, [s.name for s in dims.inputs(graph)], [s.name for s in dims.outputs(graph)])
             how = f"traced {traced.layers} layers, copied to {layers}"
         else:
             program = _trace(model, graph, dims, traced.variant)
-            _optimize(program, weights, path.parent)
+            _optimize(program, weights, path.parent, block_size)
             how += f" ({why})"
     _rename_dims(program.model.graph)
     ir.save(program.model, str(path))
@@ -234,10 +237,12 @@ def export_graph(model: Decoder, graph: str, path: Path, dims: contract.GraphDim
     return finish_graph(trace_graph(model, graph, dims, variant), model, path, weights)
 
 
-def _optimize(program, weights: dict[str, tuple], base_dir: Path) -> None:
+def _optimize(program, weights: dict[str, tuple], base_dir: Path, block_size: int | None) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        attach_external(program.model, weights, WEIGHTS_FILE, base_dir)
+        if block_size is not None:
+            dequantize_matmuls(program.model, weights, block_size, base_dir)
+        attach_external(program.model, weights, base_dir)
         program.optimize()  # what export(optimize=True) runs (folding, fusions), now over the real data
 
 

@@ -30,10 +30,13 @@ from torch import nn
 
 from models.config import DecoderConfig
 from models.decoder import Decoder, RMSNorm, rope_inv_freq
+from models.artifact import Precision
 from models.loading import CheckpointReader
+from models.quantize import pack_int4, quantize, quantized_layers
 
 WEIGHTS_FILE = "weights.onnx.data"
 ALIGN = 4096  # a page: ONNX Runtime maps page-aligned external data instead of reading it
+QUANT, SCALE = ".quant", ".scale"  # a quantized weight's two initializers
 CHUNK = 16 << 20  # bytes per write(): 256 MiB writes cost 4x the kernel time of 16 MiB ones here
 PREFIX = "model."  # the graph wrapper holds the decoder as `model`
 
@@ -95,53 +98,96 @@ def _tensor(reader: CheckpointReader, name: str, dtype: torch.dtype, bufs: _Buff
     return t
 
 
-def plan_weights(view: Decoder) -> dict[str, tuple]:
+def quantized_names(view: Decoder, precision: Precision | None) -> set[str]:
+    """The view's `weight_t` initializers a quantized export stores as (QUANT, SCALE) pairs."""
+    if precision is None or not precision.quantized:
+        return set()
+    return {PREFIX + n + "_t" for n in quantized_layers(view.config, precision.quantized_lm_head)}
+
+
+def plan_weights(view: Decoder, precision: Precision | None = None) -> dict[str, tuple]:
     """Where each parameter and buffer of the view goes in the weights file, before a byte is read:
-    initializer name -> (offset, length, dtype, shape), page-aligned, in the view's order. The graphs
-    can point at the file while it is still being written."""
+    initializer name -> (offset, length, dtype, shape), page-aligned, in the view's order (dtype: a
+    torch dtype, or "int4"). A quantized weight `W` is two entries instead, `W.quant` (int4 or int8,
+    [K, N]) and `W.scale` ([K / block, N], in the activations' dtype). The graphs can point at the
+    file while it is still being written."""
+    quantized = quantized_names(view, precision)
+    entries = []
+    for name, t in [*view.named_parameters(), *view.named_buffers()]:
+        name = PREFIX + name
+        if name not in quantized:
+            entries.append((name, t.numel() * t.element_size(), t.dtype, tuple(t.shape)))
+            continue
+        k, n = t.shape
+        bits = precision.weights
+        entries.append((name + QUANT, (k * n + 1) // 2 if bits == "int4" else k * n,
+                        "int4" if bits == "int4" else torch.int8, (k, n)))
+        entries.append((name + SCALE, k // precision.block_size * n * t.element_size(), t.dtype,
+                        (k // precision.block_size, n)))
     table, offset = {}, 0
-    tensors = [*view.named_parameters(), *view.named_buffers()]
-    for name, t in tensors:
+    for name, length, dtype, shape in entries:
         offset += -offset % ALIGN
-        length = t.numel() * t.element_size()
-        table[PREFIX + name] = (offset, length, t.dtype, tuple(t.shape))
+        table[name] = (offset, length, dtype, shape)
         offset += length
     return table
 
 
 def write_weights(reader: CheckpointReader, view: Decoder, path: Path, dtype: torch.dtype,
-                  stop: threading.Event | None = None) -> dict[str, tuple] | None:
-    """Stream every parameter and buffer of the view into `path`, at the places `plan_weights` gives;
-    -> that plan, or None when `stop` was set before the end (the caller failed meanwhile)."""
-    table, bufs = plan_weights(view), _Buffers()
+                  stop: threading.Event | None = None, precision: Precision | None = None) -> dict[str, tuple] | None:
+    """Stream every parameter and buffer of the view into `path`, at the places `plan_weights` gives
+    (quantizing where `precision` says, models/quantize.py); -> that plan, or None when `stop` was
+    set before the end (the caller failed meanwhile)."""
+    table, bufs = plan_weights(view, precision), _Buffers()
     with open(path, "wb") as out:
         for name, (offset, length, want_dtype, shape) in table.items():
             if stop is not None and stop.is_set():
                 return None
+            if name.endswith(SCALE):
+                continue  # written with its QUANT
+            if name.endswith(QUANT):
+                base = name.removesuffix(QUANT)
+                w_t = _tensor(reader, base.removeprefix(PREFIX), torch.float32, bufs).numpy()
+                q, scales = quantize(w_t, precision.weights, precision.block_size)
+                _write(out, offset, pack_int4(q) if want_dtype == "int4" else q, length, name)
+                s_offset, s_length, s_dtype, _ = table[base + SCALE]
+                _write(out, s_offset, torch.from_numpy(scales).to(s_dtype), s_length, base + SCALE)
+                continue
             t = _tensor(reader, name.removeprefix(PREFIX), dtype, bufs).contiguous()
             if t.dtype != want_dtype or tuple(t.shape) != shape:
                 raise AssertionError(f"{name}: wrote {t.dtype} {tuple(t.shape)}, planned {want_dtype} {shape}")
-            out.write(b"\0" * (offset - out.tell()))
-            data = t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()  # numpy has no bf16
-            view = memoryview(np.ascontiguousarray(data)).cast("B")
-            for start in range(0, len(view), CHUNK):  # 4x less kernel time than one write per tensor
-                out.write(view[start:start + CHUNK])
-            assert out.tell() == offset + length, name
-            del t, data
+            _write(out, offset, t, length, name)
+            del t
     return table
 
 
-def attach_external(ir_model, table: dict[str, tuple], location: str, base_dir: Path) -> None:
-    """Point the graph's meta initializers at their place in the weights file."""
+def _write(out, offset: int, t, length: int, name: str) -> None:
+    """Write tensor or array `t` at `offset` (after zero padding), checking it fills `length`."""
+    out.write(b"\0" * (offset - out.tell()))
+    if isinstance(t, torch.Tensor):
+        t = t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()  # numpy has no bf16
+    view = memoryview(np.ascontiguousarray(t)).cast("B")
+    for start in range(0, len(view), CHUNK):  # 4x less kernel time than one write per tensor
+        out.write(view[start:start + CHUNK])
+    if out.tell() != offset + length:
+        raise AssertionError(f"{name}: wrote {out.tell() - offset} bytes, planned {length}")
+
+
+def external_tensor(name: str, entry: tuple, base_dir: Path):
+    """The onnx_ir tensor of one entry of the weights file's table, read from the file on demand."""
     import onnx_ir as ir
 
     dtypes = {torch.float32: ir.DataType.FLOAT, torch.float16: ir.DataType.FLOAT16,
-              torch.bfloat16: ir.DataType.BFLOAT16}
+              torch.bfloat16: ir.DataType.BFLOAT16, torch.int8: ir.DataType.INT8, "int4": ir.DataType.INT4}
+    offset, length, dtype, shape = entry
+    return ir.ExternalTensor(WEIGHTS_FILE, offset, length, dtypes[dtype], shape=ir.Shape(shape), name=name,
+                             base_dir=str(base_dir))
+
+
+def attach_external(ir_model, table: dict[str, tuple], base_dir: Path) -> None:
+    """Point the graph's meta initializers at their place in the weights file."""
     for name, value in ir_model.graph.initializers.items():
         if name in table:
-            offset, length, dtype, shape = table[name]
-            value.const_value = ir.ExternalTensor(location, offset, length, dtypes[dtype], shape=ir.Shape(shape),
-                                                  name=name, base_dir=str(base_dir))
+            value.const_value = external_tensor(name, table[name], base_dir)
 
 
 def external_initializers(model: onnx.ModelProto) -> dict[str, tuple[int, int, int, tuple[int, ...]]]:

@@ -48,18 +48,37 @@ MIN_OPSET, DEFAULT_OPSET, MAX_OPSET = 18, 23, 23
 STATIC_OPSET = 24  # TensorScatter
 
 
+QUANTIZED = ("int4", "int8")  # weight-only, blockwise symmetric (models/quantize.py)
+BLOCK_SIZES = (16, 32, 64, 128, 256)  # what ONNX Runtime's MatMulNBits takes
+DEFAULT_BLOCK = 32  # onnxruntime-genai's int4 CPU default; TensorRT takes 64 or 128 (tk build-engine says so)
+
+
 @dataclass(frozen=True)
 class Precision:
-    """Weights, activations and KV cache as separate dtypes (today all three are one float dtype)."""
+    """Weights, activations and KV cache as separate dtypes. Quantized weights ("int4", "int8")
+    carry their block size (K rows per scale) and whether the LM head is quantized too; their
+    scales and every activation are in `activations`."""
 
     weights: str = "float32"
     activations: str = "float32"
     kv: str = "float32"
+    block_size: int | None = None
+    quantized_lm_head: bool = False
 
     @classmethod
     def of(cls, dtype: str) -> "Precision":
         d = canonical_dtype(dtype)
         return cls(d, d, d)
+
+    @property
+    def quantized(self) -> bool:
+        return self.weights in QUANTIZED
+
+    def describe(self) -> str:
+        if not self.quantized:
+            return self.weights
+        head = ", LM head too" if self.quantized_lm_head else ""
+        return f"{self.weights} weights (block {self.block_size}{head}), {self.activations} activations"
 
 
 @dataclass(frozen=True)
@@ -92,8 +111,20 @@ class ExportOptions:
     @classmethod
     def from_flags(cls, dtype: str = "fp32", opset: int = DEFAULT_OPSET, kv_cache: str = "dynamic",
                    max_seq_len: int | None = None, target: str = "portable", prefill_logits: str = "all",
-                   debug_outputs: bool = False, validate: bool = True, force: bool = False) -> "ExportOptions":
+                   debug_outputs: bool = False, validate: bool = True, force: bool = False, weights: str | None = None,
+                   block_size: int | None = None, quantize_lm_head: bool = True) -> "ExportOptions":
         """The options of `tk export`, each checked alone and in combination (usage errors, exit 2)."""
+        if weights is not None and weights not in QUANTIZED:
+            raise UsageProblem(f"unknown --weights {weights!r}; use one of {', '.join(QUANTIZED)} (or leave it out "
+                               "for weights in --dtype)")
+        if weights is None and block_size is not None:
+            raise UsageProblem("--block-size sets the quantization block; add --weights int4 or int8")
+        if weights is not None and opset < 21:
+            raise UsageProblem(f"--weights {weights} needs --opset 21 or later (blocked DequantizeLinear, INT4)")
+        block_size = DEFAULT_BLOCK if weights is not None and block_size is None else block_size
+        if block_size is not None and block_size not in BLOCK_SIZES:
+            raise UsageProblem(f"--block-size {block_size} is not one ONNX Runtime's MatMulNBits takes; use one of "
+                               f"{', '.join(map(str, BLOCK_SIZES))}")
         for value, kind in ((target, Target), (kv_cache, CacheLayout), (prefill_logits, PrefillLogits)):
             if value not in {k.value for k in kind}:
                 raise UsageProblem(f"unknown {kind.__name__} {value!r}; use one of "
@@ -108,7 +139,11 @@ class ExportOptions:
             raise UsageProblem("--debug-outputs works with the dynamic cache and the portable target; drop "
                                "--kv-cache static and --target for a debug export")
         variant = Variant(target, kv_cache, max_seq_len, prefill_logits, debug_outputs, opset)
-        return cls(Precision.of(dtype), variant, validate, force)
+        precision = Precision.of(dtype)
+        if weights is not None:
+            precision = dataclasses.replace(precision, weights=weights, block_size=block_size,
+                                            quantized_lm_head=quantize_lm_head)
+        return cls(precision, variant, validate, force)
 
     def check(self, config, has_cuda_provider: Callable[[], bool] = lambda: False) -> None:
         """Refusals that depend on the model (a DecoderConfig), all before any weight is read.
@@ -124,6 +159,17 @@ class ExportOptions:
             if problems:
                 raise UsageProblem(f"--target ort does not support {' or '.join(problems)} ({config.architecture}); "
                                    "export with --target portable")
+        p = self.precision
+        if p.quantized:
+            from models.quantize import layer_ks
+
+            for layer, k in layer_ks(config).items():
+                if k % p.block_size:
+                    raise UsageProblem(f"--block-size {p.block_size} does not divide the K of {layer}, {k}; "
+                                       f"choose a block size that divides {k}")
+            if p.activations == "bfloat16" and not has_cuda_provider():
+                raise UsageProblem(f"{p.weights} weights with bf16 activations have no ONNX Runtime CPU kernel "
+                                   "(MatMulNBits takes fp32 or fp16); use --dtype fp32 or fp16")
         if self.validate and self.precision.activations == "bfloat16" and not has_cuda_provider():
             raise UsageProblem("bf16 graphs cannot be validated here: ONNX Runtime's CPU provider has no bf16 "
                                "MatMul; export with --no-validate and check on a GPU (tk parity), or use --dtype fp16")

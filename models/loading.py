@@ -245,3 +245,20 @@ def load_decoder(folder: str | Path, dtype: str | torch.dtype = "float32") -> De
         model.lm_head.weight = model.embed.weight
     model.inv_freq = rope_inv_freq(cfg)
     return model.eval()
+
+
+def quantize_weights_(model: Decoder, precision) -> Decoder:
+    """The quantized reference: each linear weight a quantized export stores quantized replaced,
+    in place, by its dequantized value (models/quantize.py; scales rounded to the activations'
+    dtype as the artifact stores them), so that eager PyTorch computes what the graphs compute."""
+    from models.quantize import dequantize, quantize, quantized_layers
+
+    scale_dtype = torch_dtype(precision.activations)
+    for name in quantized_layers(model.config, precision.quantized_lm_head):
+        module = model.get_submodule(name.removesuffix(".weight"))
+        w_t = module.weight.detach().float().T.numpy()
+        q, scales = quantize(w_t, precision.weights, precision.block_size)
+        scales = torch.from_numpy(scales).to(scale_dtype).float().numpy()
+        w = torch.from_numpy(dequantize(q, scales, precision.block_size)).T.contiguous()
+        module.weight = torch.nn.Parameter(w.to(module.weight.dtype), requires_grad=False)  # unties a tied head
+    return model

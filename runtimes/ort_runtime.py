@@ -24,6 +24,32 @@ from runtimes.base import BackendUnavailable, Runtime, StepOutput
 _SHARED_POOL: dict = {"wanted": False, "threads": None}  # ORT's own process-wide state, mirrored
 
 
+QUANT_COMPUTE = {"int8": "4", "float": "1"}  # MatMulNBits accuracy level of each
+
+
+def session_options(ort, threads: int | None = None):
+    """SessionOptions for a tk session: full graph optimization, quiet, and on the process-wide
+    pool when the process opted in (use_shared_thread_pool), else on a non-spinning pool of its own."""
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts.log_severity_level = 3
+    # Prefill and decode each have a session. With a thread pool each, the spinning threads of
+    # one steal the cores the other needs (55M model, 2 cores: time to first token 57 ms).
+    # Without spinning: 30 ms. Sharing ORT's process-wide pool is faster still (28 ms, and
+    # decode 3.8 instead of 4.1 ms/token) but binds every ORT session in the process to it,
+    # so only a process that is tk's own opts in (the tk command does).
+    if _SHARED_POOL["wanted"]:
+        if _SHARED_POOL["threads"] is None:
+            ort.set_global_thread_pool_sizes(threads or 0, 1)  # 0: ORT chooses
+            _SHARED_POOL["threads"] = threads or 0
+        opts.use_per_session_threads = False
+    else:
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        if threads:
+            opts.intra_op_num_threads = threads
+    return opts
+
+
 def use_shared_thread_pool() -> None:
     """Run every tk ORT session of this process on ORT's process-wide thread pool, sized by the
     first runtime's thread count. Call it before any ORT session exists, and only in a process
@@ -35,19 +61,28 @@ class OrtRuntime(Runtime):
     name = "ort"
 
     def __init__(self, artifact: str | Path, threads: int | None = None, provider: str = "auto",
-                 profile: bool = False, huge_pages: bool = True, prepack: bool = False, one_graph: bool = False):
+                 profile: bool = False, huge_pages: bool = True, prepack: bool = False, one_graph: bool = False,
+                 quant_compute: str = "int8"):
         """prepack: let each session repack its MatMul weights for the CPU's kernels (faster decode,
         a private copy per session); without it both sessions read the artifact's one weights file,
         which ONNX Runtime memory-maps: one copy in memory (each session maps it, so RSS, which counts
         a page once per mapping, shows it twice once both graphs ran; PSS shows it once).
         one_graph: hold one graph's session at a time, loaded when it runs (cheap over the mapped
         file): export validation, whose teacher-forced decode steps need no prefill in between, then
-        peaks at one mapping of the weights."""
+        peaks at one mapping of the weights.
+        quant_compute (quantized artifacts, whose MatMuls ONNX Runtime fuses into MatMulNBits, always
+        prepacked: the packed int4/int8 copy is what its kernels read): "int8" quantizes each block
+        of activations to int8 (accuracy level 4, the fast path), "float" dequantizes the weights
+        to float and multiplies in float (level 1, several times slower): what the quantized
+        reference computes, so the graphs can be judged with float tolerances."""
+        if quant_compute not in QUANT_COMPUTE:
+            raise ValueError(f"quant_compute must be one of {', '.join(QUANT_COMPUTE)}, not {quant_compute!r}")
         self.artifact = Path(artifact)
         self.manifest = Manifest.read(self.artifact)
         super().__init__(self.manifest.dims, self.manifest.max_context)
         self.threads, self.provider, self.profile, self.huge_pages = threads, provider, profile, huge_pages
-        self.prepack, self.one_graph = prepack, one_graph
+        self.prepack = prepack or self.manifest.precision.quantized
+        self.one_graph, self.quant_compute = one_graph, quant_compute
         self.huge_page_bytes = 0  # how much of what the sessions allocated now sits on huge pages
 
     def _load(self) -> None:
@@ -66,25 +101,11 @@ class OrtRuntime(Runtime):
         self.device = "cuda" if use_cuda else "cpu"
         self._ort = ort
         self.output_names: dict[str, list[str]] = {}
-        opts = ort.SessionOptions()
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        opts.log_severity_level = 3
+        opts = session_options(ort, self.threads)
         if not self.prepack:  # both sessions use the memory-mapped weights file as it is
             opts.add_session_config_entry("session.disable_prepacking", "1")
-        # Prefill and decode each have a session. With a thread pool each, the spinning threads of
-        # one steal the cores the other needs (55M model, 2 cores: time to first token 57 ms).
-        # Without spinning: 30 ms. Sharing ORT's process-wide pool is faster still (28 ms, and
-        # decode 3.8 instead of 4.1 ms/token) but binds every ORT session in the process to it,
-        # so only a process that is tk's own opts in (the tk command does).
-        if _SHARED_POOL["wanted"]:
-            if _SHARED_POOL["threads"] is None:
-                ort.set_global_thread_pool_sizes(self.threads or 0, 1)  # 0: ORT chooses
-                _SHARED_POOL["threads"] = self.threads or 0
-            opts.use_per_session_threads = False
-        else:
-            opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-            if self.threads:
-                opts.intra_op_num_threads = self.threads
+        if self.manifest.precision.quantized:
+            opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", QUANT_COMPUTE[self.quant_compute])
         if self.profile:  # ORT's own trace of every run and kernel (tk bench --profile)
             opts.enable_profiling = True
             opts.profile_file_prefix = str(Path(tempfile.gettempdir()) / "tk-ort-profile")

@@ -46,9 +46,10 @@ def open_runtime(artifact: str | Path, name: str, options: BackendOptions = Back
 
 
 def reference_runtime(artifact: str | Path, manifest: Manifest | None = None, dtype: str = "float32",
-                      device: str = "cpu", debug: bool = False):
+                      device: str = "cpu", debug: bool = False, quantized: bool = True):
     """The PyTorch backend for an artifact: the reference decoder, loaded on activation from the source
-    checkpoint recorded in its manifest (tk does not copy the weights a second time)."""
+    checkpoint recorded in its manifest (tk does not copy the weights a second time). For a quantized
+    artifact, the quantized reference, unless `quantized` is False (the full-precision one)."""
     manifest = manifest or Manifest.read(artifact)
     source = Path(manifest.source["path"])
     if not (source / "config.json").is_file():
@@ -56,18 +57,22 @@ def reference_runtime(artifact: str | Path, manifest: Manifest | None = None, dt
                             "and it is gone; restore it or re-export from its new place")
     if sha256_file(source / "config.json") != manifest.source["config_sha256"]:
         raise ArtifactError(f"the checkpoint at {source} changed since export (config.json differs); re-export")
-    return torch_reference(source, manifest.dims, manifest.max_context, dtype, device, debug)
+    quantized = manifest.precision if manifest.precision.quantized and quantized else None
+    return torch_reference(source, manifest.dims, manifest.max_context, dtype, device, debug, quantized)
 
 
 def torch_reference(source: Path, dims, max_context: int, dtype: str = "float32", device: str = "cpu",
-                    debug: bool = False):
-    """The reference decoder of the checkpoint at `source` for graphs of `dims`, loaded on activation."""
+                    debug: bool = False, quantized=None):
+    """The reference decoder of the checkpoint at `source` for graphs of `dims`, loaded on activation;
+    with `quantized` (a quantized Precision), the quantized reference: its linear weights are what
+    the artifact's quantized weights dequantize to."""
     from runtimes.torch_runtime import TorchRuntime
 
     def load():
-        from models.loading import load_decoder
+        from models.loading import load_decoder, quantize_weights_
 
-        return load_decoder(source, dtype)
+        model = load_decoder(source, dtype)
+        return quantize_weights_(model, quantized) if quantized is not None else model
 
     # the reference runs the plain graphs' math: no static buffer, every position's logits
     dims = dataclasses.replace(dims, kv_dtype=dtype, kv_capacity=None, hidden_size=None, prefill_logits="all")

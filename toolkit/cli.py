@@ -15,7 +15,7 @@ from pathlib import Path
 
 import click
 
-from models.artifact import CacheLayout, PrefillLogits, Target
+from models.artifact import DEFAULT_BLOCK, QUANTIZED, CacheLayout, PrefillLogits, Target
 from models.dtypes import DTYPE_CHOICES
 from models.errors import CheckFailed, TkError
 from toolkit.backends import BACKENDS, PROVIDERS, BackendOptions
@@ -121,13 +121,21 @@ def main(ctx: click.Context, debug: bool) -> None:
 @click.option("--prefill-logits", default="all", show_default=True, type=_choices(PrefillLogits),
               help="all (every prompt position) or last (the last position only: what generation needs, and a "
                    "faster first token).")
+@click.option("--weights", type=click.Choice(QUANTIZED),
+              help="Weight-only quantization of every linear layer (activations stay in --dtype).")
+@click.option("--block-size", type=int, help=f"Rows of K per scale with --weights (default {DEFAULT_BLOCK}; "
+              "TensorRT takes 64 or 128).")
+@click.option("--quantize-lm-head/--no-quantize-lm-head", default=True, show_default=True,
+              help="Quantize the LM head too with --weights.")
 def export(model_dir: Path, out: Path, dtype: str, opset: int, no_validate: bool, force: bool, kv_cache: str,
-           max_seq_len: int | None, debug_outputs: bool, target: str, prefill_logits: str) -> None:
+           max_seq_len: int | None, debug_outputs: bool, target: str, prefill_logits: str, weights: str | None,
+           block_size: int | None, quantize_lm_head: bool) -> None:
     """Export MODEL_DIR (a Hugging Face checkpoint folder) to prefill/decode ONNX graphs."""
     from models.artifact import ExportOptions
 
     options = ExportOptions.from_flags(dtype, opset, kv_cache, max_seq_len, target, prefill_logits, debug_outputs,
-                                       not no_validate, force)  # every flag checked before any work
+                                       not no_validate, force, weights, block_size,
+                                       quantize_lm_head)  # every flag checked before any work
     from toolkit.export import export_artifact
 
     click.echo(f"tk export {model_dir} -> {out}", err=True)

@@ -93,38 +93,61 @@ def _move_into_place(tmp: Path, out: Path) -> None:
 
 
 def validate(artifact: Path, manifest: Manifest, steps: int = VALIDATION_STEPS,
-             reference: ReferenceRun | None = None) -> tuple[dict, str, str | None]:
+             reference: tuple[ReferenceRun, ReferenceRun | None] | None = None) -> tuple[dict, str, str | None]:
     """Export validation: ORT on the artifact vs the float32 PyTorch reference, through the parity
-    engine without its probes. `reference`: the reference's run when it was made already (export
-    makes it beside tracing, with `reference_run`). Returns the manifest record, a printable table,
-    and where ORT first left its tolerance (None when it passed)."""
+    engine without its probes. A quantized artifact is judged against the quantized reference with
+    the same float tolerances, ORT multiplying in float ("float" compute); its fused MatMuls and its
+    quantization error (toolkit/quant_check.py) are checked after. `reference`: the runs of
+    `reference_run` when made already (export makes them beside tracing). Returns the manifest
+    record, a printable table, and what failed first (None when all passed)."""
     from runtimes.ort_runtime import OrtRuntime
 
     tol = tolerance_for(manifest.dtype, manifest.config)
     cases = random_cases(manifest.dims.vocab_size)
     if reference is None:
-        with reference_runtime(artifact, manifest, debug=manifest.variant.debug_outputs) as ref:
-            reference = run_reference(ref, cases, steps, tol, probes=False)  # unloaded before ORT loads
-    with OrtRuntime(artifact, one_graph=True) as ort:  # one mapping of the weights at a time
-        report = compare_backends(reference, {"ort": ort}, cases, tol, steps, probes=False, free_running=False)
+        reference = _reference_runs(lambda quantized: reference_runtime(
+            artifact, manifest, debug=manifest.variant.debug_outputs, quantized=quantized), manifest.precision,
+            cases, steps, tol)
+    graphs_ref, full_ref = reference
+    with OrtRuntime(artifact, one_graph=True, quant_compute="float") as ort:  # one mapping of the weights at a time
+        report = compare_backends(graphs_ref, {"ort": ort}, cases, tol, steps, probes=False, free_running=False)
     entry = report["backends"]["ort"]
-    record = {"passed": report["passed"], "reference": "torch float32", "steps": steps,
-              "tolerance": dataclasses.asdict(tol), "comparisons": entry["cases"],
+    quantized = manifest.precision.quantized
+    record = {"passed": report["passed"], "reference": "torch float32" + (", quantized weights" if quantized else ""),
+              "steps": steps, "tolerance": dataclasses.asdict(tol), "comparisons": entry["cases"],
               "first_divergence": entry["first_divergence"]}
     table = format_table([Comparison.from_dict(c) for c in entry["cases"]])
     where = describe_divergence("ort", entry["first_divergence"]) if entry["first_divergence"] else None
+    if quantized and report["passed"]:
+        from toolkit.quant_check import check_fused, quantization_error
+
+        record["fused_matmulnbits"] = check_fused(artifact, manifest)
+        record["quantization"], q_table = quantization_error(artifact, manifest, full_ref, cases, steps)
+        table += "\n" + q_table
     return record, table, where
 
 
-def reference_run(model_dir: Path, config, options: ExportOptions, steps: int = VALIDATION_STEPS) -> ReferenceRun:
+def _reference_runs(open_reference, precision, cases, steps, tol) -> tuple[ReferenceRun, ReferenceRun | None]:
+    """(the run the graphs must match, the full-precision run when the weights are quantized)."""
+    runs = []
+    for quantized in ([True, False] if precision.quantized else [False]):
+        with open_reference(quantized) as ref:  # unloaded before the next, and before ORT loads
+            runs.append(run_reference(ref, cases, steps, tol, probes=False))
+    return runs[0], runs[1] if len(runs) > 1 else None
+
+
+def reference_run(model_dir: Path, config, options: ExportOptions,
+                  steps: int = VALIDATION_STEPS) -> tuple[ReferenceRun, ReferenceRun | None]:
     """What validation compares ORT with: the float32 reference decoder of the checkpoint on the
-    validation cases (a debug export localizes to the layer outputs). Needs no artifact, so export
-    runs it in a child process while it writes and traces."""
+    validation cases (a debug export localizes to the layer outputs; quantized weights: also the
+    quantized reference). Needs no artifact, so export runs it in a child process while it writes
+    and traces."""
     dims = graph_dims(config, options.precision, options.variant)
     tol = tolerance_for(options.precision.activations, config.to_dict())
-    ref = torch_reference(model_dir, dims, config.max_position_embeddings, debug=options.variant.debug_outputs)
-    with ref:
-        return run_reference(ref, random_cases(dims.vocab_size), steps, tol, probes=False)
+    p = options.precision
+    return _reference_runs(lambda quantized: torch_reference(
+        model_dir, dims, config.max_position_embeddings, debug=options.variant.debug_outputs,
+        quantized=p if quantized else None), p, random_cases(dims.vocab_size), steps, tol)
 
 
 def _export_graphs(model_dir: Path, tmp: Path, config, options: ExportOptions,
@@ -132,11 +155,12 @@ def _export_graphs(model_dir: Path, tmp: Path, config, options: ExportOptions,
     """Write the artifact's one weights file on a thread while both graphs are traced on the meta
     device (exporters/weights.py: the weights are never in memory whole, and tracing needs none),
     then point the graphs at the file, optimize, grow and contract-check them."""
-    dtype = torch_dtype(options.precision.weights)
+    p = options.precision
+    dtype = torch_dtype(p.activations if p.quantized else p.weights)  # the view's: quantized weights are traced in it
     view = export_view(config, dtype)  # on the meta device
     stop = threading.Event()
     writer = Background.thread(write_weights, CheckpointReader(model_dir, config), view, tmp / WEIGHTS_FILE, dtype,
-                               stop=stop)
+                               stop=stop, precision=options.precision)
     dims = graph_dims(config, options.precision, options.variant)
     try:
         traced = {g: trace_graph(view, g, dims, options.variant) for g in contract.GRAPHS}
@@ -145,12 +169,12 @@ def _export_graphs(model_dir: Path, tmp: Path, config, options: ExportOptions,
         stop.set()  # a failed trace stops the writer at its next tensor
         writer.close()
     data_bytes = (tmp / WEIGHTS_FILE).stat().st_size
-    progress(f"write {WEIGHTS_FILE} from {model_dir} ({options.precision.weights}, {data_bytes / 2**20:,.1f} MiB, "
+    progress(f"write {WEIGHTS_FILE} from {model_dir} ({p.describe()}, {data_bytes / 2**20:,.1f} MiB, "
              f"streamed, beside tracing): {writer.seconds:.1f} s")
     opsets, seconds = {}, {}
     for graph in contract.GRAPHS:
         path = tmp / contract.GRAPH_FILES[graph]
-        seconds[graph], how = finish_graph(traced[graph], view, path, table)
+        seconds[graph], how = finish_graph(traced[graph], view, path, table, options.precision.block_size)
         opsets[graph] = onnx_opset(check_graph_file(path, graph, dims, CONTRIB_OPS[options.variant.target]))
         cache = f", static cache of {dims.kv_capacity}" if graph == contract.DECODE and dims.kv_capacity else ""
         fused = ", ONNX Runtime fused kernels" if options.variant.target is Target.ORT else ""
@@ -210,6 +234,14 @@ def _validate(tmp: Path, manifest: Manifest, reference: "Background", progress: 
     verdict = "passed" if manifest.validation["passed"] else "FAILED"
     progress(f"validate ORT vs torch float32 ({VALIDATION_STEPS} decode steps): {verdict}, "
              f"{time.perf_counter() - t:.1f} s")
+    q = manifest.validation.get("quantization")
+    if q is not None:
+        fused = manifest.validation["fused_matmulnbits"]
+        progress(f"quantized MatMuls fused into MatMulNBits: {fused['prefill']} and {fused['decode']}, all; "
+                 f"quantization error vs full precision: top-1 {q['top1_mean']:.3f}, top-5 {q['top5_mean']:.3f}, "
+                 f"KL {q['kl_max_mean']:.3g}" + ("" if q["within_table"] else
+                                                 " -- MORE than the table expects: measure it on your text "
+                                                 "with tk eval before you deploy"))
     if not manifest.validation["passed"]:
         raise CheckFailed(f"export validation failed: {where or 'ort failed its ' + manifest.dtype + ' tolerance'}",
                           table)

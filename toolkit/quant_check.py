@@ -1,0 +1,118 @@
+"""What a quantized artifact must also pass, after its graphs matched the quantized reference:
+
+- every quantized MatMul fused: ONNX Runtime turns `MatMul(x, DequantizeLinear(...))` into
+  MatMulNBits at session creation, and an unfused pair still runs, 56-120x slower per matmul; the
+  optimized graph ORT writes (`optimized_model_filepath`) is counted, and an unfused one named;
+- quantization error, measured and recorded: ORT as users run it ("int8" compute) against the
+  full-precision float32 reference, top-1 agreement, top-5 overlap and KL, with no bound on the
+  logits themselves (quantization moves them by far more than rounding), against a token table.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+
+from models import contract
+from models.errors import CheckFailed
+from toolkit.parity import PROBE_NOISE, Comparison, Tolerance, format_table
+from toolkit.parity_report import compare_backends
+
+# weights -> (least mean top-1 agreement, least mean top-5 overlap, largest mean of each step's
+# worst KL), over every position of the validation cases; measured on the trained-like preset
+# (logits ~30): see README "Quantized weights". Random tiny models lose far more to quantization.
+QUANT_TABLE = {"int4": (0.75, 0.6, 0.5), "int8": (0.95, 0.85, 0.02)}
+_UNBOUNDED = Tolerance(atol=1e9, rtol=0.0, depth=1, min_top1=0.0, tie=0.0, min_top5=0.0, probe_noise=PROBE_NOISE,
+                       kl_cap=float("inf"))  # measure only: the table judges the means
+
+
+def fused_matmuls(artifact: Path, manifest) -> dict[str, tuple[int, list[str]]]:
+    """graph -> (MatMulNBits nodes in ONNX Runtime's optimized graph, names of the quantized
+    MatMuls it left unfused)."""
+    import onnx
+    import onnxruntime as ort
+
+    from runtimes.ort_runtime import session_options
+
+    out = {}
+    paths = manifest.verify_files(artifact)
+    for graph in contract.GRAPHS:
+        with tempfile.TemporaryDirectory() as tmp:
+            opts = session_options(ort)
+            opts.optimized_model_filepath = str(Path(tmp) / "optimized.onnx")
+            opts.add_session_config_entry("session.optimized_model_external_initializers_file_name", "optimized.data")
+            opts.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+            ort.InferenceSession(str(paths[graph]), opts, providers=["CPUExecutionProvider"])
+            model = onnx.load(str(Path(tmp) / "optimized.onnx"), load_external_data=False)
+        dq = {o for n in model.graph.node if n.op_type == "DequantizeLinear" for o in n.output}
+        fused = sum(n.op_type == "MatMulNBits" for n in model.graph.node)
+        unfused = [n.name or n.output[0] for n in model.graph.node if n.op_type == "MatMul" and set(n.input) & dq]
+        out[graph] = (fused, unfused)
+    return out
+
+
+def expected_quantized(manifest) -> int:
+    return 4 * manifest.config["num_layers"] + (1 if manifest.precision.quantized_lm_head else 0)
+
+
+def check_fused(artifact: Path, manifest) -> dict[str, int]:
+    """Raise CheckFailed, naming it, when ONNX Runtime left a quantized MatMul unfused; -> the
+    MatMulNBits count of each graph."""
+    want = expected_quantized(manifest)
+    fused = fused_matmuls(artifact, manifest)
+    for graph, (count, unfused) in fused.items():
+        if unfused or count != want:
+            name = f": {unfused[0]} is a MatMul of a dequantized weight" if unfused else ""
+            raise CheckFailed(f"ONNX Runtime fused {count} of the {want} quantized MatMuls of the {graph} graph "
+                              f"into MatMulNBits{name}; unfused they run 56-120x slower. Re-export, and report "
+                              "this with the ONNX Runtime version")
+    return {g: f[0] for g, f in fused.items()}
+
+
+def quantization_error(artifact: Path, manifest, full_reference, cases: dict, steps: int) -> tuple[dict, str]:
+    """ORT as users run it ("int8" compute) against the full-precision float32 reference, teacher-
+    forced: the record (means over the cases' steps, and whether they are within QUANT_TABLE) and
+    a printable table. Quantization error is the model's and the method's, not an export bug: the
+    caller reports it; `tk eval` measures what it costs on the user's text."""
+    from runtimes.ort_runtime import OrtRuntime
+
+    with OrtRuntime(artifact, one_graph=True, quant_compute="int8") as ort:
+        report = compare_backends(full_reference, {"ort-int8": ort}, cases, _UNBOUNDED, steps, probes=False,
+                                  free_running=False)
+    comparisons = [Comparison.from_dict(c) for c in report["backends"]["ort-int8"]["cases"]]
+    steps_all = [s for c in comparisons for s in c.steps]
+    min_top1, min_top5, max_kl = QUANT_TABLE[manifest.precision.weights]
+    means = {"top1_mean": float(np.mean([s.top1 for s in steps_all])),
+             "top5_mean": float(np.mean([s.top5 for s in steps_all])),
+             "kl_max_mean": float(np.mean([s.kl_max for s in steps_all])),
+             "max_abs": max(s.max_abs for s in steps_all)}
+    within = means["top1_mean"] >= min_top1 and means["top5_mean"] >= min_top5 and means["kl_max_mean"] <= max_kl
+    record = {"within_table": bool(within), "reference": "torch float32, full-precision weights",
+              "compute": "int8 (MatMulNBits accuracy level 4)",
+              "table": {"top1_mean_min": min_top1, "top5_mean_min": min_top5, "kl_max_mean_max": max_kl},
+              **means, "comparisons": [c.to_dict() for c in comparisons]}
+    label = (f"quantization error ({manifest.precision.weights}, int8 compute) vs the full-precision reference: "
+             f"top-1 {means['top1_mean']:.3f}, top-5 {means['top5_mean']:.3f}, KL {means['kl_max_mean']:.3g} "
+             f"(table: >= {min_top1}, >= {min_top5}, <= {max_kl})")
+    return record, label + "\n" + format_table(comparisons)
+
+
+def weight_bytes_by_dtype(artifact: Path, manifest) -> dict[str, int]:
+    """Bytes of the weights file by ONNX data type (for tk inspect)."""
+    import onnx
+
+    from exporters.weights import external_initializers
+
+    names = {}
+    for graph in contract.GRAPHS:
+        model = onnx.load(str(Path(artifact) / manifest.graphs[graph].file), load_external_data=False)
+        names.update(external_initializers(model))
+    out: dict[str, int] = {}
+    for _, length, data_type, _ in names.values():
+        key = onnx.helper.tensor_dtype_to_np_dtype(data_type).name if data_type != onnx.TensorProto.INT4 else "int4"
+        out[key] = out.get(key, 0) + length
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
