@@ -130,7 +130,9 @@ def build_engines(artifact: Path, manifest: Manifest, env: dict, precision: str 
     if exported != "float32" and precision != exported:
         raise UsageProblem(f"the graphs were exported in {exported}; build {exported} engines from them, or export "
                          f"fp32 graphs to build {precision} engines")
-    strongly_typed = exported != "float32"  # fp16/bf16 graphs carry their precision in their types
+    # fp16/bf16 graphs carry their precision in their types; quantized ones need a strongly typed
+    # network for their DequantizeLinear (TensorRT's weight-only quantization guide)
+    strongly_typed = exported != "float32" or manifest.precision.quantized
     profiles = compute_profiles(dims, limits, manifest.max_context)
     cache = timing_cache.read_bytes() if timing_cache and timing_cache.is_file() else None
     engines, hashes = {}, {}

@@ -7,7 +7,9 @@ Checks what TensorRT's ONNX parser accepts, from onnx/onnx-tensorrt `docs/operat
 - `Attention` carries no cache (past inputs / present outputs: rejected, NVIDIA/TensorRT #4738)
   and its Q/K/V/mask are 4D;
 - no `If`/`Loop`/`Scan` (#4032, #4739, #4757), no non-default domains (contrib ops);
-- no graph input dim fixed at 0 (TensorRT rejects empty dims in profiles) and no unknown rank.
+- no graph input dim fixed at 0 (TensorRT rejects empty dims in profiles) and no unknown rank;
+- quantized weights only as TensorRT documents weight-only quantization: int4, blocked along
+  K with block 64 or 128 (int8 weight-only is not a documented TensorRT path).
 The result names each problem and the lowest TensorRT version the graphs need.
 """
 
@@ -31,7 +33,9 @@ OP_MIN_VERSION: dict[str, str] = {
     "RMSNormalization": "10.15",  # Changelog 10.15
     "RotaryEmbedding": "10.15",
     "TensorScatter": "10.15",
+    "DequantizeLinear": "10.0",  # blocked (int4 weight-only) DequantizeLinear: TensorRT 10.0 release notes
 }
+TRT_INT4_BLOCKS = (64, 128)  # the block sizes TensorRT documents for int4 weight-only quantization
 CONTROL_FLOW = ("If", "Loop", "Scan")
 # Parser opset ceiling by release: 20 in 10.0 (operators.md of 10.0); 24 by 10.14, the first to
 # parse Attention (opset 23), which is the earliest release tk can vouch for above 20; 25 from 11.5.
@@ -93,6 +97,7 @@ def lint_model(model: onnx.ModelProto, graph: str) -> LintResult:
     else:
         need.append(min(fitting, key=_version_key))
     ranks = _ranks(model)
+    initializer_types = {t.name: t.data_type for t in model.graph.initializer}
     for node in model.graph.node:
         name = node.name or node.op_type
         if node.domain not in ("", "ai.onnx"):
@@ -106,6 +111,8 @@ def lint_model(model: onnx.ModelProto, graph: str) -> LintResult:
             add("op", name, f"op {node.op_type} is not in TensorRT's ONNX parser support table")
             continue
         need.append(OP_MIN_VERSION[node.op_type])
+        if node.op_type == "DequantizeLinear":
+            _lint_dequantize(node, name, initializer_types, add)
         if node.op_type == "Attention":
             if len(node.input) > 4 and any(node.input[4:6]) or len(node.output) > 1 and any(node.output[1:3]):
                 add("attention-cache", name, "Attention carries past/present KV inputs or outputs, which TensorRT "
@@ -122,6 +129,17 @@ def lint_model(model: onnx.ModelProto, graph: str) -> LintResult:
             add("dims", v.name, f"graph input {v.name} has a dim fixed at 0; TensorRT rejects empty dims")
     result.min_tensorrt = max_version(need)
     return result
+
+
+def _lint_dequantize(node, name: str, initializer_types: dict, add) -> None:
+    kind = initializer_types.get(node.input[0])
+    block = next((a.i for a in node.attribute if a.name == "block_size"), 0)
+    if kind == onnx.TensorProto.INT4 and block not in TRT_INT4_BLOCKS:
+        add("int4-block", name, f"int4 weights in blocks of {block}: TensorRT takes blocks of 64 or 128; re-export "
+            "with --block-size 128")
+    elif kind == onnx.TensorProto.INT8 and block:
+        add("int8-weights", name, "blocked int8 weight-only quantization is not a documented TensorRT path; export "
+            "with --weights int4 --block-size 128 for TensorRT")
 
 
 def lint_graphs(models: dict[str, onnx.ModelProto]) -> LintResult:

@@ -90,3 +90,10 @@ def hf_greedy(folder: Path, prompt: list[int], n: int, hf=None) -> list[int]:
     with torch.no_grad():
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=1)
     return out[0, ids.shape[1]:].tolist()
+
+
+def hf_model_logits(folder: Path, ids: list[int]):
+    """transformers' own float32 logits (S, V) for one unpadded sequence."""
+    hf = load_hf(folder)
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float().numpy()

@@ -23,6 +23,7 @@ class BackendOptions:
     device: str = "auto"  # torch: auto | cpu | cuda
     provider: str = "auto"  # ONNX Runtime: auto | cpu | cuda
     prepack: bool = False  # ONNX Runtime: each session repacks its weights (faster, a copy per session)
+    quant_compute: str = "int8"  # ONNX Runtime, quantized artifacts: int8 (fast) or float (what the reference computes)
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,8 @@ def _open_torch(artifact: Path, manifest: Manifest, options: BackendOptions):
 def _open_ort(artifact: Path, manifest: Manifest, options: BackendOptions):
     from runtimes.ort_runtime import OrtRuntime
 
-    return OrtRuntime(artifact, threads=options.threads, provider=options.provider, prepack=options.prepack)
+    return OrtRuntime(artifact, threads=options.threads, provider=options.provider, prepack=options.prepack,
+                      quant_compute=options.quant_compute)
 
 
 def _open_trt(artifact: Path, manifest: Manifest, options: BackendOptions):

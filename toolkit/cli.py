@@ -269,6 +269,27 @@ def parity(artifact: Path, backends: list[str], steps: int, seed: int, prompts_f
     click.echo("parity passed")
 
 
+@main.command("eval")
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--text", "text_file", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="A UTF-8 text file: its perplexity is computed, teacher-forced.")
+@click.option("--backends", default="torch,ort", show_default=True, type=BackendList(),
+              help="Comma-separated: torch, ort, trt.")
+@click.option("--window", type=click.IntRange(min=2), help="Tokens per window (default: min(1024, the context)).")
+@click.option("--baseline/--no-baseline", default=True, show_default=True,
+              help="With quantized weights, also the full-precision reference.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@backend_options
+def eval_(artifact: Path, text_file: Path, backends: list[str], window: int | None, baseline: bool, as_json: bool,
+          threads: int | None, device: str, provider: str, prepack: bool) -> None:
+    """Perplexity of a text on each backend of ARTIFACT (what quantization costs, on your text)."""
+    from toolkit.evaluate import evaluate, format_eval
+
+    result = evaluate(artifact, text_file.read_text(encoding="utf-8"), backends, window,
+                      BackendOptions(threads, device, provider, prepack), baseline)
+    click.echo(json.dumps(result, indent=2) if as_json else format_eval(result))
+
+
 @main.command("build-engine")
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16"]), help="Default: the graphs' own dtype.")

@@ -17,11 +17,13 @@ def parameter_count(cfg: DecoderConfig) -> int:
     return sum(math.prod(s) for s in hf_shapes(cfg).values())
 
 
-def memory_plan(cfg: DecoderConfig, precision: Precision, batch: int, seq_len: int) -> dict:
-    """Weights (in the weights' dtype) + KV bytes (in the cache's). KV = 2 * layers * batch * seq *
-    kv_heads * head_dim * bytes."""
+def memory_plan(cfg: DecoderConfig, precision: Precision, batch: int, seq_len: int,
+                weights_bytes: int | None = None) -> dict:
+    """Weights + KV bytes (in the cache's dtype). KV = 2 * layers * batch * seq * kv_heads *
+    head_dim * bytes. Weights: `weights_bytes` (an artifact's, counted from its graphs), else the
+    checkpoint's parameters in the weights' dtype."""
     dims = contract.GraphDims(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size, precision.kv)
-    weights = int(parameter_count(cfg) * DTYPES[precision.weights].bytes)
+    weights = weights_bytes if weights_bytes is not None else int(parameter_count(cfg) * DTYPES[precision.weights].bytes)
     kv = dims.kv_bytes_per_token(batch) * seq_len
     # TensorRT: prefill.engine and decode.engine each embed the weights; refit only replaces an
     # engine's own weights, and no documented TensorRT API lets two engines read one device copy
@@ -55,7 +57,10 @@ def inspect_path(path: str | Path, batch: int = 1, seq_len: int | None = None) -
             io, opset, ops = _io_table(path / manifest.graphs[graph].file)
             graphs[graph] = {"io": io, "opset": opset, "ops": ops}
         v = manifest.variant
-        info = {"kind": "artifact", "path": str(path), "source": manifest.source["path"], "graphs": graphs,
+        from toolkit.quant_check import weight_bytes_by_dtype
+
+        by_dtype = weight_bytes_by_dtype(path, manifest)
+        info = {"kind": "artifact", "precision": precision.describe(), "weights_by_dtype": by_dtype, "path": str(path), "source": manifest.source["path"], "graphs": graphs,
                 "target": v.target.value, "kv_cache": v.cache.value, "prefill_logits": v.prefill_logits.value,
                 "trt_lint": manifest.trt_lint,
                 "validation": {k: v for k, v in manifest.validation.items() if k != "comparisons"}}
@@ -68,7 +73,8 @@ def inspect_path(path: str | Path, batch: int = 1, seq_len: int | None = None) -
         "architecture": cfg.architecture,
         "parameters": parameter_count(cfg),
         "config": cfg.to_dict(),
-        "memory": memory_plan(cfg, precision, batch, seq_len),
+        "memory": memory_plan(cfg, precision, batch, seq_len, sum(info["weights_by_dtype"].values())
+                              if "weights_by_dtype" in info else None),
     })
     return info
 
@@ -92,6 +98,8 @@ def format_info(info: dict) -> str:
     ]
     if "target" in info:
         lines.append(f"target {info['target']}  kv cache {info['kv_cache']}  prefill logits {info['prefill_logits']}")
+        lines.append(f"precision: {info['precision']}; weights by dtype: " +
+                     ", ".join(f"{k} {_mib(v)}" for k, v in info["weights_by_dtype"].items()))
     for graph, g in info.get("graphs", {}).items():
         lines.append(f"\n{graph} graph (opset {g['opset']}):")
         lines += [f"  {r['kind']:6} {r['name']:28} {r['dtype']:8} {r['dims']}" for r in g["io"]]

@@ -12,7 +12,7 @@ from typing import Callable
 from exporters.trt_build import Limits, build_engines, compute_profiles
 from models import contract
 from models.artifact import ArtifactError, Manifest, Target
-from models.errors import FilesystemProblem
+from models.errors import UsageProblem, FilesystemProblem
 
 
 def build(artifact: Path, precision: str | None, max_batch: int, max_input_len: int | None, max_seq_len: int | None,
@@ -23,6 +23,9 @@ def build(artifact: Path, precision: str | None, max_batch: int, max_input_len: 
         raise ArtifactError(f"{artifact} was exported with --target {manifest.variant.target.value} (ONNX Runtime's "
                             "own fused kernels), which TensorRT cannot parse; export with --target portable for "
                             "TensorRT")
+    quant = [p for p in manifest.trt_lint.get("problems", []) if p["rule"] in ("int4-block", "int8-weights")]
+    if quant:
+        raise UsageProblem(f"{artifact}: {quant[0]['message']}")
     max_seq_len = max_seq_len or manifest.variant.capacity or min(manifest.max_context, 2048)
     limits = Limits(max_batch, max_input_len or max(1, max_seq_len // 2), max_seq_len)
     compute_profiles(manifest.dims, limits, manifest.max_context)  # the flags are checked first

@@ -118,6 +118,8 @@ def parity(artifact: Path, backends: list[str], steps: int = 16, seed: int = 0, 
     manifest = Manifest.read(artifact)
     manifest_dtype = manifest.dtype
     tol = tolerance_for(manifest_dtype, manifest.config, **(overrides or {}))
+    if manifest.precision.quantized:  # judged against the quantized reference: ORT multiplies in float too
+        options = dataclasses.replace(options, quant_compute="float")
     with contextlib.ExitStack() as active:  # every loaded runtime is closed, whatever happens
         # hidden states, where others have them
         ref = active.enter_context(reference_runtime(artifact, manifest, debug=True))

@@ -1,0 +1,197 @@
+"""Weight-only int4/int8: standard DequantizeLinear graphs that validate against the quantized
+reference with the float tolerances, fuse into MatMulNBits, run through tk parity and tk eval,
+and refuse bad options with one line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+
+from hf_models import FAMILIES, hf_model_logits
+
+QUANT_CASES = [(f, "int4") for f in FAMILIES] + [("llama", "int8"), ("qwen3", "int8")]
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory, checkpoints):
+    from toolkit.export import export_artifact
+
+    cache = {}
+
+    def get(family: str, weights: str, **flags):
+        key = (family, weights, tuple(sorted(flags.items())))
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"q-{family}-{weights}") / "artifact"
+            export_artifact(checkpoints(family), out, weights=weights, **flags)
+            cache[key] = out
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("family,weights", QUANT_CASES)
+def test_quantized_export_validates_and_fuses(quantized, family, weights):
+    from models.artifact import Manifest
+
+    art = quantized(family, weights)
+    m = Manifest.read(art)
+    v = m.validation
+    assert v["passed"] and v["reference"] == "torch float32, quantized weights"
+    layers = m.config["num_layers"]
+    assert v["fused_matmulnbits"] == {"prefill": 4 * layers + 1, "decode": 4 * layers + 1}
+    steps = [s for c in v["comparisons"] for s in c["steps"]]
+    assert max(s["error_ratio"] for s in steps) <= 1.0
+    q = v["quantization"]  # measured against the full-precision reference, and recorded
+    assert 0.0 <= q["top1_mean"] <= 1.0 and q["max_abs"] > 0
+    graph = onnx.load(str(art / "decode.onnx"), load_external_data=False)
+    dq = [n for n in graph.graph.node if n.op_type == "DequantizeLinear"]
+    kinds = {t.name: t.data_type for t in graph.graph.initializer}
+    want = onnx.TensorProto.INT4 if weights == "int4" else onnx.TensorProto.INT8
+    assert len(dq) == 4 * layers + 1 and all(kinds[n.input[0]] == want for n in dq)
+    assert all(len(n.input) == 2 for n in dq)  # symmetric: no zero point
+    consumers = {o: [n for n in graph.graph.node if o in n.input] for d in dq for o in d.output}
+    assert all(len(c) == 1 and c[0].op_type == "MatMul" for c in consumers.values())  # one MatMul per DQ
+
+
+def test_quantized_reference_is_what_the_graphs_compute(quantized, checkpoints):
+    """The quantized reference differs from the full-precision one (the weights really are
+    quantized), ORT multiplying in float matches it to float32 rounding, and ORT's int8 compute
+    lands between."""
+    from runtimes.ort_runtime import OrtRuntime
+    from toolkit.backends import reference_runtime
+
+    art = quantized("llama", "int4")
+    ids = np.array([[3, 17, 42, 99, 7, 250]], np.int64)
+    mask = np.ones_like(ids)
+
+    def logits(rt):
+        with rt:
+            out, session = rt.start(ids, mask)
+            session.close()
+            return out.logits
+
+    q_ref = logits(reference_runtime(art, quantized=True))
+    full = logits(reference_runtime(art, quantized=False))
+    exact = logits(OrtRuntime(art, quant_compute="float"))
+    fast = logits(OrtRuntime(art))
+    assert np.abs(q_ref - full).max() > 1e-2
+    assert np.abs(exact - q_ref).max() < 1e-4
+    assert 1e-6 < np.abs(fast - q_ref).max() < np.abs(q_ref - full).max() * 4
+
+
+def test_int4_weights_file_is_an_eighth(quantized, artifacts):
+    from models.artifact import Manifest
+    from toolkit.quant_check import weight_bytes_by_dtype
+
+    fp = weight_bytes_by_dtype(artifacts("llama"), Manifest.read(artifacts("llama")))
+    q = weight_bytes_by_dtype(quantized("llama", "int4"), Manifest.read(quantized("llama", "int4")))
+    assert set(q) == {"float32", "int4"}
+    assert q["float32"] < fp["float32"] / 3  # embeddings, norms, biases and the scales stay float
+
+
+def test_unfused_matmul_fails_naming_it(quantized, tmp_path):
+    """A DequantizeLinear that also feeds a graph output cannot fuse: the check names its MatMul."""
+    import shutil
+
+    from models.artifact import GraphFile, Manifest, sha256_file
+    from models.errors import CheckFailed
+    from toolkit.quant_check import check_fused
+
+    art = tmp_path / "art"
+    shutil.copytree(quantized("llama", "int4"), art)
+    path = art / "decode.onnx"
+    model = onnx.load(str(path), load_external_data=False)
+    dq = next(n for n in model.graph.node if n.op_type == "DequantizeLinear")
+    matmul = next(n for n in model.graph.node if dq.output[0] in n.input)
+    model.graph.output.append(onnx.helper.make_tensor_value_info(dq.output[0], onnx.TensorProto.FLOAT, None))
+    onnx.save(model, str(path))
+    m = Manifest.read(art)
+    g = m.graphs["decode"]
+    m.graphs["decode"] = GraphFile(g.file, sha256_file(path), g.data_file, g.data_bytes, g.opset, g.export_s)
+    with pytest.raises(CheckFailed, match=f"{matmul.name} is a MatMul of a dequantized weight"):
+        check_fused(art, m)
+
+
+def test_parity_and_generate_on_int4(quantized):
+    art = quantized("mistral", "int4")
+    r = subprocess.run([sys.executable, "-m", "toolkit.cli", "parity", str(art), "--steps", "4"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "parity passed" in r.stdout + r.stderr
+
+
+def test_eval_perplexity_matches_transformers(artifacts, checkpoints, tmp_path):
+    """tk eval's NLL on the torch and ORT backends equals one computed from transformers' own
+    logits on the same tokens, window by window."""
+    from toolkit.evaluate import evaluate, windows
+    from toolkit.textgen import Tokenizer
+
+    art = artifacts("qwen2")
+    text = "Once upon a time there was a small model. " * 12
+    result = evaluate(art, text, ["torch", "ort"], window=32)
+    ids = Tokenizer(art).encode(text)
+    total, count = 0.0, 0
+    for chunk in windows(ids, 32):
+        logits = hf_model_logits(checkpoints("qwen2"), chunk).astype(np.float64)[:-1]
+        log_z = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+        total += float((log_z - logits[np.arange(len(chunk) - 1), chunk[1:]]).sum())
+        count += len(chunk) - 1
+    for name in ("torch", "ort"):
+        row = result["backends"][name]
+        assert row["tokens"] == count
+        assert row["nll"] == pytest.approx(total / count, abs=1e-4)
+        assert row["perplexity"] == pytest.approx(np.exp(total / count), rel=1e-3)
+
+
+def test_eval_on_int4_shows_the_baseline(quantized, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 6)
+    r = subprocess.run([sys.executable, "-m", "toolkit.cli", "eval", str(quantized("llama", "int4")), "--text",
+                        str(text), "--json"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)["backends"]
+    assert set(rows) == {"torch", "ort", "torch (full-precision weights)"}
+    assert rows["torch"]["nll"] != rows["torch (full-precision weights)"]["nll"]
+    assert rows["ort"]["nll"] == pytest.approx(rows["torch"]["nll"], rel=0.05)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--weights", "int3"], "Invalid value for '--weights'"),
+    (["--weights", "int4", "--block-size", "48"], "--block-size 48 is not one"),
+    (["--weights", "int4", "--block-size", "128"], "does not divide the K of layers.*.attn.wqkv"),
+    (["--block-size", "32"], "add --weights int4 or int8"),
+    (["--weights", "int4", "--dtype", "bf16"], "no ONNX Runtime CPU kernel"),
+    (["--weights", "int8", "--opset", "20"], "needs --opset 21"),
+])
+def test_bad_quantization_options(checkpoints, tmp_path, flags, message):
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "toolkit.cli", "export", str(checkpoints("llama")), "-o", str(out),
+                        *flags], capture_output=True, text=True)
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr and "Traceback" not in r.stderr
+    assert not out.exists()
+
+
+def test_build_engine_refuses_blocks_tensorrt_does_not_take(quantized):
+    from models.artifact import Manifest
+
+    art = quantized("llama", "int4")  # block 32: ONNX Runtime's default, not TensorRT's
+    assert any(p["rule"] == "int4-block" for p in Manifest.read(art).trt_lint["problems"])
+    r = subprocess.run([sys.executable, "-m", "toolkit.cli", "build-engine", str(art)], capture_output=True, text=True)
+    assert r.returncode == 2 and "TensorRT takes blocks of 64 or 128; re-export with --block-size 128" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_int4_block_128_passes_the_tensorrt_lint(tmp_path, trained_like):
+    from models.artifact import Manifest
+    from toolkit.export import export_artifact
+
+    export_artifact(trained_like, tmp_path / "art", weights="int4", block_size=128, validate=False)
+    lint = Manifest.read(tmp_path / "art").trt_lint
+    assert lint["ok"], lint["problems"][:2]
+    assert lint["min_tensorrt"] == "10.15"
