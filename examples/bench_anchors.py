@@ -11,7 +11,9 @@ where installed (optional dev dependencies, never tk's own):
 - Optimum's ORTModelForCausalLM on its own ONNX export of the checkpoint (exported into
   --optimum if that folder does not exist yet);
 - onnxruntime-genai on a model its builder makes from the same checkpoint (built into --genai if
-  that folder does not exist yet).
+  that folder does not exist yet; `--genai-precision int4` for its int4 CPU build, beside a tk
+  `--weights int4` export). Quantized stacks need not pick the same tokens (different rounding).
+Each stack's RSS before and after loading is reported (VmRSS of its process).
 It checks that every stack produced the same tokens. Ratios are anchor / tk (above 1: tk is
 faster), taken per repeat between runs next to each other, then the median: drift of the
 machine's speed during the run cancels out. The decode bound is the bytes a decode step must
@@ -97,12 +99,12 @@ def optimum_anchor(checkpoint: Path, folder: Path, threads: int):
     return lambda prompt, n: _timed_generate(model, prompt, n)
 
 
-def genai_anchor(checkpoint: Path, folder: Path, threads: int):
+def genai_anchor(checkpoint: Path, folder: Path, threads: int, precision: str = "fp32"):
     import onnxruntime_genai as og
 
     if not folder.exists():
         subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-m", str(checkpoint), "-i",
-                        str(checkpoint), "-o", str(folder), "-p", "fp32", "-e", "cpu"], check=True,
+                        str(checkpoint), "-o", str(folder), "-p", precision, "-e", "cpu"], check=True,
                        capture_output=True)
         cfg_path = folder / "genai_config.json"
         cfg = json.loads(cfg_path.read_text())
@@ -137,24 +139,35 @@ def _worker(name: str, args: argparse.Namespace, conn) -> None:
         use_shared_thread_pool()  # this worker process is tk's alone, as in the tk command
     make = {"transformers": lambda: transformers_anchor(args.checkpoint, args.threads),
             "optimum": lambda: optimum_anchor(args.checkpoint, args.optimum, args.threads),
-            "onnxruntime-genai": lambda: genai_anchor(args.checkpoint, args.genai, args.threads),
+            "onnxruntime-genai": lambda: genai_anchor(args.checkpoint, args.genai, args.threads, args.genai_precision),
             **{label: (lambda a=a, h=h: tk_ort(a, args.threads, h)) for label, (a, h) in args.tk.items()}}[name]
+    before = _rss()
     try:
         run = make()
     except ImportError as e:
         conn.send(("skip", f"{e.name} is not installed"))
         return
-    conn.send(("ready", None))
+    conn.send(("ready", (before, _rss())))
     while (msg := conn.recv()) is not None:
         prompt, n = msg
         conn.send(("done", run(prompt, n)))
 
 
+def _rss() -> int:
+    """This process's resident bytes now (VmRSS)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 def _label(artifact: Path) -> str:
     from models.artifact import Manifest
 
-    v = Manifest.read(artifact).variant
-    return " ".join(["tk", v.target.value, v.cache.value, *(["last-logits"] if v.prefill_logits.value == "last" else [])])
+    m = Manifest.read(artifact)
+    v, p = m.variant, m.precision
+    return " ".join(["tk", *([p.weights] if p.quantized else []), v.target.value, v.cache.value,
+                     *(["last-logits"] if v.prefill_logits.value == "last" else [])])
 
 
 def read_bandwidth_gbs(threads: int, mib: int = 1024, repeats: int = 5) -> float:
@@ -190,6 +203,8 @@ def main() -> None:
     ap.add_argument("checkpoint", type=Path)
     ap.add_argument("artifacts", type=Path, nargs="+", help="tk exports of CHECKPOINT, each run as a stack")
     ap.add_argument("--genai", type=Path, help="onnxruntime-genai model folder (built if missing)")
+    ap.add_argument("--genai-precision", default="fp32", choices=("fp32", "int4"),
+                    help="the builder's -p when it builds --genai (int4: MatMulNBits, block 32, accuracy level 4)")
     ap.add_argument("--optimum", type=Path, help="Optimum ORTModelForCausalLM export folder (exported if missing)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -213,7 +228,7 @@ def main() -> None:
         if not flag:
             print(f"{name}: skipped (pass --{name.split('-')[-1]} DIR)")
     ctx = multiprocessing.get_context("spawn")
-    workers = {}
+    workers, memory = {}, {}
     for name in names:  # started one at a time: building or loading never overlaps a measurement
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=_worker, args=(name, args, child), daemon=True)
@@ -223,6 +238,7 @@ def main() -> None:
             print(f"{name}: skipped ({detail})")
             continue
         workers[name] = (proc, parent)
+        memory[name] = {"rss_before_load": detail[0], "rss_after_load": detail[1]}
     vocab = json.loads((args.artifacts[0] / "manifest.json").read_text())["config"]["vocab_size"]
     prompt = np.random.default_rng(0).integers(0, vocab, args.prompt_len).tolist()
 
@@ -258,13 +274,16 @@ def main() -> None:
                                   "decode_spread_ms": [min(r[1] for r in rs), max(r[1] for r in rs)],
                                   "fraction_of_decode_bound": bound_ms / decode,
                                   "runs": [{"ttft_ms": r[0], "decode_ms_per_token": r[1]} for r in rs],
-                                  "same_tokens_as_first": tokens[name] == tokens[first]}
+                                  "same_tokens_as_first": tokens[name] == tokens[first], **memory[name]}
+        if name in args.tk:
+            weights = (args.tk[name][0] / "weights.onnx.data")
+            report["stacks"][name]["weights_bytes"] = weights.stat().st_size if weights.exists() else None
     print(f"prompt {args.prompt_len}, {args.new_tokens} new tokens, batch 1, {args.threads} threads, "
           f"median of {args.repeats}, each stack in its own process")
-    print(f"{'stack':32} {'ttft ms':>8} {'decode ms/tok':>14} {'of bound':>9}  same tokens")
+    print(f"{'stack':32} {'ttft ms':>8} {'decode ms/tok':>14} {'of bound':>9} {'RSS after load':>15}  same tokens")
     for name, r in report["stacks"].items():
-        print(f"{name:32} {r['ttft_ms']:8.2f} {r['decode_ms_per_token']:14.2f} {r['fraction_of_decode_bound']:9.2f}  "
-              f"{r['same_tokens_as_first']}")
+        print(f"{name:32} {r['ttft_ms']:8.2f} {r['decode_ms_per_token']:14.2f} {r['fraction_of_decode_bound']:9.2f} "
+              f"{r['rss_after_load'] / 2**20:11.1f} MiB  {r['same_tokens_as_first']}")
     print(f"decode bound: {bound_ms:.2f} ms/token ({decode_bytes(args.checkpoint, 0) / 1e6:.0f} MB of weights and "
           f"the cache per token at {bandwidth:.1f} GB/s read bandwidth)")
     ratios = {}

@@ -36,6 +36,14 @@ PRESETS: dict[str, dict] = {
     "small": {**_LLAMA, "vocab_size": 32000, "hidden_size": 512, "intermediate_size": 1376,
               "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 2,
               "max_position_embeddings": 4096},
+    # Really trained (trained_weights): 4 layers, hidden 128, a few seconds of AdamW on CORPUS
+    "trained": {**_LLAMA, "vocab_size": 512, "hidden_size": 128, "intermediate_size": 384,
+                "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "max_position_embeddings": 256},
+    # 246M parameters (16 layers, hidden 1024, GQA 16/4): the size quantized-decode benchmarks use
+    "medium": {**_LLAMA, "vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 2816,
+               "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 4,
+               "max_position_embeddings": 4096},
     # Numerics of a trained checkpoint at test size (see trained_like_weights): 24 layers, a 32k
     # vocabulary, tied embeddings, rope theta 1e5, logits of magnitude ~30, a residual stream
     # that grows ~200x over depth. The fixture the parity gate's tolerances are tested on.
@@ -155,9 +163,47 @@ def trained_like_weights(hf_config: dict, seed: int, growth: float = 1.25, embed
                 proj.weight.mul_(r_in * ((growth**2 - 1) / 2) ** 0.5 / rms(y))
         logits, _ = model(ids, mask, pos)
         model.norm.weight.mul_(logit_max / float(logits.abs().amax(-1).mean()))
-    sd = model.state_dict()
+    return _hf_names(cfg, model.state_dict())
+
+
+def trained_weights(hf_config: dict, seed: int, folder: Path, steps: int = 200) -> dict[str, torch.Tensor]:
+    """Weights actually trained, briefly, on CORPUS with the preset's tokenizer (AdamW, next-token
+    loss, batches of 8 windows of 64 tokens; 200 steps, seconds on a CPU, deterministic for a seed
+    and thread count): a small model whose weights have a trained model's structure, so what it loses to
+    quantization is a trained model's loss, not a random one's (random deep models amplify any
+    perturbation: int8 weights keep 0.7 of trained-like's greedy tokens)."""
+    from tokenizers import Tokenizer
+
+    cfg = config_from_hf(hf_config)
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    model = Decoder(cfg)
+    with torch.no_grad():  # nn.Linear's init, but the norms jittered: a loader that skips one fails
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+    ids = torch.tensor(Tokenizer.from_file(str(folder / "tokenizer.json")).encode(CORPUS * 8).ids)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    window, batch = 64, 8
+    pos = torch.arange(window).expand(batch, window)
+    mask = torch.ones(batch, window, dtype=torch.int64)
+    for _ in range(steps):
+        starts = torch.randint(0, len(ids) - window - 1, (batch,), generator=g)
+        x = torch.stack([ids[s:s + window] for s in starts])
+        y = torch.stack([ids[s + 1:s + window + 1] for s in starts])
+        logits, _ = model(x, mask, pos)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, cfg.vocab_size), y.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    sd = {k: v.detach() for k, v in model.state_dict().items()}
+    return _hf_names(cfg, sd)
+
+
+def _hf_names(cfg, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our state dict back under Hugging Face names, unfused."""
     out = {}
-    for ours, parts in weight_map(cfg).items():  # back to Hugging Face names, unfused
+    for ours, parts in weight_map(cfg).items():
         for t, (name, _) in zip(sd[ours].split([rows for _, rows in parts]), parts):
             out[name] = t.contiguous().clone()
     return out
@@ -175,7 +221,7 @@ def write_preset(name: str, folder: str | Path, seed: int = 0) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(hf, indent=2))
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": hf["eos_token_id"]}))
-    weights = WEIGHTS.get(name, random_weights)(hf, seed)
-    save_file(weights, str(folder / SINGLE_FILE), metadata={"format": "pt"})
     train_tokenizer(folder, hf["vocab_size"])
+    weights = trained_weights(hf, seed, folder) if name == "trained" else WEIGHTS.get(name, random_weights)(hf, seed)
+    save_file(weights, str(folder / SINGLE_FILE), metadata={"format": "pt"})
     return folder

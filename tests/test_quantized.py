@@ -195,3 +195,25 @@ def test_int4_block_128_passes_the_tensorrt_lint(tmp_path, trained_like):
     lint = Manifest.read(tmp_path / "art").trt_lint
     assert lint["ok"], lint["problems"][:2]
     assert lint["min_tensorrt"] == "10.15"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    from models.presets import write_preset
+
+    return write_preset("trained", tmp_path_factory.mktemp("trained"))
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_trained_model_keeps_its_tokens_within_the_table(trained, tmp_path, weights):
+    """On a model really trained, quantization costs what the table expects: a quantizer that
+    scrambles scales or nibbles (and still matches its own reference) fails here."""
+    from models.artifact import Manifest
+    from toolkit.export import export_artifact
+    from toolkit.quant_check import QUANT_TABLE
+
+    export_artifact(trained, tmp_path / "art", weights=weights)
+    q = Manifest.read(tmp_path / "art").validation["quantization"]
+    assert q["within_table"], q
+    min_top1, _, max_kl = QUANT_TABLE[weights]
+    assert q["top1_mean"] >= min_top1 and q["kl_max_mean"] <= max_kl

@@ -22,9 +22,12 @@ from toolkit.parity import PROBE_NOISE, Comparison, Tolerance, format_table
 from toolkit.parity_report import compare_backends
 
 # weights -> (least mean top-1 agreement, least mean top-5 overlap, largest mean of each step's
-# worst KL), over every position of the validation cases; measured on the trained-like preset
-# (logits ~30): see README "Quantized weights". Random tiny models lose far more to quantization.
-QUANT_TABLE = {"int4": (0.75, 0.6, 0.5), "int8": (0.95, 0.85, 0.02)}
+# worst KL), over every position of the validation cases. Calibrated on the `trained` preset (a
+# model really trained, models/presets.py), int8 compute, block 32: int4 measured 0.996 / 0.935 /
+# 0.0047, int8 1.000 / 0.992 / 5.4e-5; the table leaves about 2x (10x for KL) of room. Random
+# models lose far more (trained-like: int8 keeps 0.67 of its top-1, int4 0.02): they amplify any
+# perturbation, so on them the record says "more than the table expects" and export goes on.
+QUANT_TABLE = {"int4": (0.9, 0.8, 0.05), "int8": (0.98, 0.95, 0.001)}
 _UNBOUNDED = Tolerance(atol=1e9, rtol=0.0, depth=1, min_top1=0.0, tie=0.0, min_top5=0.0, probe_noise=PROBE_NOISE,
                        kl_cap=float("inf"))  # measure only: the table judges the means
 
