@@ -172,6 +172,16 @@ def _write(out, offset: int, t, length: int, name: str) -> None:
         raise AssertionError(f"{name}: wrote {out.tell() - offset} bytes, planned {length}")
 
 
+def weights_record(table: dict[str, tuple], graphs: dict[str, Path]) -> dict[str, list]:
+    """The table as the manifest records it: name -> [offset, length, dtype name, shape, the graphs
+    (of `graphs`, name -> saved file) whose initializers include it]."""
+    names = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.int8: "int8",
+             "int4": "int4"}
+    used = {g: set(external_initializers(onnx.load(str(p), load_external_data=False))) for g, p in graphs.items()}
+    return {name: [o, n, names[d], list(shape), [g for g in graphs if name in used[g]]]
+            for name, (o, n, d, shape) in table.items()}
+
+
 def external_tensor(name: str, entry: tuple, base_dir: Path):
     """The onnx_ir tensor of one entry of the weights file's table, read from the file on demand."""
     import onnx_ir as ir

@@ -212,6 +212,9 @@ class Manifest:
     trt_lint: dict = field(default_factory=dict)
     validation: dict = field(default_factory=lambda: {"skipped": True})
     contract_version: int = contract.CONTRACT_VERSION
+    # the weights file's tensors: name -> [offset, length, dtype, shape]; runtimes map them once for
+    # both graphs (empty for artifacts written before tk recorded it)
+    weights: dict = field(default_factory=dict)
 
     @property
     def dims(self) -> contract.GraphDims:
@@ -252,7 +255,7 @@ class Manifest:
         graphs = {g: GraphFile(**entry) for g, entry in d["graphs"].items()}
         return cls(d["config"], precision, variant, graphs, d["source"], d.get("created", ""),
                    d.get("tokenizer_files", []), d.get("versions", {}), d.get("trt_lint", {}),
-                   d.get("validation", {"skipped": True}), d.get("contract_version"))
+                   d.get("validation", {"skipped": True}), d.get("contract_version"), d.get("weights", {}))
 
     @classmethod
     def read(cls, artifact: str | Path) -> "Manifest":

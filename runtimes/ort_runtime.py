@@ -25,6 +25,7 @@ _SHARED_POOL: dict = {"wanted": False, "threads": None}  # ORT's own process-wid
 
 
 QUANT_COMPUTE = {"int8": "4", "float": "1"}  # MatMulNBits accuracy level of each
+QUANTIZED_SUFFIXES = (".quant", ".scale")  # a quantized weight's initializers (exporters/weights.py)
 
 
 def session_options(ort, threads: int | None = None):
@@ -101,15 +102,8 @@ class OrtRuntime(Runtime):
         self.device = "cuda" if use_cuda else "cpu"
         self._ort = ort
         self.output_names: dict[str, list[str]] = {}
-        opts = session_options(ort, self.threads)
-        if not self.prepack:  # both sessions use the memory-mapped weights file as it is
-            opts.add_session_config_entry("session.disable_prepacking", "1")
-        if self.manifest.precision.quantized:
-            opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", QUANT_COMPUTE[self.quant_compute])
-        if self.profile:  # ORT's own trace of every run and kernel (tk bench --profile)
-            opts.enable_profiling = True
-            opts.profile_file_prefix = str(Path(tempfile.gettempdir()) / "tk-ort-profile")
-        self._paths, self._opts, self._providers = paths, opts, providers
+        self._shared = self._shared_initializers()
+        self._paths, self._providers = paths, providers
         self.sessions = {}
         if self.one_graph:
             return
@@ -120,13 +114,41 @@ class OrtRuntime(Runtime):
             new = hugepages.mapped_since(before, hugepages.anonymous_regions())
             self.huge_page_bytes = hugepages.back_with_huge_pages(new)
 
+    def _options(self, graph: str):
+        opts = session_options(self._ort, self.threads)
+        if not self.prepack:  # both sessions use the memory-mapped weights file as it is
+            opts.add_session_config_entry("session.disable_prepacking", "1")
+        if self.manifest.precision.quantized:
+            opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", QUANT_COMPUTE[self.quant_compute])
+        if self.profile:  # ORT's own trace of every run and kernel (tk bench --profile)
+            opts.enable_profiling = True
+            opts.profile_file_prefix = str(Path(tempfile.gettempdir()) / "tk-ort-profile")
+        for name in (n for n in self._shared if graph in self.manifest.weights[n][4]):
+            opts.add_initializer(name, self._shared[name])  # used in place, shared by the sessions
+        return opts
+
+    def _shared_initializers(self) -> dict:
+        """Both sessions read the float tensors of the weights file through one read-only memory
+        map (SessionOptions.add_external_initializers with OrtValues over it): one mapping, so the
+        weights count once in RSS too, and a session that prepacks its MatMuls copies only what it
+        packs. Quantized weights are left to ONNX Runtime, which packs them for MatMulNBits and
+        frees what it read. Artifacts without the manifest's weights table: ORT maps per session."""
+        table = {n: e for n, e in self.manifest.weights.items()
+                 if e[2] in ("float32", "float16") and not n.endswith(QUANTIZED_SUFFIXES)}
+        if not table:
+            return {}
+        self._map = np.memmap(self.artifact / next(iter(self.manifest.graphs.values())).data_file, dtype=np.uint8,
+                              mode="r")  # kept as long as the sessions
+        return {name: self._ort.OrtValue.ortvalue_from_numpy(self._map[o:o + n].view(np.dtype(d)).reshape(shape))
+                for name, (o, n, d, shape, _) in table.items()}
+
     def _session(self, graph: str):
         """The graph's session, created on first use (with one_graph, in place of the other's)."""
         if graph not in self.sessions:
             if self.one_graph:
                 self.sessions.clear()  # unmaps the other graph's view of the weights
             try:
-                self.sessions[graph] = self._ort.InferenceSession(str(self._paths[graph]), self._opts,
+                self.sessions[graph] = self._ort.InferenceSession(str(self._paths[graph]), self._options(graph),
                                                                   providers=self._providers)
             except Exception as e:  # ORT raises its own pybind types (NotImplemented, Fail, ...)
                 kernel = "NOT_IMPLEMENTED" in str(e)
@@ -142,6 +164,7 @@ class OrtRuntime(Runtime):
 
     def _unload(self) -> None:
         self.sessions = {}
+        self._shared, self._map = {}, None
 
     def _value(self, array: np.ndarray):
         """An OrtValue over `array`'s own memory on the CPU provider, a device copy on CUDA."""

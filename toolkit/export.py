@@ -26,7 +26,7 @@ import onnx
 from exporters.contract_check import check_graph_file
 from exporters.onnx_export import CONTRIB_OPS, finish_graph, graph_dims, trace_graph
 from exporters.trt_lint import lint_graphs
-from exporters.weights import WEIGHTS_FILE, export_view, write_weights
+from exporters.weights import WEIGHTS_FILE, export_view, weights_record, write_weights
 from models import contract
 from models.artifact import ExportOptions, GraphFile, Manifest, Target, sha256_file
 from models.errors import CheckFailed, FilesystemProblem
@@ -151,7 +151,7 @@ def reference_run(model_dir: Path, config, options: ExportOptions,
 
 
 def _export_graphs(model_dir: Path, tmp: Path, config, options: ExportOptions,
-                   progress: Callable[[str], None]) -> dict[str, GraphFile]:
+                   progress: Callable[[str], None]) -> tuple[dict[str, GraphFile], dict]:
     """Write the artifact's one weights file on a thread while both graphs are traced on the meta
     device (exporters/weights.py: the weights are never in memory whole, and tracing needs none),
     then point the graphs at the file, optimize, grow and contract-check them."""
@@ -180,7 +180,7 @@ def _export_graphs(model_dir: Path, tmp: Path, config, options: ExportOptions,
         fused = ", ONNX Runtime fused kernels" if options.variant.target is Target.ORT else ""
         progress(f"export {graph}{cache}{fused} ({how}): {seconds[graph]:.1f} s, contract ok")
     return {g: GraphFile(contract.GRAPH_FILES[g], sha256_file(tmp / contract.GRAPH_FILES[g]), WEIGHTS_FILE,
-                         data_bytes, opsets[g], round(seconds[g], 2)) for g in contract.GRAPHS}
+                         data_bytes, opsets[g], round(seconds[g], 2)) for g in contract.GRAPHS}, table
 
 
 def export_artifact(model_dir: str | Path, out: str | Path, options: ExportOptions | None = None,
@@ -198,7 +198,7 @@ def export_artifact(model_dir: str | Path, out: str | Path, options: ExportOptio
     reference = Background.process(reference_run, model_dir, config, options, env=REFERENCE_ENV) \
         if options.validate else None
     try:
-        graphs = _export_graphs(model_dir, tmp, config, options, progress)
+        graphs, graphs_table = _export_graphs(model_dir, tmp, config, options, progress)
         lint = lint_graphs({g: onnx.load(str(tmp / contract.GRAPH_FILES[g]), load_external_data=False)
                             for g in contract.GRAPHS})
         progress(f"TensorRT lint: {'ok' if lint.ok else f'{len(lint.problems)} problem(s)'}, needs TensorRT "
@@ -210,6 +210,7 @@ def export_artifact(model_dir: str | Path, out: str | Path, options: ExportOptio
                             {"path": str(model_dir.resolve()), "config_sha256": sha256_file(model_dir / "config.json")},
                             dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), copied, versions(),
                             lint.to_dict())
+        manifest.weights = weights_record(graphs_table, {g: tmp / contract.GRAPH_FILES[g] for g in contract.GRAPHS})
         manifest.write(tmp)
         if reference is not None:
             _validate(tmp, manifest, reference, progress)
