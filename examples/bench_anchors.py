@@ -185,16 +185,25 @@ def read_bandwidth_gbs(threads: int, mib: int = 1024, repeats: int = 5) -> float
     return best / 1e9
 
 
-def decode_bytes(checkpoint: Path, context: int) -> int:
+def decode_bytes(checkpoint: Path, context: int, artifact: Path | None = None) -> int:
     """What one decode step must read: every weight but the embedding table (one row is
-    gathered; a tied head reads the whole table anyway), plus the KV cache of `context` tokens."""
+    gathered; a tied head reads the whole table anyway), plus the KV cache of `context` tokens.
+    With a tk `artifact`, its weights file's bytes (quantized weights are smaller); else the
+    checkpoint's parameters in float32."""
     from models.loading import read_config
     from models.artifact import Precision
     from toolkit.describe import memory_plan
 
     cfg = read_config(checkpoint)
-    plan = memory_plan(cfg, Precision(), 1, context)
-    embed = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.hidden_size * 4
+    data = artifact / "weights.onnx.data" if artifact is not None else None
+    weights = data.stat().st_size if data is not None and data.is_file() else None
+    plan = memory_plan(cfg, Precision(), 1, context, weights)
+    embed = cfg.vocab_size * cfg.hidden_size * 4
+    if weights is not None:  # the artifact stores the table once as itself, once as the head
+        table = json.loads((artifact / "manifest.json").read_text()).get("weights", {})
+        embed = table.get("model.embed.weight", [0, embed])[1]
+    elif cfg.tie_embeddings:
+        embed = 0  # a tied head reads the whole table: it counts once, as the head
     return plan["weights_bytes"] - embed + plan["kv_bytes"]
 
 
@@ -268,11 +277,14 @@ def main() -> None:
     report = {"workload": {"prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "batch": 1,
                            "threads": args.threads, "repeats": args.repeats},
               "read_bandwidth_gbs": bandwidth, "decode_bound_ms": bound_ms, "stacks": {}}
+    context = args.prompt_len + args.new_tokens // 2
     for name, rs in results.items():
         decode = statistics.median(r[1] for r in rs)
+        own = decode_bytes(args.checkpoint, context, args.tk[name][0]) / (bandwidth * 1e9) * 1e3 \
+            if name in args.tk else bound_ms
         report["stacks"][name] = {"ttft_ms": statistics.median(r[0] for r in rs), "decode_ms_per_token": decode,
                                   "decode_spread_ms": [min(r[1] for r in rs), max(r[1] for r in rs)],
-                                  "fraction_of_decode_bound": bound_ms / decode,
+                                  "fraction_of_decode_bound": own / decode, "decode_bound_ms": own,
                                   "runs": [{"ttft_ms": r[0], "decode_ms_per_token": r[1]} for r in rs],
                                   "same_tokens_as_first": tokens[name] == tokens[first], **memory[name]}
         if name in args.tk:

@@ -2,16 +2,20 @@
 
 Every layer of the decoder is the same subgraph over its own weights and its own cache, and the
 exporter's cost grows faster than the layer count (19-26 s per graph for 22 layers of TinyLlama's
-shape, 3-4 s for 3). So tk traces TRACED_LAYERS layers, checks that the last two traced layers are
+shape, 3-4 s for 4). So tk traces TRACED_LAYERS layers, checks that the last two traced layers are
 the same subgraph (same ops, attributes and wiring, each reading the layer before it the same way),
 and copies the last one until the graph has every layer. When the check fails (a model whose layers
 differ), the caller traces every layer instead: the copy is only ever an exact one.
 
-How a node is assigned to a layer: a node that depends only on layer-invariant values (graph inputs
-shared by all layers, shared weights, constants, the shape of a cache input) is shared, whatever module emitted it, and is never
-copied (the mask, RoPE's cos/sin, shape arithmetic); any other node belongs to the layer its
-`namespace` metadata names (`model.layers.{i}`), or, without one (nodes the optimizer made), to the
-layer of its inputs; the rest (final norm, LM head) is the epilogue, rewired to the last layer.
+How a node is assigned to a layer: a node that depends only on layer-invariant values (graph
+inputs shared by all layers, shared weights, constants, the shape of a cache input, which the
+contract makes the same for every layer) is shared, whatever module emitted it, and is never
+copied (the mask, RoPE's cos/sin, shape arithmetic); a node that reads the final norm's weight, or
+the epilogue, is the epilogue (final norm, LM head), rewired to the last layer; any other node
+belongs to the layer its `namespace` metadata names (`model.layers.{i}`), or, without one (nodes
+the optimizer made, the fused kernels' calls), to the latest layer among its inputs. The first
+layers may differ from the rest (they compute shapes the later ones reuse, read as "far" values):
+only the last two traced ones must match.
 """
 
 from __future__ import annotations
