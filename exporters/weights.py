@@ -14,6 +14,10 @@ becomes `MatMul(x, W')`, a copy per graph, named differently in each). tk instea
 - traces each graph on the meta device and points its initializers at that file (ONNX external
   data: location, offset, length) before the exporter's optimizer runs, so what it folds it reads
   from the file. Both graphs share the file; tracing costs the same whatever the model's size.
+Offsets are planned from the view alone (`plan_weights`), so the graphs can be traced while the
+file is written. With quantized weights (a quantized `Precision`) each linear `weight_t` is
+written as `.quant` (int4 packed two per byte, or int8) and `.scale` entries instead
+(models/quantize.py), which exporters/quantize_graph.py reads through DequantizeLinear.
 """
 
 from __future__ import annotations

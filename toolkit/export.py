@@ -187,7 +187,7 @@ def export_artifact(model_dir: str | Path, out: str | Path, options: ExportOptio
                     progress: Callable[[str], None] = lambda msg: None, **flags) -> Manifest:
     """Write a complete artifact to `out` and return its manifest. `options`, or the flags of
     `ExportOptions.from_flags` (dtype, opset, kv_cache, max_seq_len, target, prefill_logits,
-    debug_outputs, validate, force)."""
+    debug_outputs, validate, force, weights, block_size, quantize_lm_head)."""
     model_dir, out = Path(model_dir), Path(out)
     options = options or ExportOptions.from_flags(**flags)
     config = read_config(model_dir)  # a bad checkpoint fails before the filesystem is touched
