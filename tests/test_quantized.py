@@ -14,7 +14,7 @@ import pytest
 
 from hf_models import FAMILIES, hf_model_logits
 
-QUANT_CASES = [(f, "int4") for f in FAMILIES] + [("llama", "int8"), ("qwen3", "int8")]
+QUANT_CASES = [(f, w) for w in ("int4", "int8") for f in FAMILIES]
 
 
 @pytest.fixture(scope="module")
