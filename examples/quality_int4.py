@@ -26,9 +26,11 @@ def genai_nll(folder: Path, chunks: list[list[int]]) -> tuple[float, int]:
     """NLL of the windows through genai's model.onnx, run directly by ONNX Runtime."""
     import onnxruntime as ort
 
+    from toolkit.evaluate import window_nll
+
     cfg = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]
     sess = ort.InferenceSession(str(folder / cfg["filename"]), providers=["CPUExecutionProvider"])
-    total, count = 0.0, 0
+    total = 0.0
     for chunk in chunks:
         ids = np.array([chunk], np.int64)
         feeds = {}
@@ -42,12 +44,8 @@ def genai_nll(folder: Path, chunks: list[list[int]]) -> tuple[float, int]:
             elif inp.name.startswith("past_key_values"):
                 dtype = np.float16 if "float16" in inp.type else np.float32
                 feeds[inp.name] = np.zeros((1, cfg["num_key_value_heads"], 0, cfg["head_size"]), dtype)
-        logits = sess.run(["logits"], feeds)[0][0, :-1].astype(np.float64)
-        top = logits.max(-1, keepdims=True)
-        log_z = np.log(np.exp(logits - top).sum(-1)) + top[:, 0]
-        total += float((log_z - logits[np.arange(len(chunk) - 1), chunk[1:]]).sum())
-        count += len(chunk) - 1
-    return total, count
+        total += window_nll(sess.run(["logits"], feeds)[0][0], chunk)
+    return total, sum(len(c) - 1 for c in chunks)
 
 
 def main() -> None:

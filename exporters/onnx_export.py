@@ -231,12 +231,6 @@ def finish_graph(traced: Traced, model: Decoder, path: Path, weights: dict[str, 
     return traced.seconds + time.perf_counter() - start, how
 
 
-def export_graph(model: Decoder, graph: str, path: Path, dims: contract.GraphDims, variant: Variant,
-                 weights: dict[str, tuple]) -> tuple[float, str]:
-    """trace_graph, then finish_graph: one graph, its weights file already written."""
-    return finish_graph(trace_graph(model, graph, dims, variant), model, path, weights)
-
-
 def _optimize(program, weights: dict[str, tuple], base_dir: Path, block_size: int | None) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

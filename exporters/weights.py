@@ -22,7 +22,6 @@ written as `.quant` (int4 packed two per byte, or int8) and `.scale` entries ins
 
 from __future__ import annotations
 
-import math
 import threading
 from pathlib import Path
 
@@ -35,7 +34,7 @@ from torch import nn
 from models.config import DecoderConfig
 from models.decoder import Decoder, RMSNorm, rope_inv_freq
 from models.artifact import Precision
-from models.loading import CheckpointReader
+from models.loading import CheckpointReader, ReusableBuffer
 from models.quantize import pack_int4, quantize, quantized_layers
 
 WEIGHTS_FILE = "weights.onnx.data"
@@ -73,21 +72,8 @@ def export_view(cfg: DecoderConfig, dtype: torch.dtype) -> Decoder:
     return model.eval()
 
 
-class _Buffers:
-    """Two buffers reused from tensor to tensor: fresh memory costs a page fault per 4 KiB, much
-    of the writer's kernel time on TinyLlama's 4.1 GiB."""
-
-    def __init__(self):
-        self._bufs = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
-
-    def get(self, i: int, shape, dtype: torch.dtype) -> torch.Tensor:
-        n = math.prod(shape) * dtype.itemsize
-        if self._bufs[i].numel() < n:
-            self._bufs[i] = torch.empty(n, dtype=torch.uint8)
-        return self._bufs[i][:n].view(dtype).view(shape)
-
-
-def _tensor(reader: CheckpointReader, name: str, dtype: torch.dtype, bufs: _Buffers) -> torch.Tensor:
+def _tensor(reader: CheckpointReader, name: str, dtype: torch.dtype,
+            bufs: tuple[ReusableBuffer, ReusableBuffer]) -> torch.Tensor:
     """One tensor of the export view, computed from the checkpoint (in `bufs` when large)."""
     cfg = reader.cfg
     if name == "inv_freq":
@@ -96,9 +82,9 @@ def _tensor(reader: CheckpointReader, name: str, dtype: torch.dtype, bufs: _Buff
         offset = cfg.norm_offset if not name.split(".")[-2] in ("q_norm", "k_norm") else 0.0
         return reader.tensor(name, dtype).float() + offset
     ours = name.removesuffix("_t")
-    t = reader.tensor(ours, dtype, out=bufs.get(0, reader.shape(ours), dtype))
+    t = reader.tensor(ours, dtype, out=bufs[0].view(reader.shape(ours), dtype))
     if name.endswith(".weight_t"):  # a contiguous transposed copy: 4-9x faster than into column slices
-        return bufs.get(1, t.T.shape, dtype).copy_(t.T)
+        return bufs[1].view(t.T.shape, dtype).copy_(t.T)
     return t
 
 
@@ -141,7 +127,7 @@ def write_weights(reader: CheckpointReader, view: Decoder, path: Path, dtype: to
     """Stream every parameter and buffer of the view into `path`, at the places `plan_weights` gives
     (quantizing where `precision` says, models/quantize.py); -> that plan, or None when `stop` was
     set before the end (the caller failed meanwhile)."""
-    table, bufs = plan_weights(view, precision), _Buffers()
+    table, bufs = plan_weights(view, precision), (ReusableBuffer(), ReusableBuffer())  # read, transposed
     with open(path, "wb") as out:
         for name, (offset, length, want_dtype, shape) in table.items():
             if stop is not None and stop.is_set():

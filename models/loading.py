@@ -133,6 +133,20 @@ def _open(path: Path):
         raise CheckpointError(f"{path} is not a readable safetensors file ({e}); re-download or re-save it") from None
 
 
+class ReusableBuffer:
+    """Bytes reused from tensor to tensor, grown as needed: fresh memory costs a page fault per
+    4 KiB, most of a streaming reader's or writer's kernel time at real sizes."""
+
+    def __init__(self):
+        self._bytes = torch.empty(0, dtype=torch.uint8)
+
+    def view(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        n = math.prod(shape) * dtype.itemsize
+        if self._bytes.numel() < n:
+            self._bytes = torch.empty(n, dtype=torch.uint8)
+        return self._bytes[:n].view(dtype).view(shape)
+
+
 class CheckpointReader:
     """A checkpoint's tensors under our names, one at a time: every shape is checked against the
     config when the reader opens, before any weight is read; `tensor(ours)` reads and concatenates
@@ -161,7 +175,7 @@ class CheckpointReader:
             if got != shape:
                 raise CheckpointError(f"tensor {name} has shape {list(got)} but config.json implies {list(shape)}")
         self._headers: dict[Path, tuple[dict, int]] = {}
-        self._buffer = torch.empty(0, dtype=torch.uint8)
+        self._convert = ReusableBuffer()  # reads that change dtype land here first
         self.map = weight_map(cfg)
         if cfg.tie_embeddings:
             self.map = {**self.map, "lm_head.weight": self.map["embed.weight"]}
@@ -184,7 +198,7 @@ class CheckpointReader:
             raise CheckpointError(f"cannot read {name} from {path}: dtype {info['dtype']} is not one tk reads")
         begin, end = info["data_offsets"]
         src = _ST_DTYPES[info["dtype"]]
-        buf = out if out.dtype == src else self._scratch(out.shape, src)
+        buf = out if out.dtype == src else self._convert.view(out.shape, src)
         got = 0
         if end > begin:
             with open(path, "rb") as f:
@@ -195,13 +209,6 @@ class CheckpointReader:
         if buf is not out:
             out.copy_(buf)
 
-    def _scratch(self, shape, dtype: torch.dtype) -> torch.Tensor:
-        """A reused buffer for reads that convert: fresh memory costs a page fault per 4 KiB."""
-        n = math.prod(shape) * dtype.itemsize
-        if self._buffer.numel() < n:
-            self._buffer = torch.empty(n, dtype=torch.uint8)
-        return self._buffer[:n].view(dtype).view(shape)
-
     def shape(self, ours: str) -> tuple[int, ...]:
         shapes = [self._info(name)[1]["shape"] for name, _ in self.map[ours]]
         return (sum(s[0] for s in shapes), *shapes[0][1:]) if shapes[0] else ()
@@ -210,16 +217,19 @@ class CheckpointReader:
         """Our parameter `ours` (e.g. layers.0.attn.wqkv.weight) in `dtype`, its parts (concatenated
         along dim 0 where we fuse) read straight into their rows; into `out` when given (a buffer
         the caller reuses)."""
-        parts = self.map[ours]
-        shapes = [self._info(name)[1]["shape"] for name, _ in parts]
+        shape = self.shape(ours)
         if out is None:
-            out = torch.empty(self.shape(ours), dtype=dtype)
-        elif tuple(out.shape) != self.shape(ours) or out.dtype != dtype:
-            raise ValueError(f"{ours} is {dtype} {self.shape(ours)}, not {out.dtype} {tuple(out.shape)}")
+            out = torch.empty(shape, dtype=dtype)
+        elif tuple(out.shape) != shape or out.dtype != dtype:
+            raise ValueError(f"{ours} is {dtype} {shape}, not {out.dtype} {tuple(out.shape)}")
+        if not shape:  # a scalar: one part
+            self._read_into(self.map[ours][0][0], out)
+            return out
         row = 0
-        for (name, _), shape in zip(parts, shapes):
-            self._read_into(name, out[row:row + shape[0]] if shape else out)
-            row += shape[0] if shape else 0
+        for name, _ in self.map[ours]:
+            rows = self._info(name)[1]["shape"][0]
+            self._read_into(name, out[row:row + rows])
+            row += rows
         return out
 
 

@@ -29,19 +29,24 @@ def windows(ids: list[int], window: int) -> list[list[int]]:
     return [ids[i:i + window] for i in range(0, len(ids), window) if len(ids[i:i + window]) > 1]
 
 
+def window_nll(logits: np.ndarray, chunk: list[int]) -> float:
+    """Summed negative log-likelihood of a window's tokens after its first, from its (S, V) logits
+    (position t predicts token t + 1)."""
+    logits = logits[:-1].astype(np.float64)
+    top = logits.max(axis=-1, keepdims=True)
+    log_z = np.log(np.exp(logits - top).sum(axis=-1)) + top[:, 0]
+    return float((log_z - logits[np.arange(len(chunk) - 1), chunk[1:]]).sum())
+
+
 def nll(runtime, chunks: list[list[int]]) -> tuple[float, int]:
-    """Summed negative log-likelihood of each window's tokens after its first, and their count."""
-    total, count = 0.0, 0
+    """Summed negative log-likelihood of the windows on `runtime`, and how many tokens it counts."""
+    total = 0.0
     for chunk in chunks:
         ids = np.array([chunk], dtype=np.int64)
         out, session = runtime.start(ids, np.ones_like(ids), room=1)
         session.close()
-        logits = out.logits[0, :-1].astype(np.float64)  # position t predicts token t + 1
-        top = logits.max(axis=-1, keepdims=True)
-        log_z = np.log(np.exp(logits - top).sum(axis=-1)) + top[:, 0]
-        total += float((log_z - logits[np.arange(len(chunk) - 1), chunk[1:]]).sum())
-        count += len(chunk) - 1
-    return total, count
+        total += window_nll(out.logits[0], chunk)
+    return total, sum(len(c) - 1 for c in chunks)
 
 
 def evaluate(artifact: Path, text: str, backends: list[str], window: int | None = None,

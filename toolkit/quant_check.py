@@ -58,7 +58,10 @@ def fused_matmuls(artifact: Path, manifest) -> dict[str, tuple[int, list[str]]]:
 
 
 def expected_quantized(manifest) -> int:
-    return 4 * manifest.config["num_layers"] + (1 if manifest.precision.quantized_lm_head else 0)
+    from models.config import DecoderConfig
+    from models.quantize import quantized_layers
+
+    return len(quantized_layers(DecoderConfig.from_dict(manifest.config), manifest.precision.quantized_lm_head))
 
 
 def check_fused(artifact: Path, manifest) -> dict[str, int]:
