@@ -181,6 +181,34 @@ class Runtime(ABC):
         check_token_ids(tokens, self.dims.vocab_size)
         return self.layout.step(self, session, tokens)
 
+    # --- slots (a static-capacity cache only): continuous batching, runtimes/batching.py ---
+
+    def open_slots(self, count: int) -> Session:
+        """A session of `count` empty slots, which requests take (`admit`) and leave (`free`)."""
+        self._require_active()
+        if not hasattr(self.layout, "open_slots"):
+            raise InputError("continuous batching needs a static-capacity cache: export with "
+                             "--kv-cache static --max-seq-len N")
+        return self.layout.open_slots(self, count)
+
+    def admit(self, session: Session, slot: int, prompt: list[int]) -> StepOutput:
+        """Prefill `prompt` alone into `slot` (which must be free) -> its logits."""
+        ids = np.asarray(prompt, dtype=np.int64).reshape(1, -1)
+        check_token_ids(ids, self.dims.vocab_size)
+        return self.layout.admit(self, session, slot, ids)
+
+    def free(self, session: Session, slot: int) -> None:
+        self.layout.free(session, slot)
+
+    def step_slots(self, session: Session, tokens: np.ndarray, active: list[int]) -> StepOutput:
+        """One decode step of the `active` slots; `tokens` (max(active) + 1,) holds each active
+        slot's last token (the others' are ignored) -> logits (max(active) + 1, 1, V)."""
+        n = max(active) + 1 if self.row_views else session.batch
+        full = np.zeros((n, 1), dtype=np.int64)
+        full[: len(tokens), 0] = tokens
+        check_token_ids(full, self.dims.vocab_size)
+        return self.layout.step_slots(self, session, full, active, n)
+
     def cache_arrays(self, session: Session) -> list[np.ndarray]:
         """The session's cache as float32 (B, Hkv, length, D) arrays in contract order (copies; for
         parity and probes, not the loop)."""
@@ -205,9 +233,17 @@ class Runtime(ABC):
     def _alloc_cache(self, shape: tuple, dtype: str):
         return np.zeros(shape, dtype=DTYPES[dtype].numpy)
 
-    def _write_prefix(self, dst, src, length: int) -> None:
-        """Copy a (B, H, length, D) present tensor into the first positions of a capacity buffer."""
-        dst[:, :, :length] = self._to_numpy(src)
+    def _write_prefix(self, dst, src, length: int, row: int | None = None) -> None:
+        """Copy a (B, H, length, D) present tensor into the first positions of a capacity buffer
+        (with `row`, a (1, H, length, D) one into that row of it)."""
+        rows = slice(None) if row is None else slice(row, row + 1)
+        dst[rows, :, :length] = self._to_numpy(src)
+
+    row_views = True  # `_leading` views a buffer's first rows without a copy (else slots run every row)
+
+    def _leading(self, buf, n: int):
+        """The first `n` batch rows of a cache buffer, sharing its memory."""
+        return buf[:n]
 
     def _to_numpy(self, buf) -> np.ndarray:
         return np.asarray(buf)

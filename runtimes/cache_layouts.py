@@ -5,7 +5,9 @@
 - `StaticLayout` (`--kv-cache static --max-seq-len N`): the cache is N-position buffers that the
   decode graph writes in place at per-row `write_indices`; the prefill's present is copied into
   them once, and the mask covers the whole buffer (0 beyond what is written). The same feed
-  arrays are rewritten in place every step, so a backend may bind them once per session.
+  arrays are rewritten in place every step, so a backend may bind them once per session. Its
+  slots (`open_slots`, `admit`, `step_slots`, `free`) are one session whose rows requests take
+  and leave, each at its own length: the continuous batching of runtimes/batching.py.
 
 Backends supply the buffers (`Runtime._alloc_cache`, `_write_prefix`, `_take`, `_release`,
 `_to_numpy`); the layouts own the masks, positions, capacity guards and write indices.
@@ -85,18 +87,74 @@ class StaticLayout(_Layout):
         if s.length >= self.capacity:
             raise InputError(f"decode: the static cache holds {self.capacity} positions and is full; "
                              "export with a larger --max-seq-len")
-        s.feeds["input_ids"][:] = tokens  # in place: the arrays a backend bound stay the ones it reads
-        s.positions += 1
-        s.write[:] = s.length
-        s.mask[:, s.length] = 1
-        out, _ = rt._run(contract.DECODE, s.feeds, s.cache, s, in_place=True)
+        out = self._decode(rt, s, tokens, slice(None), s.batch)
         s.length += 1
+        return out
+
+    @staticmethod
+    def _decode(rt: Runtime, s: Session, tokens: np.ndarray, rows, n: int) -> StepOutput:
+        """Decode the first `n` rows; of them, `rows` advance (each at its own write index) and the
+        others sit out: an empty slot writes its throwaway position 0 again and moves nothing."""
+        s.feeds["input_ids"][:n] = tokens  # in place: the arrays a backend bound stay the ones it reads
+        s.positions[rows] += 1
+        s.mask[np.arange(s.batch)[rows], s.write[rows]] = 1
+        feeds = s.feeds if n == s.batch else {k: v[:n] for k, v in s.feeds.items()}
+        past = s.cache if n == s.batch else [rt._leading(b, n) for b in s.cache]
+        out, _ = rt._run(contract.DECODE, feeds, past, s, in_place=True)
+        s.write[rows] += 1
         return out
 
     def keep(self, rt: Runtime, s: Session, rows: np.ndarray) -> None:
         super().keep(rt, s, rows)
         s.write = s.write[rows]
         self._feeds(s)
+
+    # --- slots: one session whose rows requests take and leave (runtimes/batching.py) ---
+
+    def open_slots(self, rt: Runtime, count: int) -> Session:
+        """An empty session of `count` slots, each a row of the capacity buffers."""
+        d = rt.dims
+        buffers = [rt._alloc_cache((count, d.num_kv_heads, self.capacity, d.head_dim), d.kv_dtype)
+                   for _ in range(2 * d.num_layers)]
+        s = Session(rt, buffers, np.ones((count, 1), np.int64), 0)
+        s.mask = np.zeros((count, self.capacity), dtype=np.int64)
+        s.write = np.zeros((count,), dtype=np.int64)
+        for slot in range(count):
+            self.free(s, slot)
+        self._feeds(s)
+        return s
+
+    def admit(self, rt: Runtime, s: Session, slot: int, ids: np.ndarray) -> StepOutput:
+        """Prefill one prompt (1, T) alone, as `tk generate` of it would, into row `slot`."""
+        T = ids.shape[1]
+        if T >= self.capacity:
+            raise InputError(f"prefill: {T} tokens leave no room in the static cache of {self.capacity}; "
+                             "export with a larger --max-seq-len")
+        out, present = _prefill(rt, ids, np.ones_like(ids))
+        for buf, src in zip(s.cache, present):
+            rt._write_prefix(buf, src, T, row=slot)
+        rt._release(present)
+        s.mask[slot] = 0
+        s.mask[slot, :T] = 1
+        s.positions[slot] = T - 1
+        s.write[slot] = T
+        return out
+
+    @staticmethod
+    def free(s: Session, slot: int) -> None:
+        """An empty slot: one visible position (0), so that its throwaway row computes no NaN."""
+        s.mask[slot] = 0
+        s.mask[slot, 0] = 1
+        s.positions[slot] = 0
+        s.write[slot] = 0
+
+    def step_slots(self, rt: Runtime, s: Session, tokens: np.ndarray, active: list[int], n: int) -> StepOutput:
+        """One decode step of the `active` slots (each at its own length) over the first `n` rows
+        (the rows past the last active one are not computed where the backend can view rows)."""
+        rows = np.asarray(active, dtype=np.int64)
+        if s.write[rows].max() >= self.capacity:
+            raise InputError(f"decode: a slot's static cache of {self.capacity} positions is full")
+        return self._decode(rt, s, tokens, rows, n)
 
 
 def layout_for(dims: contract.GraphDims) -> DynamicLayout | StaticLayout:

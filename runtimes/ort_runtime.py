@@ -100,6 +100,7 @@ class OrtRuntime(Runtime):
         use_cuda = self.provider != "cpu" and "CUDAExecutionProvider" in available
         providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if use_cuda else ["CPUExecutionProvider"]
         self.device = "cuda" if use_cuda else "cpu"
+        self.row_views = not use_cuda  # a device OrtValue has no view of its first rows
         self._ort = ort
         self.output_names: dict[str, list[str]] = {}
         self._shared = self._shared_initializers()
@@ -196,36 +197,38 @@ class OrtRuntime(Runtime):
         return StepOutput(outs[0].numpy(), hidden), present
 
     def _run_in_place(self, feeds, past, session):
-        """A static-capacity decode step: the binding is made once per session over the layout's feed
-        arrays (rewritten in place each step) and the cache buffers (past and present at once)."""
-        state = session.state
-        if "binding" not in state:
+        """A static-capacity decode step: the binding is made once per session (and batch size: slots
+        run their first rows) over the layout's feed arrays (rewritten in place each step) and the
+        cache buffers (past and present at once)."""
+        B = feeds["input_ids"].shape[0]
+        bindings = session.state.setdefault("bindings", {})
+        if B not in bindings:
             binding = self._session(contract.DECODE).io_binding()
-            state["logits"] = np.zeros((session.batch, 1, self.dims.vocab_size), np.float32)
+            logits = np.zeros((B, 1, self.dims.vocab_size), np.float32)
             host = self._ort.OrtValue.ortvalue_from_numpy  # a CPU OrtValue over the array's own memory
             inputs = {name: host(array) for name, array in feeds.items()}  # later writes to them are seen
             for name, value in inputs.items():
                 binding.bind_ortvalue_input(name, value)
-            inputs["logits"] = host(state["logits"])
+            inputs["logits"] = host(logits)
             binding.bind_ortvalue_output("logits", inputs["logits"])
             values = [b if not isinstance(b, np.ndarray) else self._value(b) for b in past]
             for name, out, value in zip(self.past_names, self.present_names, values):
                 binding.bind_ortvalue_input(name, value)
                 binding.bind_ortvalue_output(out, value)  # the same buffer: updated in place
-            state["binding"], state["values"] = binding, (inputs, values)
-        self._session(contract.DECODE).run_with_iobinding(state["binding"])
-        return StepOutput(state["logits"].copy()), past
+            bindings[B] = (binding, logits, inputs, values)
+        binding, logits = bindings[B][:2]
+        self._session(contract.DECODE).run_with_iobinding(binding)
+        return StepOutput(logits.copy()), past
 
     def _alloc_cache(self, shape, dtype):
         array = np.zeros(shape, dtype=DTYPES[dtype].numpy)
         return array if self.device == "cpu" else self._value(array)
 
-    def _write_prefix(self, dst, src, length):
+    def _write_prefix(self, dst, src, length, row=None):
         if isinstance(dst, np.ndarray):
-            dst[:, :, :length] = self._to_numpy(src)
-            return
+            return super()._write_prefix(dst, src, length, row)
         host = dst.numpy()
-        host[:, :, :length] = self._to_numpy(src)
+        super()._write_prefix(host, src, length, row)
         dst.update_inplace(host)
 
     def _to_numpy(self, buf):

@@ -58,11 +58,26 @@ class TorchRuntime(Runtime):
         t = self._torch
         ids, mask, pos = (t.from_numpy(np.ascontiguousarray(feeds[k])).to(self.device)
                           for k in ("input_ids", "attention_mask", "position_ids"))
+        write = feeds.get("write_indices")  # a static-capacity cache (dims.kv_capacity)
+        write = None if write is None else t.from_numpy(np.ascontiguousarray(write)).to(self.device)
         pairs = None if past is None else list(zip(past[0::2], past[1::2]))
         with t.inference_mode():
-            out = self.model(ids, mask, pos, pairs, output_hidden=self.debug)
+            out = self.model(ids, mask, pos, pairs, write, output_hidden=self.debug)
+            present = [x for kv in out[1] for x in kv]
+            if in_place:  # kv_write returned new buffers: the layout keeps its own
+                for buf, new in zip(past, present):
+                    buf.copy_(new)
+                present = past
         hidden = [h.cpu().numpy() for h in out[2]] if self.debug else None
-        return StepOutput(out[0].float().cpu().numpy(), hidden), [x for kv in out[1] for x in kv]
+        return StepOutput(out[0].float().cpu().numpy(), hidden), present
+
+    # A static cache's buffers are tensors on the device (the numpy defaults would copy every step).
+    def _alloc_cache(self, shape, dtype):
+        return self._torch.zeros(shape, dtype=getattr(self._torch, dtype), device=self.device)
+
+    def _write_prefix(self, dst, src, length, row=None):
+        rows = slice(None) if row is None else slice(row, row + 1)
+        dst[rows, :, :length].copy_(src)
 
     def _to_numpy(self, buf) -> np.ndarray:
         return buf.float().cpu().numpy()

@@ -190,13 +190,19 @@ class TrtRuntime(Runtime):
         for buf in buffers or []:
             buf.array.free()
 
-    def _write_prefix(self, dst: _Buffer, src: _Buffer, length: int) -> None:
-        """(B, H, length, D) rows of `src` (laid out with src.shape's stride) into `dst`'s first positions."""
+    def _write_prefix(self, dst: _Buffer, src: _Buffer, length: int, row: int | None = None) -> None:
+        """(B, H, length, D) rows of `src` (laid out with src.shape's stride) into `dst`'s first positions
+        (with `row`, src's one batch row into that row of dst)."""
         item = int(DTYPES[self.dims.kv_dtype].bytes)
-        row, d = length * self.dims.head_dim * item, self.dims.head_dim * item
+        size, d = length * self.dims.head_dim * item, self.dims.head_dim * item
+        start = 0 if row is None else row * dst.shape[1] * dst.shape[2] * d
         copy, kind = self._cuda.wrapper().memcpy, self._cuda.MemcpyKind.DeviceToDevice
         for bh in range(src.shape[0] * src.shape[1]):
-            copy(dst.ptr + bh * dst.shape[2] * d, src.ptr + bh * src.shape[2] * d, row, kind, self.stream.ptr)
+            copy(dst.ptr + start + bh * dst.shape[2] * d, src.ptr + bh * src.shape[2] * d, size, kind, self.stream.ptr)
+
+    def _leading(self, buf: _Buffer, n: int) -> _Buffer:
+        """A view of the first n rows (same device memory; never released on its own)."""
+        return _Buffer(buf.array, (n,) + tuple(buf.shape[1:]), buf.room)
 
     def _to_numpy(self, buf: _Buffer) -> np.ndarray:
         dtype = self.dims.kv_dtype

@@ -79,3 +79,19 @@ def tiny_artifact(tmp_path_factory, tiny):
 
 FAMILY_NAMES = list(FAMILIES)
 ALL_NAMES = list(ALL)
+
+
+@pytest.fixture(scope="session")
+def serve_artifact(tmp_path_factory, tiny):
+    """The tiny preset with a chat template, exported with a static cache (what serving's slots need)."""
+    import shutil
+
+    from chat import add_chat_template
+    from toolkit.export import export_artifact
+
+    ckpt = tmp_path_factory.mktemp("serve-ckpt") / "checkpoint"
+    shutil.copytree(tiny, ckpt)
+    add_chat_template(ckpt)
+    out = tmp_path_factory.mktemp("serve-art") / "artifact"
+    export_artifact(ckpt, out, kv_cache="static", max_seq_len=128)
+    return out

@@ -24,6 +24,7 @@ class BackendOptions:
     provider: str = "auto"  # ONNX Runtime: auto | cpu | cuda
     prepack: bool = False  # ONNX Runtime: each session repacks its weights (faster, a copy per session)
     quant_compute: str = "int8"  # ONNX Runtime, quantized artifacts: int8 (fast) or float (what the reference computes)
+    static_cache: bool = False  # torch: keep the artifact's static cache (serving's slots), not the plain graphs' math
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ def open_runtime(artifact: str | Path, name: str, options: BackendOptions = Back
 
 
 def reference_runtime(artifact: str | Path, manifest: Manifest | None = None, dtype: str = "float32",
-                      device: str = "cpu", debug: bool = False, quantized: bool = True):
+                      device: str = "cpu", debug: bool = False, quantized: bool = True, static_cache: bool = False):
     """The PyTorch backend for an artifact: the reference decoder, loaded on activation from the source
     checkpoint recorded in its manifest (tk does not copy the weights a second time). For a quantized
     artifact, the quantized reference, unless `quantized` is False (the full-precision one)."""
@@ -59,11 +60,11 @@ def reference_runtime(artifact: str | Path, manifest: Manifest | None = None, dt
     if sha256_file(source / "config.json") != manifest.source["config_sha256"]:
         raise ArtifactError(f"the checkpoint at {source} changed since export (config.json differs); re-export")
     quantized = manifest.precision if manifest.precision.quantized and quantized else None
-    return torch_reference(source, manifest.dims, manifest.max_context, dtype, device, debug, quantized)
+    return torch_reference(source, manifest.dims, manifest.max_context, dtype, device, debug, quantized, static_cache)
 
 
 def torch_reference(source: Path, dims, max_context: int, dtype: str = "float32", device: str = "cpu",
-                    debug: bool = False, quantized=None):
+                    debug: bool = False, quantized=None, static_cache: bool = False):
     """The reference decoder of the checkpoint at `source` for graphs of `dims`, loaded on activation;
     with `quantized` (a quantized Precision), the quantized reference: its linear weights are what
     the artifact's quantized weights dequantize to."""
@@ -76,12 +77,14 @@ def torch_reference(source: Path, dims, max_context: int, dtype: str = "float32"
         return quantize_weights_(model, quantized) if quantized is not None else model
 
     # the reference runs the plain graphs' math: no static buffer, every position's logits
-    dims = dataclasses.replace(dims, kv_dtype=dtype, kv_capacity=None, hidden_size=None, prefill_logits="all")
+    dims = dataclasses.replace(dims, kv_dtype=dtype, kv_capacity=dims.kv_capacity if static_cache else None,
+                               hidden_size=None, prefill_logits="all")
     return TorchRuntime(loader=load, device=device, debug=debug, dims=dims, max_context=max_context)
 
 
 def _open_torch(artifact: Path, manifest: Manifest, options: BackendOptions):
-    return reference_runtime(artifact, manifest, dtype=manifest.dtype, device=options.device)
+    return reference_runtime(artifact, manifest, dtype=manifest.dtype, device=options.device,
+                             static_cache=options.static_cache)
 
 
 def _open_ort(artifact: Path, manifest: Manifest, options: BackendOptions):

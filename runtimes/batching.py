@@ -1,0 +1,275 @@
+"""Continuous batching over a static-capacity cache's slots, written once for every backend.
+
+`Engine` runs a loop on a thread of its own. Between decode steps it lets cancelled requests
+leave and admits waiting ones, each prefilled alone into a free slot (the lowest: the step
+computes only up to the last busy slot), exactly as `tk generate` of that prompt alone would
+prefill it; every step then decodes all running requests together, each at its own length and
+write index (runtimes/cache_layouts.StaticLayout's slots). A request that finishes (EOS, its
+token budget, its front end's stop) or is cancelled leaves at once and frees its slot. Each
+request samples with a `Sampler` of its own (its seed, temperature, top-k/p, repetition
+penalty), so its tokens do not depend on what else shares its steps.
+
+Front ends (toolkit/serve.py's HTTP server, the Triton model that toolkit/triton_repo.py
+writes) submit `Request`s and hear of each token through the request's `on_event`, called on the
+engine's thread: keep it short (hand the event to another thread or an event loop). Stop strings
+belong to the front end, which has the text: its `stop(tokens)` is asked after each token.
+Limits: `slots` requests run at once and `max_queue` wait; beyond that `submit` raises
+`QueueFull`, never drops a request. Imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from runtimes.base import InputError, Runtime, RuntimeProblem
+from runtimes.generate import TokenEvent
+from runtimes.sampling import Sampler, SamplingConfig
+
+log = logging.getLogger("tk.engine")
+
+FINISH_REASONS = ("eos", "stop", "length", "cancelled", "error")
+
+
+class QueueFull(RuntimeProblem):
+    """Every slot is busy and the queue is full: retry later (HTTP 429)."""
+
+
+class EngineClosed(RuntimeProblem):
+    """The engine is shutting down and takes no new requests (HTTP 503)."""
+
+
+@dataclass(eq=False)
+class Request:
+    """One prompt's generation. `on_event(TokenEvent)` hears each new token and, last, the finish
+    (token None, finish_reason set), on the engine's thread; `stop(tokens)` is asked after each
+    token. The engine fills `tokens`, `finish_reason` and `error`; `done` is set at the end."""
+
+    prompt: Sequence[int]
+    max_new_tokens: int
+    sampling: SamplingConfig = SamplingConfig()
+    ignore_eos: bool = False
+    on_event: Callable[[TokenEvent], None] | None = None
+    stop: Callable[[list[int]], bool] | None = None
+    id: int = -1
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class _Running:
+    """A request in its slot: its sampler, the tokens it has seen (repetition penalty), its last token."""
+
+    def __init__(self, request: Request, vocab_size: int):
+        self.request, self.sampler, self.last = request, Sampler(request.sampling), 0
+        self.seen = None
+        if request.sampling.repetition_penalty != 1.0:
+            self.seen = np.zeros((1, vocab_size), dtype=bool)
+            self.seen[0, list(request.prompt)] = True
+
+
+class Engine:
+    """Start it (or use `with`), `submit` requests, `cancel` them, `close` it. Counters for
+    metrics: `running`, `waiting`, `finished[reason]`, `steps`."""
+
+    def __init__(self, runtime: Runtime, slots: int = 8, max_queue: int = 64, eos_ids: Sequence[int] = ()):
+        if slots < 1 or max_queue < 0:
+            raise InputError(f"slots must be >= 1 and the queue >= 0, got {slots} and {max_queue}")
+        self.runtime, self.slots, self.max_queue = runtime, slots, max_queue
+        self.eos = frozenset(eos_ids)
+        self._cv = threading.Condition()
+        self._waiting: deque[Request] = deque()
+        self._running: dict[int, _Running] = {}  # slot -> its request
+        self._cancel: set[Request] = set()
+        self._closing = False
+        self._abort = False
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self.finished = {reason: 0 for reason in FINISH_REASONS}
+        self.steps = 0
+
+    # --- the front end's side ---
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> "Engine":
+        self.runtime.activate()
+        self.session = self.runtime.open_slots(self.slots)
+        self._thread = threading.Thread(target=self._loop, name="tk-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def __enter__(self) -> "Engine":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def check(self, prompt: Sequence[int], max_new_tokens: int) -> None:
+        """Refuse what no slot can hold (InputError, a one-line message for a 400)."""
+        if not prompt:
+            raise InputError("empty prompt: give at least one token")
+        if max_new_tokens <= 0:
+            raise InputError(f"max new tokens must be positive, got {max_new_tokens}")
+        if len(prompt) + max_new_tokens > self.runtime.max_context:
+            raise InputError(f"a prompt of {len(prompt)} tokens plus {max_new_tokens} new tokens exceeds the "
+                             f"model's context of {self.runtime.max_context}; shorten the prompt or ask for "
+                             "fewer new tokens")
+
+    def submit(self, request: Request) -> Request:
+        self.check(request.prompt, request.max_new_tokens)
+        with self._cv:
+            if self._closing or not self.alive:
+                raise EngineClosed("the engine is shutting down and takes no new requests")
+            if len(self._running) + len(self._waiting) >= self.slots + self.max_queue:  # not a slot's wait away
+                raise QueueFull(f"all {self.slots} slots are busy and the queue of {self.max_queue} is full; "
+                                "retry later")
+            request.id = next(self._ids)
+            self._waiting.append(request)
+            self._cv.notify()
+        return request
+
+    def cancel(self, request: Request) -> None:
+        """End a request now (a client went away): it leaves before the next step, its slot freed."""
+        with self._cv:
+            if request.done.is_set():
+                return
+            if request in self._waiting:
+                self._waiting.remove(request)
+                self._finish(request, "cancelled")
+                return
+            self._cancel.add(request)
+            self._cv.notify()
+
+    def close(self, timeout: float = 0.0) -> None:
+        """Take no new requests; let the running and waiting ones finish for up to `timeout`
+        seconds, then cancel what is left, stop the loop and release the cache."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            with self._cv:
+                self._abort = True
+                self._cv.notify()
+            self._thread.join()
+            self._thread = None
+            self.session.close()
+            self.runtime.deactivate()
+
+    # --- the loop ---
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._waiting or self._running or self._cancel or self._closing):
+                    self._cv.wait()
+                if self._abort:
+                    self._cancel.update(r.request for r in self._running.values())
+                    while self._waiting:
+                        self._finish(self._waiting.popleft(), "cancelled")
+                if self._closing and not (self._waiting or self._running):
+                    return
+                cancel, self._cancel = self._cancel, set()
+                admit = [self._waiting.popleft() for _ in range(min(len(self._waiting), self.slots - len(self._running)))]
+            for slot in [s for s, r in self._running.items() if r.request in cancel]:
+                self._leave(slot, "cancelled")
+            for request in admit:
+                self._admit(request)
+            if self._running:
+                self._step()
+
+    def _admit(self, request: Request) -> None:
+        slot = min(set(range(self.slots)) - set(self._running))
+        running = _Running(request, self.runtime.dims.vocab_size)
+        self._running[slot] = running
+        try:
+            out = self.runtime.admit(self.session, slot, list(request.prompt))
+        except Exception as e:  # noqa: BLE001: this request fails; the engine and the others go on
+            self._fail([slot], e)
+            return
+        self._next(slot, out.logits[:, -1])
+
+    def _step(self) -> None:
+        active = sorted(self._running)
+        tokens = np.zeros(active[-1] + 1, dtype=np.int64)
+        for slot in active:
+            tokens[slot] = self._running[slot].last
+        try:
+            out = self.runtime.step_slots(self.session, tokens, active)
+        except Exception as e:  # noqa: BLE001
+            self._fail(active, e)
+            return
+        self.steps += 1
+        for slot in active:
+            self._next(slot, out.logits[slot : slot + 1, -1])
+
+    def _next(self, slot: int, logits: np.ndarray) -> None:
+        """Sample the slot's next token from its logits (1, V); tell the front end; maybe leave."""
+        r = self._running[slot]
+        request = r.request
+        token = int(r.sampler(logits, r.seen, [0], 1)[0])
+        if token in self.eos and not request.ignore_eos:
+            return self._leave(slot, "eos")
+        request.tokens.append(token)
+        if r.seen is not None:
+            r.seen[0, token] = True
+        r.last = token
+        self._tell(request, TokenEvent(request.id, token))
+        if request.stop is not None and request.stop(request.tokens):
+            self._leave(slot, "stop")
+        elif len(request.tokens) >= request.max_new_tokens:
+            self._leave(slot, "length")
+
+    def _leave(self, slot: int, reason: str) -> None:
+        request = self._running.pop(slot).request
+        self.runtime.free(self.session, slot)
+        self._finish(request, reason)
+
+    def _fail(self, slots: list[int], error: Exception) -> None:
+        log.error("the engine failed a step of %d request(s)", len(slots), exc_info=error)
+        for slot in slots:
+            self._running[slot].request.error = f"{type(error).__name__}: {error}"
+            self._leave(slot, "error")
+
+    def _finish(self, request: Request, reason: str) -> None:
+        request.finish_reason = reason
+        self.finished[reason] += 1
+        self._tell(request, TokenEvent(request.id, None, reason))
+        request.done.set()
+
+    @staticmethod
+    def _tell(request: Request, event: TokenEvent) -> None:
+        if request.on_event is not None:
+            try:
+                request.on_event(event)
+            except Exception:  # a front end's callback must not stop the engine
+                log.exception("a request's on_event raised")
+
+
+def wait_all(requests: Sequence[Request], timeout: float | None = None) -> bool:
+    """Wait for requests to finish; False if the timeout passed first."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for r in requests:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not r.done.wait(left):
+            return False
+    return True

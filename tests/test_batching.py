@@ -1,0 +1,124 @@
+"""The continuous-batching engine (runtimes/batching.py): requests join and leave a running batch
+of slots at different lengths, and each one's tokens equal `tk generate` of its prompt alone."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from models.artifact import Manifest
+from runtimes.base import InputError
+from runtimes.batching import EngineClosed, Engine, QueueFull, Request, wait_all
+from runtimes.generate import generate
+from runtimes.sampling import SamplingConfig
+from toolkit.backends import BackendOptions, open_runtime
+
+pytestmark = pytest.mark.slow
+SLOTS = BackendOptions(static_cache=True)
+
+
+def _mix(vocab: int, n: int, seed: int = 0):
+    """Prompts of 1..40 tokens, budgets of 1..40, every third request sampled (own seed and knobs)."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(3, vocab, size=int(rng.integers(1, 41))).tolist() for _ in range(n)]
+    budgets = [int(rng.integers(1, 41)) for _ in range(n)]
+    sampling = [SamplingConfig(temperature=0.9, top_k=40, top_p=0.9, repetition_penalty=1.3, seed=i) if i % 3 == 0
+                else SamplingConfig() for i in range(n)]
+    return prompts, budgets, sampling
+
+
+def _solo(artifact, backend, prompts, budgets, sampling, eos):
+    with open_runtime(artifact, backend, SLOTS) as rt:
+        return [generate(rt, [p], n, s, eos).rows[0] for p, n, s in zip(prompts, budgets, sampling)]
+
+
+@pytest.mark.parametrize("backend", ["ort", "torch"])
+def test_each_request_equals_its_solo_run_whatever_shares_its_steps(serve_artifact, backend):
+    m = Manifest.read(serve_artifact)
+    prompts, budgets, sampling = _mix(m.dims.vocab_size, 14)
+    solo = _solo(serve_artifact, backend, prompts, budgets, sampling, m.eos_token_ids)
+    with Engine(open_runtime(serve_artifact, backend, SLOTS), slots=4, max_queue=16, eos_ids=m.eos_token_ids) as engine:
+        requests = []
+        for i, (p, n, s) in enumerate(zip(prompts, budgets, sampling)):
+            requests.append(engine.submit(Request(p, n, s)))
+            if i % 4 == 3:  # later ones arrive while earlier ones decode
+                requests[-2].done.wait(5)
+        assert wait_all(requests, 120)
+        assert engine.running == 0 and engine.waiting == 0
+    for i, (r, s) in enumerate(zip(requests, solo)):
+        assert r.tokens == s.tokens, f"request {i}: {r.tokens} != solo {s.tokens}"
+        assert r.finish_reason == s.finish_reason
+    assert max(budgets) < engine.steps < sum(budgets)  # they shared steps
+
+
+def test_a_cancelled_request_leaves_at_once_and_frees_its_slot(serve_artifact):
+    m = Manifest.read(serve_artifact)
+    prompts, budgets, sampling = _mix(m.dims.vocab_size, 3, seed=1)
+    solo = _solo(serve_artifact, "ort", prompts, [60] * 3, [SamplingConfig()] * 3, ())
+    seen = threading.Event()
+    with Engine(open_runtime(serve_artifact, "ort", SLOTS), slots=2, max_queue=4) as engine:
+        def on_event(event):
+            if event.token is not None and len(long.tokens) == 5:
+                seen.set()
+
+        long = Request(prompts[0], 60, ignore_eos=True, on_event=on_event)
+        engine.submit(long)
+        others = [engine.submit(Request(p, 60, ignore_eos=True)) for p in prompts[1:]]  # the second waits
+        assert seen.wait(30)
+        engine.cancel(long)
+        assert wait_all([long, *others], 60)
+        assert long.finish_reason == "cancelled" and 5 <= len(long.tokens) < 60
+        assert long.tokens == solo[0].tokens[: len(long.tokens)]
+        assert [r.tokens for r in others] == [s.tokens for s in solo[1:]]  # the waiting one took the freed slot
+        assert engine.running == 0 and engine.finished["cancelled"] == 1
+
+
+def test_limits_are_refusals_not_crashes(serve_artifact):
+    m = Manifest.read(serve_artifact)
+    engine = Engine(open_runtime(serve_artifact, "ort", SLOTS), slots=1, max_queue=1, eos_ids=m.eos_token_ids)
+    with pytest.raises(EngineClosed):  # not started
+        engine.submit(Request([5], 4))
+    with engine:
+        with pytest.raises(InputError, match="exceeds the model's context of 128"):
+            engine.submit(Request([5] * 100, 29))
+        with pytest.raises(InputError, match="positive"):
+            engine.submit(Request([5], 0))
+        first = engine.submit(Request([5, 6], 100, ignore_eos=True))
+        queued = engine.submit(Request([7, 8], 4, ignore_eos=True))
+        with pytest.raises(QueueFull, match="retry later"):
+            engine.submit(Request([9], 4))
+        engine.cancel(queued)  # a waiting request leaves the queue at once
+        assert queued.done.is_set() and queued.finish_reason == "cancelled" and not queued.tokens
+        engine.cancel(first)
+        assert wait_all([first], 30) and first.finish_reason == "cancelled"
+    with pytest.raises(EngineClosed):
+        engine.submit(Request([5], 4))
+
+
+def test_close_lets_requests_finish_then_cancels_the_rest(serve_artifact):
+    engine = Engine(open_runtime(serve_artifact, "ort", SLOTS), slots=2, max_queue=4).start()
+    short = engine.submit(Request([5, 6, 7], 3, ignore_eos=True))
+    endless = engine.submit(Request([8, 9], 125, ignore_eos=True))
+    short.done.wait(30)
+    engine.close(timeout=0)  # the endless one (125 positions) is still decoding
+    assert short.finish_reason == "length" and len(short.tokens) == 3
+    assert endless.finish_reason == "cancelled" and endless.done.is_set()
+    assert not engine.alive
+
+
+def test_slots_compute_only_up_to_the_last_busy_one(serve_artifact):
+    with open_runtime(serve_artifact, "ort", SLOTS) as rt:
+        session = rt.open_slots(6)
+        rt.admit(session, 0, [4, 5, 6])
+        rt.admit(session, 2, [7])
+        out = rt.step_slots(session, np.array([11, 0, 12]), [0, 2])
+        assert out.logits.shape[0] == 3
+        assert session.write.tolist() == [4, 0, 2, 0, 0, 0]  # each slot at its own length; empty ones stay
+        session.close()
+
+
+def test_a_dynamic_cache_artifact_is_refused_with_the_export_flags(tiny_artifact):
+    with open_runtime(tiny_artifact, "ort") as rt, pytest.raises(InputError, match="--kv-cache static"):
+        rt.open_slots(2)
