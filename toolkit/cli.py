@@ -364,6 +364,9 @@ def demo(preset: str, prompt: str, max_new_tokens: int) -> None:
     run_demo(preset, prompt, max_new_tokens, echo=lambda msg: click.echo(msg))
 
 
+from toolkit import cli_serving  # noqa: E402,F401  (registers tk serve and tk triton on `main`)
+
+
 def entry() -> None:
     """The `tk` console script: this process is tk's own, so its ORT sessions share one thread pool."""
     from runtimes.ort_runtime import use_shared_thread_pool

@@ -6,6 +6,7 @@ knows none.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -14,13 +15,15 @@ from runtimes.base import InputError, Runtime
 from runtimes.generate import Generation, GenerationResult
 from runtimes.sampling import SamplingConfig
 
+_HF_LOCK = threading.Lock()
+
 
 class Tokenizer:
     """tokenizer.json through `tokenizers` (fast, light); other formats through transformers."""
 
     def __init__(self, folder: Path):
         folder = Path(folder)
-        self.folder = folder
+        self.folder, self._hf = folder, None  # _hf: transformers' tokenizer, for chat templates
         if (folder / "tokenizer.json").is_file():
             from tokenizers import Tokenizer as _Tok
 
@@ -48,18 +51,25 @@ class Tokenizer:
         return self._encode(text)
 
     def chat(self, message: str, system: str | None = None) -> list[int]:
-        """The prompt ids of one user turn (after a system turn, if given) as the checkpoint's chat
-        template renders them, ready for the assistant's reply: transformers' apply_chat_template
-        with add_generation_prompt, from chat_template.jinja or tokenizer_config.json."""
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(str(self.folder))
-        if not tok.chat_template:
-            raise InputError(f"{self.folder} has no chat template (no chat_template.jinja, and no chat_template in "
-                             "tokenizer_config.json): it is not an instruction-tuned checkpoint; use --prompt")
+        """The prompt ids of one user turn (after a system turn, if given), ready for the reply."""
         messages = ([{"role": "system", "content": system}] if system is not None else []) + [
             {"role": "user", "content": message}]
-        return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+        return self.chat_messages(messages)
+
+    def chat_messages(self, messages: list[dict]) -> list[int]:
+        """The prompt ids of a conversation as the checkpoint's chat template renders it, ready for
+        the assistant's reply: transformers' apply_chat_template with add_generation_prompt, from
+        chat_template.jinja or tokenizer_config.json."""
+        with _HF_LOCK:  # transformers' lazy imports are not safe from two threads at once
+            if self._hf is None:
+                from transformers import AutoTokenizer
+
+                self._hf = AutoTokenizer.from_pretrained(str(self.folder))
+        if not self._hf.chat_template:
+            raise InputError(f"{self.folder} has no chat template (no chat_template.jinja, and no chat_template in "
+                             "tokenizer_config.json): it is not an instruction-tuned checkpoint; use --prompt")
+        return list(self._hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=False))
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._decode(list(ids))

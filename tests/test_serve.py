@@ -1,0 +1,247 @@
+"""tk serve: the OpenAI API over the engine, driven by the official `openai` client on 127.0.0.1."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from models.artifact import Manifest
+from runtimes.sampling import SamplingConfig
+from toolkit.backends import BackendOptions, open_runtime
+from toolkit.cli import main
+from toolkit.textgen import Tokenizer, generate_text
+
+openai = pytest.importorskip("openai", reason="the openai client is a test extra: pip install -e '.[test]'")
+pytest.importorskip("fastapi", reason="the serving stack: pip install -e '.[serve]'")
+pytestmark = pytest.mark.slow
+WORDS = "the cat sat on a mat and then it ran far away into the dark wood where owls sing".split()
+
+
+@pytest.fixture(scope="module")
+def server(serve_artifact):
+    from toolkit.serve import open_server
+
+    srv, sock = open_server(serve_artifact, "ort", BackendOptions(), "127.0.0.1", 0, 4, 64, "tiny", 1.0)
+    sock.close()  # in_thread binds its own
+    with srv.in_thread() as url:
+        yield srv, url
+    srv.engine.close()
+
+
+@pytest.fixture(scope="module")
+def solo(serve_artifact):
+    """Each request as `tk generate` runs it alone: (ids, text) of generate_text on its own runtime."""
+    manifest, tok = Manifest.read(serve_artifact), Tokenizer(serve_artifact)
+    runtime = open_runtime(serve_artifact, "ort", BackendOptions(static_cache=True))
+    cache, lock = {}, threading.Lock()  # asked from the clients' threads: one at a time
+
+    def run(prompt_ids, max_tokens, stops=(), sampling=SamplingConfig()):
+        key = (tuple(prompt_ids), max_tokens, tuple(stops), sampling)
+        with lock:
+            if key not in cache:
+                result, texts = generate_text(runtime, tok, [prompt_ids], max_tokens, sampling,
+                                              manifest.eos_token_ids, stops)
+                cache[key] = (result.rows[0].tokens, texts[0], result.rows[0].finish_reason)
+            return cache[key]
+
+    run.tokenizer = tok
+    return run
+
+
+def _prompt(rng) -> str:
+    return " ".join(rng.choice(WORDS, size=int(rng.integers(1, 12))))
+
+
+def _client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _post(url, path, body: bytes | dict, timeout=30):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url + path, data, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _metric(url, name: str) -> float:
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    values = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)} (\S+)$", text, re.M)]
+    return values[0] if values else 0.0
+
+
+def _one(url, solo, i: int, rng_seed: int):
+    """Request i of the mix: completion or chat, streamed or not, greedy or seeded, maybe a stop."""
+    rng = np.random.default_rng(rng_seed)
+    c, text = _client(url), _prompt(rng)
+    n, chat, stream = int(rng.integers(1, 40)), i % 3 == 1, i % 2 == 0
+    sampled = i % 5 == 4
+    stops = ["e"] if i % 7 == 6 else []
+    kw = dict(model="tiny", max_tokens=n, temperature=0.8 if sampled else 0, stream=stream,
+              extra_body={"return_token_ids": True, **({"top_k": 30} if sampled else {})})
+    if sampled:
+        kw["seed"] = i
+    if stops:
+        kw["stop"] = stops
+    if chat:
+        ids = solo.tokenizer.chat_messages([{"role": "user", "content": text}])
+        resp = c.chat.completions.create(messages=[{"role": "user", "content": text}], **kw)
+    else:
+        ids = solo.tokenizer.encode(text)
+        resp = c.completions.create(prompt=text, **kw)
+    if stream:
+        chunks = [ch for ch in resp if ch.choices]
+        tokens = [t for ch in chunks for t in (ch.choices[0].model_extra.get("token_ids") or [])]
+        got = "".join((ch.choices[0].delta.content or "") if chat else ch.choices[0].text for ch in chunks)
+        reason = chunks[-1].choices[0].finish_reason
+    else:
+        choice = resp.choices[0]
+        tokens, got, reason = choice.model_extra["token_ids"], choice.message.content if chat else choice.text, \
+            choice.finish_reason
+        assert resp.usage.prompt_tokens == len(ids) and resp.usage.completion_tokens == len(tokens)
+    sampling = SamplingConfig(temperature=0.8, top_k=30, seed=i) if sampled else SamplingConfig()
+    want_tokens, want_text, want_reason = solo(ids, n, stops, sampling)
+    return (tokens, got, reason), (want_tokens, want_text, {"eos": "stop"}.get(want_reason, want_reason))
+
+
+def test_sixteen_concurrent_clients_each_get_their_solo_tokens(server, solo):
+    srv, url = server
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda i: _one(url, solo, i, 100 + i), range(16)))
+    for i, (got, want) in enumerate(results):
+        assert got == want, f"request {i}"
+    assert srv.engine.running == 0 and _metric(url, "tk_active_slots") == 0
+    assert _metric(url, "tk_generation_tokens_total") >= sum(len(w[0]) for _, w in results)
+
+
+def test_models_health_and_a_chat_reply(server, solo):
+    _, url = server
+    assert [m.id for m in _client(url).models.list().data] == ["tiny"]
+    assert json.loads(urllib.request.urlopen(url + "/health", timeout=10).read()) == {"status": "ok"}
+    reply = _client(url).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=8, temperature=0)
+    assert reply.object == "chat.completion" and reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].message.content == solo(solo.tokenizer.chat_messages(
+        [{"role": "user", "content": "hi"}]), 8)[1]
+
+
+@pytest.mark.parametrize("body,param", [
+    (b"{not json", None),
+    ({"model": "tiny", "prompt": "the cat " * 200, "max_tokens": 4}, "prompt"),
+    ({"model": "tiny", "prompt": "the cat", "max_tokens": 0}, "max_tokens"),
+    ({"model": "gpt-9", "prompt": "the cat", "max_tokens": 4}, "model"),
+    ({"prompt": "the cat"}, "model"),
+    ({"model": "tiny", "prompt": "the cat", "n": 2}, "n"),
+    ({"model": "tiny", "prompt": "the cat", "temperature": "hot"}, "temperature"),
+    ({"model": "tiny", "prompt": [1, 2, 999999]}, "prompt"),
+])
+def test_a_bad_request_gets_a_400_naming_the_field(server, body, param):
+    _, url = server
+    status, reply = _post(url, "/v1/completions", body)
+    assert status == 400 and reply["error"]["type"] == "invalid_request_error", reply
+    assert reply["error"]["param"] == param and reply["error"]["message"]
+    assert _post(url, "/v1/chat/completions", {"model": "tiny", "messages": []})[1]["error"]["param"] == "messages"
+
+
+def _stream_and_hang_up(url, max_tokens: int) -> None:
+    """Start a streamed completion, read its first event, and close the connection."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps({"model": "tiny", "prompt": "the cat", "max_tokens": max_tokens,
+                                                        "stream": True, "ignore_eos": True}),
+                 {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline().startswith(b"data: ")
+    resp.close()  # the socket closes with its last reference
+    conn.close()
+
+
+def test_two_hundred_requests_with_hangups_and_garbage_leak_no_slot(server, solo):
+    srv, url = server
+    cancelled = srv.engine.finished["cancelled"]
+
+    def job(i):
+        if i % 10 == 3:
+            return "bad", _post(url, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": -1})[0]
+        if i % 10 == 7:
+            _stream_and_hang_up(url, 120)
+            return "hangup", None
+        return "ok", _one(url, solo, i, 1000 + i)
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(job, range(200)))
+    assert all(r == 400 for kind, r in results if kind == "bad")
+    for i, (kind, r) in enumerate(results):
+        if kind == "ok":
+            assert r[0] == r[1], f"request {i}"
+    deadline = time.monotonic() + 30
+    while srv.engine.running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _metric(url, "tk_active_slots") == 0 and _metric(url, "tk_queue_depth") == 0
+    assert srv.engine.finished["cancelled"] - cancelled == 20  # every hang-up cancelled its request
+    assert json.loads(urllib.request.urlopen(url + "/health", timeout=10).read())["status"] == "ok"
+
+
+def test_a_full_queue_gets_429(serve_artifact):
+    from toolkit.serve import open_server
+
+    srv, sock = open_server(serve_artifact, "ort", BackendOptions(), "127.0.0.1", 0, 1, 0, "tiny", 0.0)
+    sock.close()
+    with srv.in_thread() as url:
+        host, port = url.removeprefix("http://").split(":")
+        for _ in range(5):  # the first request must still be decoding when the second arrives
+            conn = http.client.HTTPConnection(host, int(port), timeout=30)
+            conn.request("POST", "/v1/completions", json.dumps({"model": "tiny", "prompt": "the", "max_tokens": 120,
+                                                                "stream": True, "ignore_eos": True}))
+            resp = conn.getresponse()
+            resp.readline()
+            status, reply = _post(url, "/v1/completions", {"model": "tiny", "prompt": "the cat", "max_tokens": 2})
+            resp.read()
+            conn.close()
+            if status == 429:
+                break
+        assert status == 429 and reply["error"]["type"] == "rate_limit_exceeded", reply
+    srv.engine.close()
+
+
+def test_tk_serve_starts_answers_and_shuts_down_on_sigterm(serve_artifact, tmp_path):
+    tk = Path(sys.executable).parent / "tk"  # the console script, as users run it
+    proc = subprocess.Popen([str(tk), "serve", str(serve_artifact), "--port", "0",
+                             "--slots", "2", "--model-name", "tiny", "--drain", "1"],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stderr.readline()
+        url = re.search(r"(http://127\.0\.0\.1:\d+)/v1", line).group(1)
+        reply = _client(url).completions.create(model="tiny", prompt="the cat", max_tokens=5, temperature=0)
+        assert reply.choices[0].text == solo_text(serve_artifact, "the cat", 5)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, proc.stderr.read()
+
+
+def solo_text(artifact, prompt: str, n: int) -> str:
+    out = CliRunner().invoke(main, ["generate", str(artifact), "--prompt", prompt, "--max-new-tokens", str(n), "--json"])
+    return json.loads(out.output)["rows"][0]["text"]
+
+
+def test_tk_serve_refuses_what_it_cannot_serve(tiny_artifact, serve_artifact):
+    out = CliRunner().invoke(main, ["serve", str(tiny_artifact), "--port", "0"])
+    assert out.exit_code == 2 and "--kv-cache static" in out.output and "Traceback" not in out.output
+    out = CliRunner().invoke(main, ["serve", str(serve_artifact), "--slots", "0"])
+    assert out.exit_code == 2 and "--slots" in out.output

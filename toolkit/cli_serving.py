@@ -1,0 +1,41 @@
+"""`tk serve` and `tk triton`: the serving commands (registered on toolkit.cli's group, which
+imports this module last). Option parsing only; toolkit/serve.py and toolkit/triton_repo.py do the work."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from toolkit.backends import BackendOptions
+from toolkit.cli import BackendName, backend_options, main
+
+
+def engine_options(f):
+    """--slots, --max-queue: the continuous-batching engine's limits."""
+    f = click.option("--max-queue", default=64, show_default=True, type=click.IntRange(min=0),
+                     help="Requests that may wait for a slot; beyond it requests are refused (HTTP 429).")(f)
+    return click.option("--slots", default=8, show_default=True, type=click.IntRange(min=1),
+                        help="Requests decoded together (rows of the static cache).")(f)
+
+
+@main.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--backend", default="ort", show_default=True, type=BackendName())
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="0: any free port.")
+@engine_options
+@click.option("--model-name", help="The `model` clients send [default: the artifact folder's name].")
+@click.option("--drain", default=10.0, show_default=True, type=click.FloatRange(min=0),
+              help="Seconds in-flight requests get to finish at shutdown before they are cancelled.")
+@backend_options
+def serve(artifact: Path, backend: str, host: str, port: int, slots: int, max_queue: int, model_name: str | None,
+          drain: float, threads: int | None, device: str, provider: str, prepack: bool) -> None:
+    """Serve an ARTIFACT (static cache) over the OpenAI API, with continuous batching."""
+    from toolkit.serve import open_server
+
+    server, sock = open_server(artifact, backend, BackendOptions(threads, device, provider, prepack),
+                               host, port, slots, max_queue, model_name, drain)
+    url = f"http://{host}:{sock.getsockname()[1]}"
+    click.echo(f"tk serve: {server.model_name} on {url}/v1 ({backend}, {slots} slots); Ctrl-C stops", err=True)
+    server.run(sock)

@@ -1,0 +1,438 @@
+"""`tk serve`: the OpenAI API over the continuous-batching engine, on FastAPI and uvicorn.
+
+`POST /v1/completions` and `/v1/chat/completions` (the artifact's chat template), `stream: true`
+as server-sent events, `GET /v1/models`, `/health` and Prometheus `/metrics`. Each HTTP request
+becomes one `runtimes.batching.Request`; the engine's thread detokenizes its tokens as they come
+(`TextStream`: stop strings end the request right after the token that completes one, as
+`tk generate --stop` does) and hands them to the event loop. Errors are OpenAI's JSON shape:
+400 naming the field, 429 when the queue is full, 503 while shutting down. A client that goes
+away cancels its request, which frees its slot before the next step.
+
+Beyond OpenAI's fields (vLLM's names): `top_k`, `repetition_penalty`, `ignore_eos`, and
+`return_token_ids` (each choice then carries its `token_ids`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+import uuid
+from contextlib import contextmanager
+from typing import Literal, Union
+
+from models.errors import UsageProblem
+from runtimes.base import InputError
+from runtimes.batching import EngineClosed, Engine, QueueFull, Request
+from runtimes.sampling import SamplingConfig
+from toolkit.textgen import TextStream, Tokenizer
+
+MISSING = "the serving stack is not installed; pip install 'tk[serve]' (fastapi, uvicorn, prometheus-client)"
+FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # the engine's reasons as OpenAI's
+UNSUPPORTED = {"n": "tk serve returns one choice per request (n=1)",
+               "presence_penalty": "not supported; use repetition_penalty",
+               "frequency_penalty": "not supported; use repetition_penalty",
+               "logprobs": "not supported by tk serve", "echo": "not supported by tk serve"}
+
+
+def _require():
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        raise UsageProblem(MISSING) from None
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
+
+
+def _schemas():
+    """The request bodies (pydantic, which FastAPI brings): OpenAI's fields and vLLM's extras."""
+    from pydantic import BaseModel, ConfigDict, Field
+
+    class Body(BaseModel):
+        model_config = ConfigDict(extra="ignore")
+        model: str
+        max_tokens: int | None = Field(None, gt=0)
+        max_completion_tokens: int | None = Field(None, gt=0)
+        temperature: float = Field(1.0, ge=0, le=2)
+        top_p: float = Field(1.0, gt=0, le=1)
+        n: Literal[1] = 1
+        stream: bool = False
+        stream_options: dict | None = None
+        stop: Union[str, list[str], None] = None
+        seed: int | None = None
+        presence_penalty: Literal[0, 0.0] = 0
+        frequency_penalty: Literal[0, 0.0] = 0
+        logprobs: Literal[None, False, 0] = None
+        top_k: int = Field(0, ge=-1)  # vLLM: -1 (or 0) is off
+        repetition_penalty: float = Field(1.0, gt=0)
+        ignore_eos: bool = False
+        return_token_ids: bool = False
+
+    class Completion(Body):
+        prompt: Union[str, list[int], list[str]]
+        echo: Literal[False] = False
+
+    class Message(BaseModel):
+        role: str
+        content: Union[str, list[dict]]
+
+    class Chat(Body):
+        messages: list[Message] = Field(min_length=1)
+
+    return Completion, Chat
+
+
+class _Job:
+    """One HTTP request's generation: the engine thread feeds its text stream and the event loop's queue."""
+
+    def __init__(self, server: "Server", prompt: list[int], body, loop: asyncio.AbstractEventLoop):
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        self.server, self.loop, self.prompt = server, loop, prompt
+        self.text = TextStream(server.tokenizer, stops)
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.start = self.last = time.perf_counter()
+        budget = body.max_completion_tokens or body.max_tokens or server.default_max_tokens(body, len(prompt))
+        seed = body.seed if body.seed is not None else int.from_bytes(os.urandom(4), "little")
+        sampling = SamplingConfig(temperature=body.temperature, top_k=max(body.top_k, 0), top_p=body.top_p,
+                                  repetition_penalty=body.repetition_penalty, seed=seed)
+        self.request = Request(prompt, budget, sampling, body.ignore_eos, self._on_event, lambda _: self.text.stopped)
+
+    def _on_event(self, event) -> None:  # the engine's thread
+        now, m = time.perf_counter(), self.server.metrics
+        if event.token is not None:
+            piece = self.text.add(event.token)
+            (m["ttft"] if len(self.request.tokens) == 1 else m["itl"]).observe(now - self.last)
+            m["generated"].inc()
+            self.last = now
+        else:
+            piece = self.text.finish() if event.finish_reason in FINISH else ""
+            m["finished"].labels(event.finish_reason).inc()
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (piece, event.finish_reason))
+
+
+class Server:
+    """The FastAPI app over one engine: `app`; `run(host, port)` serves until interrupted."""
+
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, model_name: str, drain_s: float = 10.0):
+        _require()
+        self.engine, self.tokenizer, self.model_name, self.drain_s = engine, tokenizer, model_name, drain_s
+        self.created = int(time.time())
+        self.Completion, self.Chat = _schemas()
+        self.metrics = self._metrics()
+        self.app = self._app()
+
+    def _metrics(self) -> dict:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = reg = CollectorRegistry()
+        buckets = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+        Gauge("tk_queue_depth", "Requests waiting for a slot", registry=reg).set_function(lambda: self.engine.waiting)
+        Gauge("tk_active_slots", "Slots running a request", registry=reg).set_function(lambda: self.engine.running)
+        Gauge("tk_slots", "Slots of the engine", registry=reg).set(self.engine.slots)
+        return {
+            "requests": Counter("tk_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=reg),
+            "finished": Counter("tk_requests_finished", "Generations by finish reason", ["reason"], registry=reg),
+            "prompt": Counter("tk_prompt_tokens", "Prompt tokens admitted", registry=reg),
+            "generated": Counter("tk_generation_tokens", "Tokens generated", registry=reg),
+            "ttft": Histogram("tk_time_to_first_token_seconds", "Submit to first token", buckets=buckets, registry=reg),
+            "itl": Histogram("tk_inter_token_latency_seconds", "Between a request's tokens", buckets=buckets,
+                             registry=reg),
+        }
+
+    def default_max_tokens(self, body, prompt_len: int) -> int:
+        """OpenAI's defaults: 16 for completions, the rest of the context for chat."""
+        return 16 if isinstance(body, self.Completion) else max(1, self.engine.runtime.max_context - prompt_len)
+
+    # --- the app ---
+
+    def _app(self):
+        from fastapi import FastAPI
+        from fastapi.responses import JSONResponse, Response, StreamingResponse
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+        from starlette.exceptions import HTTPException
+
+        app = FastAPI(title="tk serve")
+
+        @app.exception_handler(ApiError)
+        async def api_error(request, exc: ApiError):
+            return JSONResponse(exc.body(), status_code=exc.status)
+
+        @app.exception_handler(HTTPException)
+        async def http_error(request, exc: HTTPException):
+            return JSONResponse(ApiError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
+
+        app.add_middleware(_CountRequests, counter=self.metrics["requests"])
+
+        @app.get("/health")
+        async def health():
+            ok = self.engine.alive
+            return JSONResponse({"status": "ok" if ok else "stopped"}, status_code=200 if ok else 503)
+
+        @app.get("/metrics")
+        async def metrics():
+            return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
+                                                "owned_by": "tk", "max_model_len": self.engine.runtime.max_context}]}
+
+        async def completions(request):  # Starlette routes: the body is parsed here, errors are 400s
+            return await self._generate(request, self.Completion, False, StreamingResponse, JSONResponse)
+
+        async def chat(request):
+            return await self._generate(request, self.Chat, True, StreamingResponse, JSONResponse)
+
+        app.add_route("/v1/completions", completions, methods=["POST"])
+        app.add_route("/v1/chat/completions", chat, methods=["POST"])
+
+        return app
+
+    async def _parse(self, request, schema):
+        from pydantic import ValidationError
+
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"the body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the body must be a JSON object")
+        try:
+            parsed = schema.model_validate(body)
+        except ValidationError as e:
+            err = e.errors()[0]
+            param = str(err["loc"][0]) if err["loc"] else None
+            why = UNSUPPORTED.get(param, err["msg"])
+            raise ApiError(400, f"{'.'.join(map(str, err['loc']))}: {why}", param) from None
+        if parsed.model != self.model_name:
+            raise ApiError(400, f"model {parsed.model!r} is not served here; this server serves {self.model_name!r} "
+                                "(GET /v1/models)", "model")
+        return parsed
+
+    def _prompt(self, body, chat: bool) -> list[int]:
+        try:
+            if chat:
+                messages = [{"role": m.role, "content": m.content if isinstance(m.content, str) else
+                             "".join(p.get("text", "") for p in m.content if p.get("type") == "text")}
+                            for m in body.messages]
+                return self.tokenizer.chat_messages(messages)
+            prompt = body.prompt
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+                if len(prompt) != 1:
+                    raise ApiError(400, "prompt: one prompt per request (send a request for each)", "prompt")
+                prompt = prompt[0]
+            return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        except InputError as e:
+            raise ApiError(400, str(e), "messages" if chat else "prompt") from None
+
+    async def _generate(self, request, schema, chat: bool, stream_cls, json_cls):
+        body = await self._parse(request, schema)
+        prompt = self._prompt(body, chat)
+        job = _Job(self, prompt, body, asyncio.get_running_loop())
+        try:
+            self.engine.submit(job.request)
+        except QueueFull as e:
+            raise ApiError(429, str(e), kind="rate_limit_exceeded") from None
+        except EngineClosed as e:
+            raise ApiError(503, str(e), kind="server_error") from None
+        except InputError as e:
+            field = "max_tokens" if "max new tokens" in str(e) else "messages" if chat else "prompt"
+            raise ApiError(400, str(e), field) from None
+        self.metrics["prompt"].inc(len(prompt))
+        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        if body.stream:
+            usage = bool((body.stream_options or {}).get("include_usage"))
+            return stream_cls(self._events(job, ident, chat, body.return_token_ids, usage),
+                              media_type="text/event-stream")
+        return json_cls(await self._complete(request, job, ident, chat, body.return_token_ids))
+
+    def _envelope(self, ident: str, chat: bool, chunk: bool, choice: dict) -> dict:
+        kind = "chat.completion" + (".chunk" if chunk else "") if chat else "text_completion"
+        return {"id": ident, "object": kind, "created": int(time.time()), "model": self.model_name, "choices": [choice]}
+
+    def _usage(self, job: _Job) -> dict:
+        n = len(job.request.tokens)
+        return {"prompt_tokens": len(job.prompt), "completion_tokens": n, "total_tokens": len(job.prompt) + n}
+
+    async def _complete(self, http, job: _Job, ident: str, chat: bool, token_ids: bool):
+        gone = asyncio.ensure_future(_disconnected(http))
+        try:
+            while True:
+                getter = asyncio.ensure_future(job.queue.get())
+                await asyncio.wait({getter, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done():  # the client went away: nobody to answer
+                    getter.cancel()
+                    self.engine.cancel(job.request)
+                    return None
+                reason = getter.result()[1]
+                if reason is not None:
+                    break
+        finally:
+            gone.cancel()
+        if reason == "error":
+            raise ApiError(500, f"the engine failed this request: {job.request.error}", kind="server_error")
+        text = job.text.text
+        choice = {"index": 0, "finish_reason": FINISH.get(reason, reason),
+                  **({"message": {"role": "assistant", "content": text}} if chat else {"text": text, "logprobs": None})}
+        if token_ids:
+            choice["token_ids"] = list(job.request.tokens)
+        return {**self._envelope(ident, chat, False, choice), "usage": self._usage(job)}
+
+    async def _events(self, job: _Job, ident: str, chat: bool, token_ids: bool, usage: bool):
+        def sse(choice: dict, **extra) -> str:
+            return f"data: {json.dumps({**self._envelope(ident, chat, True, choice), **extra})}\n\n"
+
+        def piece(text: str, reason, tokens) -> dict:
+            body = {"delta": {"content": text} if text else {}} if chat else {"text": text, "logprobs": None}
+            return {"index": 0, "finish_reason": reason, **body, **({"token_ids": tokens} if token_ids else {})}
+
+        try:
+            if chat:
+                yield sse({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+            sent = 0
+            while True:
+                text, reason = await job.queue.get()
+                tokens = job.request.tokens[sent:] if token_ids else None
+                if reason == "error":
+                    yield f"data: {json.dumps(ApiError(500, job.request.error or 'error', kind='server_error').body())}\n\n"
+                    break
+                if reason is not None:
+                    yield sse(piece(text, FINISH.get(reason, reason), tokens))
+                    if usage:
+                        yield f"data: {json.dumps({**self._envelope(ident, chat, True, {}), 'choices': [], 'usage': self._usage(job)})}\n\n"
+                    break
+                if text or token_ids:
+                    sent += len(tokens or [])
+                    yield sse(piece(text, None, tokens))
+            yield "data: [DONE]\n\n"
+        finally:  # the client went away mid-stream (or the stream ended): its slot is freed
+            self.engine.cancel(job.request)
+
+    # --- running ---
+
+    def _config(self, sock):
+        import uvicorn
+
+        return uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=self.drain_s, lifespan="on")
+
+    def run(self, sock) -> None:
+        """Serve on a bound socket until SIGINT/SIGTERM (main thread); in-flight requests get
+        `drain_s` to finish, then the rest are cancelled, and this returns."""
+        import signal
+
+        import uvicorn
+
+        def stopped(sig, frame):  # uvicorn shuts down gracefully, then re-raises the signal it caught
+            raise _Stopped
+
+        server = uvicorn.Server(self._config(sock))
+        handlers = {sig: signal.signal(sig, stopped) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            server.run(sockets=[sock])
+        except _Stopped:
+            pass
+        finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+            self.engine.close(timeout=self.drain_s)
+
+    @contextmanager
+    def in_thread(self, host: str = "127.0.0.1", port: int = 0):
+        """Serve on a background thread (tests, benchmarks) -> the base URL; stop on exit."""
+        import uvicorn
+
+        sock = bind(host, port)
+        server = uvicorn.Server(self._config(sock))
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+        thread.start()
+        while not server.started and thread.is_alive():
+            time.sleep(0.01)
+        try:
+            yield f"http://{host}:{sock.getsockname()[1]}"
+        finally:
+            server.should_exit = True
+            thread.join()
+            sock.close()
+
+
+class _Stopped(Exception):
+    """A stop signal, once uvicorn has shut down."""
+
+
+class _CountRequests:
+    """Counts responses by path and status: plain ASGI (Starlette's BaseHTTPMiddleware would hide a
+    client's disconnect from a streaming response, and the request would run on)."""
+
+    def __init__(self, app, counter):
+        self.app, self.counter = app, counter
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def counted(message):
+            if message["type"] == "http.response.start":
+                self.counter.labels(scope["path"], str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counted)
+
+
+async def _disconnected(request) -> None:
+    """Returns when the client of a request whose body was read disconnects."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def bind(host: str, port: int):
+    """A listening TCP socket (port 0: a free one), or a one-line error."""
+    import socket
+
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise UsageProblem(f"cannot listen on {host}:{port}: {e.strerror}; pick another --port or --host") from None
+    sock.listen(2048)
+    return sock
+
+
+def open_server(artifact, backend: str, options, host: str, port: int, slots: int, max_queue: int,
+                model_name: str | None, drain_s: float):
+    """Load the artifact on the backend, start its engine and bind the socket: (Server, socket).
+    Everything that can fail (a missing package, a dynamic-cache artifact, a busy port) fails here,
+    before the server says it listens."""
+    import dataclasses
+    from pathlib import Path
+
+    from models.artifact import Manifest
+    from toolkit.backends import open_runtime
+
+    _require()
+    artifact = Path(artifact)
+    manifest = Manifest.read(artifact)
+    if manifest.dims.kv_capacity is None:
+        raise UsageProblem(f"{artifact} has a dynamic cache; tk serve batches requests in a static one: re-export "
+                           "with --kv-cache static --max-seq-len N")
+    tokenizer = Tokenizer(artifact)
+    runtime = open_runtime(artifact, backend, dataclasses.replace(options, static_cache=True))
+    sock = bind(host, port)
+    try:
+        engine = Engine(runtime, slots, max_queue, manifest.eos_token_ids).start()
+    except BaseException:
+        sock.close()
+        raise
+    return Server(engine, tokenizer, model_name or artifact.resolve().name, drain_s), sock
