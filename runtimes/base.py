@@ -185,10 +185,12 @@ class Runtime(ABC):
 
     def open_slots(self, count: int) -> Session:
         """A session of `count` empty slots, which requests take (`admit`) and leave (`free`)."""
+        from runtimes.batching import slots_problem
+
         self._require_active()
-        if not hasattr(self.layout, "open_slots"):
-            raise InputError("continuous batching needs a static-capacity cache: export with "
-                             "--kv-cache static --max-seq-len N")
+        problem = slots_problem(self.dims)
+        if problem:
+            raise InputError(problem)
         return self.layout.open_slots(self, count)
 
     def admit(self, session: Session, slot: int, prompt: list[int]) -> StepOutput:

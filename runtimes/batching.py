@@ -29,13 +29,21 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from runtimes.base import InputError, Runtime, RuntimeProblem
+from runtimes.base import InputError, Runtime, RuntimeProblem, check_token_ids
 from runtimes.generate import TokenEvent
 from runtimes.sampling import Sampler, SamplingConfig
 
 log = logging.getLogger("tk.engine")
 
 FINISH_REASONS = ("eos", "stop", "length", "cancelled", "error")
+
+
+def slots_problem(dims) -> str | None:
+    """Why an artifact's graphs cannot hold slots (None: they can)."""
+    if dims.kv_capacity is None:
+        return ("continuous batching needs a static-capacity cache: re-export with "
+                "--kv-cache static --max-seq-len N")
+    return None
 
 
 class QueueFull(RuntimeProblem):
@@ -129,6 +137,7 @@ class Engine:
             raise InputError("empty prompt: give at least one token")
         if max_new_tokens <= 0:
             raise InputError(f"max new tokens must be positive, got {max_new_tokens}")
+        check_token_ids(np.asarray(prompt, dtype=np.int64), self.runtime.dims.vocab_size)
         if len(prompt) + max_new_tokens > self.runtime.max_context:
             raise InputError(f"a prompt of {len(prompt)} tokens plus {max_new_tokens} new tokens exceeds the "
                              f"model's context of {self.runtime.max_context}; shorten the prompt or ask for "

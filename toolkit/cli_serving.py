@@ -39,3 +39,26 @@ def serve(artifact: Path, backend: str, host: str, port: int, slots: int, max_qu
     url = f"http://{host}:{sock.getsockname()[1]}"
     click.echo(f"tk serve: {server.model_name} on {url}/v1 ({backend}, {slots} slots); Ctrl-C stops", err=True)
     server.run(sock)
+
+
+@main.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("-o", "--out", required=True, type=click.Path(path_type=Path), help="The model repository to write.")
+@click.option("--model-name", help="Triton's name for the model [default: the artifact folder's name].")
+@click.option("--backend", default="ort", show_default=True, type=BackendName(), help="What the engine runs on.")
+@engine_options
+@click.option("--threads", type=click.IntRange(min=1), help="ONNX Runtime intra-op threads.")
+@click.option("--copy-artifact", is_flag=True, help="Copy the artifact into the repository (self-contained, "
+                                                    "for a container); default: point at ARTIFACT where it is.")
+@click.option("--native", is_flag=True, help="Also add the raw prefill/decode graphs (and TensorRT plans, where "
+                                             "built) as models of Triton's onnxruntime/tensorrt backends.")
+@click.option("--sys-path/--no-sys-path", default=True, show_default=True,
+              help="Record where tk is installed here, for Triton's python stub (which ignores PYTHONPATH).")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+def triton(artifact: Path, out: Path, model_name: str | None, backend: str, slots: int, max_queue: int,
+           threads: int | None, copy_artifact: bool, native: bool, sys_path: bool, force: bool) -> None:
+    """Write a Triton model repository that serves ARTIFACT (static cache) with tk's engine."""
+    from toolkit.triton_repo import write_repository
+
+    click.echo(str(write_repository(artifact, out, model_name, backend, slots, max_queue, threads, copy_artifact,
+                                    native, sys_path, force)))

@@ -25,7 +25,7 @@ from typing import Literal, Union
 
 from models.errors import UsageProblem
 from runtimes.base import InputError
-from runtimes.batching import EngineClosed, Engine, QueueFull, Request
+from runtimes.batching import EngineClosed, Engine, QueueFull, Request, slots_problem
 from runtimes.sampling import SamplingConfig
 from toolkit.textgen import TextStream, Tokenizer
 
@@ -424,9 +424,8 @@ def open_server(artifact, backend: str, options, host: str, port: int, slots: in
     _require()
     artifact = Path(artifact)
     manifest = Manifest.read(artifact)
-    if manifest.dims.kv_capacity is None:
-        raise UsageProblem(f"{artifact} has a dynamic cache; tk serve batches requests in a static one: re-export "
-                           "with --kv-cache static --max-seq-len N")
+    if slots_problem(manifest.dims):
+        raise UsageProblem(f"{artifact}: {slots_problem(manifest.dims)}")
     tokenizer = Tokenizer(artifact)
     runtime = open_runtime(artifact, backend, dataclasses.replace(options, static_cache=True))
     sock = bind(host, port)
