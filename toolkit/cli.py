@@ -81,16 +81,21 @@ def _progress(msg: str) -> None:
     click.echo(f"  {msg}", err=True)
 
 
-def backend_options(f):
-    """--threads, --device, --provider, --prepack: how a backend runs (BackendOptions)."""
-    f = click.option("--prepack", is_flag=True,
-                     help="ONNX Runtime: repack the weights for the CPU's kernels in each session (about 12%% faster "
-                          "decode, a private copy of the weights per session; default: one memory-mapped copy).")(f)
-    f = click.option("--provider", default="auto", show_default=True, type=click.Choice(PROVIDERS),
-                     help="ONNX Runtime execution provider (auto: CUDA when onnxruntime-gpu sees a GPU).")(f)
-    f = click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]),
-                     help="Device of the torch backend (auto: CUDA when present).")(f)
-    return click.option("--threads", type=click.IntRange(min=1), help="ONNX Runtime intra-op threads.")(f)
+def backend_options(f=None, *, prepack: bool = False):
+    """--threads, --device, --provider, --prepack: how a backend runs (BackendOptions). Serving
+    prepacks by default: batched MatMuls on unpacked weights repack them every step."""
+    def add(f):
+        f = click.option("--prepack/--no-prepack", default=prepack, show_default=True,
+                         help="ONNX Runtime: repack the weights for the CPU's kernels in each session (faster decode, "
+                              "much faster batched decode; a private copy of the weights per session; without it: "
+                              "one memory-mapped copy).")(f)
+        f = click.option("--provider", default="auto", show_default=True, type=click.Choice(PROVIDERS),
+                         help="ONNX Runtime execution provider (auto: CUDA when onnxruntime-gpu sees a GPU).")(f)
+        f = click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]),
+                         help="Device of the torch backend (auto: CUDA when present).")(f)
+        return click.option("--threads", type=click.IntRange(min=1), help="ONNX Runtime intra-op threads.")(f)
+
+    return add if f is None else add(f)
 
 
 @click.group(cls=TkGroup)

@@ -28,7 +28,7 @@ def engine_options(f):
 @click.option("--model-name", help="The `model` clients send [default: the artifact folder's name].")
 @click.option("--drain", default=10.0, show_default=True, type=click.FloatRange(min=0),
               help="Seconds in-flight requests get to finish at shutdown before they are cancelled.")
-@backend_options
+@backend_options(prepack=True)
 def serve(artifact: Path, backend: str, host: str, port: int, slots: int, max_queue: int, model_name: str | None,
           drain: float, threads: int | None, device: str, provider: str, prepack: bool) -> None:
     """Serve an ARTIFACT (static cache) over the OpenAI API, with continuous batching."""
@@ -48,6 +48,8 @@ def serve(artifact: Path, backend: str, host: str, port: int, slots: int, max_qu
 @click.option("--backend", default="ort", show_default=True, type=BackendName(), help="What the engine runs on.")
 @engine_options
 @click.option("--threads", type=click.IntRange(min=1), help="ONNX Runtime intra-op threads.")
+@click.option("--prepack/--no-prepack", default=True, show_default=True,
+              help="ONNX Runtime: repack the weights in each session (batched decode needs it to be fast).")
 @click.option("--copy-artifact", is_flag=True, help="Copy the artifact into the repository (self-contained, "
                                                     "for a container); default: point at ARTIFACT where it is.")
 @click.option("--native", is_flag=True, help="Also add the raw prefill/decode graphs (and TensorRT plans, where "
@@ -56,9 +58,9 @@ def serve(artifact: Path, backend: str, host: str, port: int, slots: int, max_qu
               help="Record where tk is installed here, for Triton's python stub (which ignores PYTHONPATH).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 def triton(artifact: Path, out: Path, model_name: str | None, backend: str, slots: int, max_queue: int,
-           threads: int | None, copy_artifact: bool, native: bool, sys_path: bool, force: bool) -> None:
+           threads: int | None, prepack: bool, copy_artifact: bool, native: bool, sys_path: bool, force: bool) -> None:
     """Write a Triton model repository that serves ARTIFACT (static cache) with tk's engine."""
     from toolkit.triton_repo import write_repository
 
-    click.echo(str(write_repository(artifact, out, model_name, backend, slots, max_queue, threads, copy_artifact,
-                                    native, sys_path, force)))
+    click.echo(str(write_repository(artifact, out, model_name, backend, slots, max_queue, threads, prepack,
+                                    copy_artifact, native, sys_path, force)))

@@ -44,7 +44,7 @@ class TkModel:
         manifest = Manifest.read(artifact)
         self.tokenizer = Tokenizer.find(artifact)
         threads = int(params["threads"]) if params.get("threads") else None
-        options = BackendOptions(threads=threads, static_cache=True)
+        options = BackendOptions(threads=threads, prepack=params.get("prepack", "1") == "1", static_cache=True)
         runtime = open_runtime(artifact, params.get("backend", "ort"), options)
         self.engine = Engine(runtime, int(params["slots"]), int(params["max_queue"]), manifest.eos_token_ids).start()
         self.drain_s = float(params.get("drain", "10"))

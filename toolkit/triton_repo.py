@@ -66,7 +66,7 @@ def tk_sys_path() -> list[str]:
 
 
 def write_repository(artifact: Path, out: Path, name: str | None = None, backend: str = "ort", slots: int = 8,
-                     max_queue: int = 64, threads: int | None = None, copy_artifact: bool = False,
+                     max_queue: int = 64, threads: int | None = None, prepack: bool = True, copy_artifact: bool = False,
                      native: bool = False, sys_path: bool = True, force: bool = False) -> Path:
     artifact, out = Path(artifact).resolve(), Path(out)
     manifest = Manifest.read(artifact)
@@ -86,7 +86,7 @@ def write_repository(artifact: Path, out: Path, name: str | None = None, backend
         if copy_artifact:
             shutil.copytree(artifact, version / "artifact", ignore=shutil.ignore_patterns("*.engine", "engine.json"))
         params = {"artifact": "artifact" if copy_artifact else str(artifact), "backend": backend,
-                  "slots": str(slots), "max_queue": str(max_queue), "threads": str(threads or ""),
+                  "slots": str(slots), "max_queue": str(max_queue), "threads": str(threads or ""), "prepack": "1" if prepack else "0",
                   "max_context": str(min(manifest.max_context, manifest.dims.kv_capacity)),
                   "tk_sys_path": json.dumps(tk_sys_path() if sys_path else [])}
         (tmp / name / "config.pbtxt").write_text(python_config(name, params))
