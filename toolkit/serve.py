@@ -6,35 +6,28 @@ becomes one `runtimes.batching.Request`; the engine's thread detokenizes its tok
 (`TextStream`: stop strings end the request right after the token that completes one, as
 `tk generate --stop` does) and hands them to the event loop. Errors are OpenAI's JSON shape:
 400 naming the field, 429 when the queue is full, 503 while shutting down. A client that goes
-away cancels its request, which frees its slot before the next step.
-
-Beyond OpenAI's fields (vLLM's names): `top_k`, `repetition_penalty`, `ignore_eos`, and
-`return_token_ids` (each choice then carries its `token_ids`).
+away cancels its request, which frees its slot before the next step. The API's shapes are
+toolkit/openai_api.py's.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import threading
 import time
 import uuid
 from contextlib import contextmanager
-from typing import Literal, Union
 
 from models.errors import UsageProblem
 from runtimes.base import InputError
 from runtimes.batching import EngineClosed, Engine, QueueFull, Request, slots_problem
 from runtimes.sampling import SamplingConfig
+from toolkit import openai_api
+from toolkit.openai_api import ApiError
 from toolkit.textgen import TextStream, Tokenizer
 
 MISSING = "the serving stack is not installed; pip install 'tk[serve]' (fastapi, uvicorn, prometheus-client)"
-FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # the engine's reasons as OpenAI's
-UNSUPPORTED = {"n": "tk serve returns one choice per request (n=1)",
-               "presence_penalty": "not supported; use repetition_penalty",
-               "frequency_penalty": "not supported; use repetition_penalty",
-               "logprobs": "not supported by tk serve", "echo": "not supported by tk serve"}
 
 
 def _require():
@@ -44,53 +37,6 @@ def _require():
         import uvicorn  # noqa: F401
     except ImportError:
         raise UsageProblem(MISSING) from None
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
-
-
-def _schemas():
-    """The request bodies (pydantic, which FastAPI brings): OpenAI's fields and vLLM's extras."""
-    from pydantic import BaseModel, ConfigDict, Field
-
-    class Body(BaseModel):
-        model_config = ConfigDict(extra="ignore")
-        model: str
-        max_tokens: int | None = Field(None, gt=0)
-        max_completion_tokens: int | None = Field(None, gt=0)
-        temperature: float = Field(1.0, ge=0, le=2)
-        top_p: float = Field(1.0, gt=0, le=1)
-        n: Literal[1] = 1
-        stream: bool = False
-        stream_options: dict | None = None
-        stop: Union[str, list[str], None] = None
-        seed: int | None = None
-        presence_penalty: Literal[0, 0.0] = 0
-        frequency_penalty: Literal[0, 0.0] = 0
-        logprobs: Literal[None, False, 0] = None
-        top_k: int = Field(0, ge=-1)  # vLLM: -1 (or 0) is off
-        repetition_penalty: float = Field(1.0, gt=0)
-        ignore_eos: bool = False
-        return_token_ids: bool = False
-
-    class Completion(Body):
-        prompt: Union[str, list[int], list[str]]
-        echo: Literal[False] = False
-
-    class Message(BaseModel):
-        role: str
-        content: Union[str, list[dict]]
-
-    class Chat(Body):
-        messages: list[Message] = Field(min_length=1)
-
-    return Completion, Chat
 
 
 class _Job:
@@ -116,9 +62,9 @@ class _Job:
             m["generated"].inc()
             self.last = now
         else:
-            piece = self.text.finish() if event.finish_reason in FINISH else ""
+            piece = self.text.finish() if event.finish_reason in openai_api.FINISH else ""
             m["finished"].labels(event.finish_reason).inc()
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, (piece, event.finish_reason))
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (piece, event.token, event.finish_reason))
 
 
 class Server:
@@ -128,7 +74,7 @@ class Server:
         _require()
         self.engine, self.tokenizer, self.model_name, self.drain_s = engine, tokenizer, model_name, drain_s
         self.created = int(time.time())
-        self.Completion, self.Chat = _schemas()
+        self.Completion, self.Chat = openai_api.schemas()
         self.metrics = self._metrics()
         self.app = self._app()
 
@@ -199,46 +145,9 @@ class Server:
 
         return app
 
-    async def _parse(self, request, schema):
-        from pydantic import ValidationError
-
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"the body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the body must be a JSON object")
-        try:
-            parsed = schema.model_validate(body)
-        except ValidationError as e:
-            err = e.errors()[0]
-            param = str(err["loc"][0]) if err["loc"] else None
-            why = UNSUPPORTED.get(param, err["msg"])
-            raise ApiError(400, f"{'.'.join(map(str, err['loc']))}: {why}", param) from None
-        if parsed.model != self.model_name:
-            raise ApiError(400, f"model {parsed.model!r} is not served here; this server serves {self.model_name!r} "
-                                "(GET /v1/models)", "model")
-        return parsed
-
-    def _prompt(self, body, chat: bool) -> list[int]:
-        try:
-            if chat:
-                messages = [{"role": m.role, "content": m.content if isinstance(m.content, str) else
-                             "".join(p.get("text", "") for p in m.content if p.get("type") == "text")}
-                            for m in body.messages]
-                return self.tokenizer.chat_messages(messages)
-            prompt = body.prompt
-            if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-                if len(prompt) != 1:
-                    raise ApiError(400, "prompt: one prompt per request (send a request for each)", "prompt")
-                prompt = prompt[0]
-            return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        except InputError as e:
-            raise ApiError(400, str(e), "messages" if chat else "prompt") from None
-
     async def _generate(self, request, schema, chat: bool, stream_cls, json_cls):
-        body = await self._parse(request, schema)
-        prompt = self._prompt(body, chat)
+        body = openai_api.parse(await request.body(), schema, self.model_name)
+        prompt = openai_api.prompt_ids(body, chat, self.tokenizer)
         job = _Job(self, prompt, body, asyncio.get_running_loop())
         try:
             self.engine.submit(job.request)
@@ -246,26 +155,20 @@ class Server:
             raise ApiError(429, str(e), kind="rate_limit_exceeded") from None
         except EngineClosed as e:
             raise ApiError(503, str(e), kind="server_error") from None
-        except InputError as e:
-            field = "max_tokens" if "max new tokens" in str(e) else "messages" if chat else "prompt"
-            raise ApiError(400, str(e), field) from None
+        except InputError as e:  # the prompt (and max_tokens) do not fit, or a token id is out of range
+            raise ApiError(400, str(e), "messages" if chat else "prompt") from None
         self.metrics["prompt"].inc(len(prompt))
-        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        reply = openai_api.Reply(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", self.model_name, chat,
+                                 body.return_token_ids)
         if body.stream:
             usage = bool((body.stream_options or {}).get("include_usage"))
-            return stream_cls(self._events(job, ident, chat, body.return_token_ids, usage),
-                              media_type="text/event-stream")
-        return json_cls(await self._complete(request, job, ident, chat, body.return_token_ids))
-
-    def _envelope(self, ident: str, chat: bool, chunk: bool, choice: dict) -> dict:
-        kind = "chat.completion" + (".chunk" if chunk else "") if chat else "text_completion"
-        return {"id": ident, "object": kind, "created": int(time.time()), "model": self.model_name, "choices": [choice]}
+            return stream_cls(self._events(job, reply, usage), media_type="text/event-stream")
+        return json_cls(await self._complete(request, job, reply))
 
     def _usage(self, job: _Job) -> dict:
-        n = len(job.request.tokens)
-        return {"prompt_tokens": len(job.prompt), "completion_tokens": n, "total_tokens": len(job.prompt) + n}
+        return openai_api.Reply.usage(len(job.prompt), len(job.request.tokens))
 
-    async def _complete(self, http, job: _Job, ident: str, chat: bool, token_ids: bool):
+    async def _complete(self, http, job: _Job, reply: openai_api.Reply):
         gone = asyncio.ensure_future(_disconnected(http))
         try:
             while True:
@@ -275,46 +178,31 @@ class Server:
                     getter.cancel()
                     self.engine.cancel(job.request)
                     return None
-                reason = getter.result()[1]
+                reason = getter.result()[2]
                 if reason is not None:
                     break
         finally:
             gone.cancel()
         if reason == "error":
             raise ApiError(500, f"the engine failed this request: {job.request.error}", kind="server_error")
-        text = job.text.text
-        choice = {"index": 0, "finish_reason": FINISH.get(reason, reason),
-                  **({"message": {"role": "assistant", "content": text}} if chat else {"text": text, "logprobs": None})}
-        if token_ids:
-            choice["token_ids"] = list(job.request.tokens)
-        return {**self._envelope(ident, chat, False, choice), "usage": self._usage(job)}
+        return reply.complete(job.text.text, reason, list(job.request.tokens), self._usage(job))
 
-    async def _events(self, job: _Job, ident: str, chat: bool, token_ids: bool, usage: bool):
-        def sse(choice: dict, **extra) -> str:
-            return f"data: {json.dumps({**self._envelope(ident, chat, True, choice), **extra})}\n\n"
-
-        def piece(text: str, reason, tokens) -> dict:
-            body = {"delta": {"content": text} if text else {}} if chat else {"text": text, "logprobs": None}
-            return {"index": 0, "finish_reason": reason, **body, **({"token_ids": tokens} if token_ids else {})}
-
+    async def _events(self, job: _Job, reply: openai_api.Reply, usage: bool):
         try:
-            if chat:
-                yield sse({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
-            sent = 0
+            if reply.chat:
+                yield reply.role()
             while True:
-                text, reason = await job.queue.get()
-                tokens = job.request.tokens[sent:] if token_ids else None
+                text, token, reason = await job.queue.get()
                 if reason == "error":
-                    yield f"data: {json.dumps(ApiError(500, job.request.error or 'error', kind='server_error').body())}\n\n"
+                    yield openai_api.sse(ApiError(500, job.request.error or "error", kind="server_error").body())
                     break
                 if reason is not None:
-                    yield sse(piece(text, FINISH.get(reason, reason), tokens))
+                    yield reply.chunk(text, reason, [])
                     if usage:
-                        yield f"data: {json.dumps({**self._envelope(ident, chat, True, {}), 'choices': [], 'usage': self._usage(job)})}\n\n"
+                        yield reply.usage_chunk(self._usage(job))
                     break
-                if text or token_ids:
-                    sent += len(tokens or [])
-                    yield sse(piece(text, None, tokens))
+                if text or reply.token_ids:
+                    yield reply.chunk(text, None, [token])
             yield "data: [DONE]\n\n"
         finally:  # the client went away mid-stream (or the stream ended): its slot is freed
             self.engine.cancel(job.request)
