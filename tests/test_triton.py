@@ -98,7 +98,7 @@ def tritonserver(serve_artifact, tmp_path_factory):
                 time.sleep(0.3)
         else:
             pytest.fail(f"tritonserver did not get ready: {(root / 'tritonserver.log').read_text()[-3000:]}")
-        yield http, grpc
+        yield http, grpc, metrics
     finally:
         proc.terminate()
         proc.wait(60)
@@ -134,7 +134,7 @@ def _inputs(grpcclient, text: str, n: int, seed: int | None = None):
 def test_concurrent_grpc_streams_get_their_solo_tokens(tritonserver, solo):
     import tritonclient.grpc as grpcclient
 
-    _, grpc = tritonserver
+    _, grpc, _ = tritonserver
     results: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc}")
     client.start_stream(callback=lambda result, error: results.put((result, error)))
@@ -162,7 +162,7 @@ def test_concurrent_grpc_streams_get_their_solo_tokens(tritonserver, solo):
 
 
 def test_the_generate_stream_endpoint_and_bad_requests(tritonserver, solo):
-    http, _ = tritonserver
+    http, _, _ = tritonserver
     url = f"http://127.0.0.1:{http}/v2/models/tiny"
     body = json.dumps({"text_input": "the cat", "max_tokens": 9, "stream": True}).encode()
     with urllib.request.urlopen(urllib.request.Request(url + "/generate_stream", body), timeout=30) as r:
@@ -177,3 +177,33 @@ def test_the_generate_stream_endpoint_and_bad_requests(tritonserver, solo):
             urllib.request.urlopen(req, timeout=30)
         assert words in err.value.read().decode()
     assert urllib.request.urlopen(url + "/ready", timeout=5).status == 200  # still up
+
+
+def _metric(metrics_port: int, name: str, **labels) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        if line.startswith(name + "{") and ",".join(sorted(line[len(name) + 1:line.index("}")].split(","))) == want:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_cancelled_stream_frees_its_slot(tritonserver):
+    import tritonclient.grpc as grpcclient
+
+    _, grpc, metrics = tritonserver
+    before = _metric(metrics, "tk_requests_finished", model="tiny", reason="cancelled")
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc}")
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    inputs = _inputs(grpcclient, "the", 125)
+    ignore = grpcclient.InferInput("ignore_eos", [1], "BOOL")
+    ignore.set_data_from_numpy(np.array([True]))
+    client.async_stream_infer("tiny", inputs + [ignore], request_id="long")
+    assert results.get(timeout=30)[1] is None  # its first token came
+    client.stop_stream(cancel_requests=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _metric(metrics, "tk_requests_finished", model="tiny", reason="cancelled") == before:
+        time.sleep(0.1)
+    assert _metric(metrics, "tk_requests_finished", model="tiny", reason="cancelled") == before + 1
+    assert _metric(metrics, "tk_active_slots", model="tiny") == 0

@@ -13,6 +13,8 @@ Inputs (all optional but one of `text_input`, `prompt_ids`): text_input (string)
 repetition_penalty (fp32), top_k (int32), seed (int64), stop (string[-1]), ignore_eos, stream
 (bool). Outputs: text_output (string), token_ids (int64[-1]), finish_reason (string, "" until the
 last response). `pb` is triton_python_backend_utils, passed in: this module imports no Triton.
+The engine's gauges and counters (tk_active_slots, tk_queue_depth, tk_generation_tokens,
+tk_requests_finished by reason) appear on Triton's own metrics endpoint.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import numpy as np
 
 from models.artifact import Manifest
 from models.errors import TkError
-from runtimes.batching import Engine, Request
+from runtimes.batching import FINISH_REASONS, Engine, Request
 from runtimes.sampling import SamplingConfig
 from toolkit.backends import BackendOptions, open_runtime
 from toolkit.textgen import TextStream, Tokenizer
@@ -37,7 +39,7 @@ DEFAULTS = {"max_tokens": 32, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "rep
 
 
 class TkModel:
-    def __init__(self, pb, params: dict[str, str], model_dir: str):
+    def __init__(self, pb, params: dict[str, str], model_dir: str, name: str = "tk"):
         self.pb = pb
         artifact = Path(params["artifact"])
         artifact = artifact if artifact.is_absolute() else Path(model_dir) / artifact
@@ -48,6 +50,7 @@ class TkModel:
         runtime = open_runtime(artifact, params.get("backend", "ort"), options)
         self.engine = Engine(runtime, int(params["slots"]), int(params["max_queue"]), manifest.eos_token_ids).start()
         self.drain_s = float(params.get("drain", "10"))
+        self.metrics = _Metrics(pb, name)
 
     def execute(self, requests):
         for request in requests:
@@ -57,10 +60,12 @@ class TkModel:
             except (TkError, ValueError, UnicodeDecodeError) as e:  # the client's mistake: one line, to it
                 sender.send(self.pb.InferenceResponse(error=self.pb.TritonError(str(e).splitlines()[0])),
                             flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        self.metrics.update(self.engine)
         return None
 
     def finalize(self) -> None:
         self.engine.close(timeout=self.drain_s)
+        self.metrics.close()
 
     def _value(self, request, name: str):
         tensor = self.pb.get_input_tensor_by_name(request, name)
@@ -110,6 +115,8 @@ class _Job:
 
     def on_event(self, event) -> None:  # the engine's thread
         pb, final = self.model.pb, event.token is None
+        if final:
+            self.model.metrics.finished(self.model.engine, event.finish_reason, len(self.request.tokens))
         if not final and self.sender.is_cancelled():
             self.model.engine.cancel(self.request)
             return
@@ -143,3 +150,43 @@ class _Job:
             log.warning("could not send a response for request %s", self.request.id, exc_info=True)
             if not final:
                 self.model.engine.cancel(self.request)
+
+
+class _Metrics:
+    """The engine's gauges and counters on Triton's metrics endpoint (the python backend's custom
+    metrics), labelled with the model's name; updated when requests arrive and finish."""
+
+    def __init__(self, pb, model: str):
+        family = getattr(pb, "MetricFamily", None)  # Triton 23.05+
+        self.on = family is not None
+        if not self.on:
+            return
+        labels = {"model": model}
+        gauge, counter = family.GAUGE, family.COUNTER
+        self.families = {name: family(name=name, description=what, kind=kind) for name, what, kind in [
+            ("tk_active_slots", "Slots running a request", gauge), ("tk_queue_depth", "Requests waiting for a slot", gauge),
+            ("tk_generation_tokens", "Tokens generated", counter),
+            ("tk_requests_finished", "Generations by finish reason", counter)]}  # kept: a metric outlives no family
+        metric = lambda name, **extra: self.families[name].Metric(labels={**labels, **extra})  # noqa: E731
+        self.active, self.queue, self.tokens = metric("tk_active_slots"), metric("tk_queue_depth"), metric(
+            "tk_generation_tokens")
+        self.reasons = {r: metric("tk_requests_finished", reason=r) for r in FINISH_REASONS}
+
+    def update(self, engine: Engine) -> None:
+        if self.on:
+            self.active.set(engine.running)
+            self.queue.set(engine.waiting)
+
+    def close(self) -> None:
+        """Metrics first, then their families (Triton refuses the other order)."""
+        if self.on:
+            self.active = self.queue = self.tokens = None
+            self.reasons.clear()
+            self.families.clear()
+            self.on = False
+
+    def finished(self, engine: Engine, reason: str, tokens: int) -> None:
+        if self.on:
+            self.reasons[reason].increment(1)
+            self.tokens.increment(tokens)
+            self.update(engine)

@@ -23,7 +23,7 @@ class TritonPythonModel:
         from toolkit.triton_backend import TkModel
 
         model_dir = os.path.join(args["model_repository"], args["model_version"])
-        self.model = TkModel(pb_utils, params, model_dir)
+        self.model = TkModel(pb_utils, params, model_dir, args["model_name"])
 
     def execute(self, requests):
         return self.model.execute(requests)
