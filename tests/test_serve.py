@@ -128,6 +128,7 @@ def test_sixteen_concurrent_clients_each_get_their_solo_tokens(server, solo):
         assert got == want, f"request {i}"
     assert srv.engine.running == 0 and _metric(url, "tk_active_slots") == 0
     assert _metric(url, "tk_generation_tokens_total") >= sum(len(w[0]) for _, w in results)
+    assert _metric(url, "tk_time_to_first_token_seconds_count") >= 16 and _metric(url, "tk_inter_token_latency_seconds_count")
 
 
 def test_models_health_and_a_chat_reply(server, solo):
@@ -137,8 +138,11 @@ def test_models_health_and_a_chat_reply(server, solo):
     reply = _client(url).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                                  max_tokens=8, temperature=0)
     assert reply.object == "chat.completion" and reply.choices[0].message.role == "assistant"
-    assert reply.choices[0].message.content == solo(solo.tokenizer.chat_messages(
-        [{"role": "user", "content": "hi"}]), 8)[1]
+    ids = solo.tokenizer.chat_messages([{"role": "user", "content": "hi"}])
+    assert reply.choices[0].message.content == solo(ids, 8)[1]
+    chunks = list(_client(url).completions.create(model="tiny", prompt="the cat", max_tokens=6, temperature=0,
+                                                  stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens == 6 and not chunks[-1].choices
 
 
 @pytest.mark.parametrize("body,param", [
