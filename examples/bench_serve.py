@@ -22,6 +22,7 @@ import re
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -100,6 +101,7 @@ def start_server(artifact: Path, slots: int, threads: int | None) -> tuple[subpr
     if not found:
         proc.kill()
         sys.exit(f"tk serve did not start: {line}{proc.stderr.read()}")
+    threading.Thread(target=lambda: [sys.stderr.write(x) for x in proc.stderr], daemon=True).start()  # keep it drained
     return proc, found.group(1)
 
 

@@ -191,6 +191,9 @@ class Runtime(ABC):
         problem = slots_problem(self.dims)
         if problem:
             raise InputError(problem)
+        if self.max_batch is not None and count > self.max_batch:
+            raise InputError(f"the {self.name} backend runs batches of at most {self.max_batch}: use --slots "
+                             f"{self.max_batch}, or rebuild with tk build-engine --max-batch {count}")
         return self.layout.open_slots(self, count)
 
     def admit(self, session: Session, slot: int, prompt: list[int]) -> StepOutput:
@@ -242,6 +245,8 @@ class Runtime(ABC):
         dst[rows, :, :length] = self._to_numpy(src)
 
     row_views = True  # `_leading` views a buffer's first rows without a copy (else slots run every row)
+    max_batch: int | None = None  # the most rows one run may take (TensorRT: its engines' profiles)
+    max_prompt: int | None = None  # the longest prefill
 
     def _leading(self, buf, n: int):
         """The first `n` batch rows of a cache buffer, sharing its memory."""

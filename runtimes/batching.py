@@ -99,6 +99,7 @@ class Engine:
         self._cancel: set[Request] = set()
         self._closing = False
         self._abort = False
+        self._admitting = 0  # taken from the queue, not yet in a slot
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self.finished = {reason: 0 for reason in FINISH_REASONS}
@@ -138,6 +139,9 @@ class Engine:
         if max_new_tokens <= 0:
             raise InputError(f"max new tokens must be positive, got {max_new_tokens}")
         check_token_ids(np.asarray(prompt, dtype=np.int64), self.runtime.dims.vocab_size)
+        if self.runtime.max_prompt is not None and len(prompt) > self.runtime.max_prompt:
+            raise InputError(f"a prompt of {len(prompt)} tokens is longer than the {self.runtime.name} backend's "
+                             f"{self.runtime.max_prompt}; shorten it (or rebuild with a larger --max-input-len)")
         if len(prompt) + max_new_tokens > self.runtime.max_context:
             raise InputError(f"a prompt of {len(prompt)} tokens plus {max_new_tokens} new tokens exceeds the "
                              f"model's context of {self.runtime.max_context}; shorten the prompt or ask for "
@@ -148,7 +152,7 @@ class Engine:
         with self._cv:
             if self._closing or not self.alive:
                 raise EngineClosed("the engine is shutting down and takes no new requests")
-            if len(self._running) + len(self._waiting) >= self.slots + self.max_queue:  # not a slot's wait away
+            if len(self._running) + self._admitting + len(self._waiting) >= self.slots + self.max_queue:
                 raise QueueFull(f"all {self.slots} slots are busy and the queue of {self.max_queue} is full; "
                                 "retry later")
             request.id = next(self._ids)
@@ -199,21 +203,37 @@ class Engine:
                     return
                 cancel, self._cancel = self._cancel, set()
                 admit = [self._waiting.popleft() for _ in range(min(len(self._waiting), self.slots - len(self._running)))]
-            for slot in [s for s, r in self._running.items() if r.request in cancel]:
-                self._leave(slot, "cancelled")
-            for request in admit:
-                self._admit(request)
-            if self._running:
-                self._step()
+                self._admitting = len(admit)
+            try:
+                for slot in [s for s, r in self._running.items() if r.request in cancel]:
+                    self._leave(slot, "cancelled")
+                for request in admit:
+                    self._admit(request)
+                    with self._cv:
+                        self._admitting -= 1
+                if self._running:
+                    self._step()
+            except Exception as e:  # noqa: BLE001: a bug here must not strand the requests (they would hang)
+                with self._cv:
+                    stranded = [r for r in admit if r.finish_reason is None and r not in
+                                {x.request for x in self._running.values()}]
+                    self._admitting = 0
+                self._fail(list(self._running), e)
+                for request in stranded:
+                    request.error = f"{type(e).__name__}: {e}"
+                    self._finish(request, "error")
 
     def _admit(self, request: Request) -> None:
         slot = min(set(range(self.slots)) - set(self._running))
-        running = _Running(request, self.runtime.dims.vocab_size)
-        self._running[slot] = running
         try:
+            self._running[slot] = _Running(request, self.runtime.dims.vocab_size)
             out = self.runtime.admit(self.session, slot, list(request.prompt))
         except Exception as e:  # noqa: BLE001: this request fails; the engine and the others go on
-            self._fail([slot], e)
+            if slot in self._running:
+                self._fail([slot], e)
+            else:
+                request.error = f"{type(e).__name__}: {e}"
+                self._finish(request, "error")
             return
         self._next(slot, out.logits[:, -1])
 
@@ -232,6 +252,13 @@ class Engine:
             self._next(slot, out.logits[slot : slot + 1, -1])
 
     def _next(self, slot: int, logits: np.ndarray) -> None:
+        try:
+            self._sample(slot, logits)
+        except Exception as e:  # noqa: BLE001: its sampler or its front end's stop failed: this request only
+            if slot in self._running:
+                self._fail([slot], e)
+
+    def _sample(self, slot: int, logits: np.ndarray) -> None:
         """Sample the slot's next token from its logits (1, V); tell the front end; maybe leave."""
         r = self._running[slot]
         request = r.request
@@ -261,7 +288,8 @@ class Engine:
 
     def _finish(self, request: Request, reason: str) -> None:
         request.finish_reason = reason
-        self.finished[reason] += 1
+        with self._cv:  # cancel() finishes a queued request on its caller's thread
+            self.finished[reason] += 1
         self._tell(request, TokenEvent(request.id, None, reason))
         request.done.set()
 

@@ -29,6 +29,8 @@ class SamplingConfig:
             raise UsageProblem(f"top_p must be in (0, 1], got {self.top_p}")
         if self.repetition_penalty <= 0:
             raise UsageProblem(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.seed < 0:
+            raise UsageProblem(f"seed must be >= 0, got {self.seed}")
 
     @property
     def greedy(self) -> bool:

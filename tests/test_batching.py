@@ -134,3 +134,29 @@ def test_slots_compute_only_up_to_the_last_busy_one(serve_artifact):
 def test_a_dynamic_cache_artifact_is_refused_with_the_export_flags(tiny_artifact):
     with open_runtime(tiny_artifact, "ort") as rt, pytest.raises(InputError, match="--kv-cache static"):
         rt.open_slots(2)
+
+
+def test_a_failing_request_fails_alone_and_the_engine_goes_on(serve_artifact):
+    def stop(tokens):  # a front end's bug, at the third token
+        if len(tokens) == 3:
+            raise ZeroDivisionError("division by zero")
+        return False
+
+    with Engine(open_runtime(serve_artifact, "ort", SLOTS), slots=2, max_queue=4) as engine:
+        bad = engine.submit(Request([5, 6], 10, ignore_eos=True, stop=stop))
+        good = engine.submit(Request([7, 8, 9], 6, ignore_eos=True))
+        assert wait_all([bad, good], 30)
+        assert bad.finish_reason == "error" and "ZeroDivisionError" in bad.error and len(bad.tokens) == 3
+        assert good.finish_reason == "length" and len(good.tokens) == 6
+        after = engine.submit(Request([7, 8, 9], 6, ignore_eos=True))
+        assert wait_all([after], 30) and after.tokens == good.tokens and engine.running == 0
+
+
+def test_the_backends_batch_and_prompt_limits_are_refusals(serve_artifact):
+    runtime = open_runtime(serve_artifact, "ort", SLOTS)
+    runtime.max_batch, runtime.max_prompt = 2, 8  # what TensorRT's profiles set
+    with pytest.raises(InputError, match="--slots 2"):
+        Engine(runtime, slots=4).start()
+    runtime.deactivate()
+    with Engine(runtime, slots=2) as engine, pytest.raises(InputError, match="longer than the ort backend's 8"):
+        engine.submit(Request(list(range(5, 14)), 4))

@@ -154,6 +154,7 @@ def test_models_health_and_a_chat_reply(server, solo):
     ({"model": "tiny", "prompt": "the cat", "n": 2}, "n"),
     ({"model": "tiny", "prompt": "the cat", "temperature": "hot"}, "temperature"),
     ({"model": "tiny", "prompt": [1, 2, 999999]}, "prompt"),
+    ({"model": "tiny", "prompt": "the cat", "seed": -1}, "seed"),
 ])
 def test_a_bad_request_gets_a_400_naming_the_field(server, body, param):
     _, url = server
@@ -220,7 +221,7 @@ def test_a_full_queue_gets_429(serve_artifact):
             conn.close()
             if status == 429:
                 break
-        assert status == 429 and reply["error"]["type"] == "rate_limit_exceeded", reply
+        assert status == 429 and reply["error"]["code"] == "rate_limit_exceeded", reply
     srv.engine.close()
 
 

@@ -23,12 +23,13 @@ UNSUPPORTED = {"n": "tk serve returns one choice per request (n=1)",
 class ApiError(Exception):
     """An HTTP error with OpenAI's JSON body; `param` names the request's field at fault."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 code: str | None = None):
         super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
 def schemas():
@@ -46,7 +47,7 @@ def schemas():
         stream: bool = False
         stream_options: dict | None = None
         stop: Union[str, list[str], None] = None
-        seed: int | None = None
+        seed: int | None = Field(None, ge=0)
         presence_penalty: Literal[0, 0.0] = 0
         frequency_penalty: Literal[0, 0.0] = 0
         logprobs: Literal[None, False, 0] = None

@@ -19,7 +19,7 @@ import time
 import uuid
 from contextlib import contextmanager
 
-from models.errors import UsageProblem
+from models.errors import TkError, UsageProblem
 from runtimes.base import InputError
 from runtimes.batching import EngineClosed, Engine, QueueFull, Request, slots_problem
 from runtimes.sampling import SamplingConfig
@@ -148,11 +148,14 @@ class Server:
     async def _generate(self, request, schema, chat: bool, stream_cls, json_cls):
         body = openai_api.parse(await request.body(), schema, self.model_name)
         prompt = openai_api.prompt_ids(body, chat, self.tokenizer)
-        job = _Job(self, prompt, body, asyncio.get_running_loop())
+        try:
+            job = _Job(self, prompt, body, asyncio.get_running_loop())
+        except TkError as e:  # a sampling value the schema let through
+            raise ApiError(400, str(e)) from None
         try:
             self.engine.submit(job.request)
         except QueueFull as e:
-            raise ApiError(429, str(e), kind="rate_limit_exceeded") from None
+            raise ApiError(429, str(e), kind="requests", code="rate_limit_exceeded") from None
         except EngineClosed as e:
             raise ApiError(503, str(e), kind="server_error") from None
         except InputError as e:  # the prompt (and max_tokens) do not fit, or a token id is out of range
@@ -162,7 +165,8 @@ class Server:
                                  body.return_token_ids)
         if body.stream:
             usage = bool((body.stream_options or {}).get("include_usage"))
-            return stream_cls(self._events(job, reply, usage), media_type="text/event-stream")
+            watch = asyncio.ensure_future(self._cancel_when_gone(request, job))  # even before the stream starts
+            return stream_cls(self._events(job, reply, usage, watch), media_type="text/event-stream")
         return json_cls(await self._complete(request, job, reply))
 
     def _usage(self, job: _Job) -> dict:
@@ -187,7 +191,11 @@ class Server:
             raise ApiError(500, f"the engine failed this request: {job.request.error}", kind="server_error")
         return reply.complete(job.text.text, reason, list(job.request.tokens), self._usage(job))
 
-    async def _events(self, job: _Job, reply: openai_api.Reply, usage: bool):
+    async def _cancel_when_gone(self, http, job: _Job) -> None:
+        await _disconnected(http)
+        self.engine.cancel(job.request)
+
+    async def _events(self, job: _Job, reply: openai_api.Reply, usage: bool, watch):
         try:
             if reply.chat:
                 yield reply.role()
@@ -205,6 +213,7 @@ class Server:
                     yield reply.chunk(text, None, [token])
             yield "data: [DONE]\n\n"
         finally:  # the client went away mid-stream (or the stream ended): its slot is freed
+            watch.cancel()
             self.engine.cancel(job.request)
 
     # --- running ---

@@ -68,8 +68,13 @@ class Tokenizer:
         if not self._hf.chat_template:
             raise InputError(f"{self.folder} has no chat template (no chat_template.jinja, and no chat_template in "
                              "tokenizer_config.json): it is not an instruction-tuned checkpoint; use --prompt")
-        return list(self._hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                 return_dict=False))
+        from jinja2 import TemplateError
+
+        try:
+            return list(self._hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=False))
+        except TemplateError as e:  # the template's own raise_exception: roles out of order, say
+            raise InputError(f"the chat template refused these messages: {e}") from None
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._decode(list(ids))
