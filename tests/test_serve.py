@@ -250,3 +250,9 @@ def test_tk_serve_refuses_what_it_cannot_serve(tiny_artifact, serve_artifact):
     assert out.exit_code == 2 and "--kv-cache static" in out.output and "Traceback" not in out.output
     out = CliRunner().invoke(main, ["serve", str(serve_artifact), "--slots", "0"])
     assert out.exit_code == 2 and "--slots" in out.output
+
+
+def test_without_the_serving_stack_tk_serve_says_how_to_get_it(serve_artifact, monkeypatch):
+    monkeypatch.setitem(sys.modules, "fastapi", None)  # as if not installed: importing it raises ImportError
+    out = CliRunner().invoke(main, ["serve", str(serve_artifact), "--port", "0"])
+    assert out.exit_code == 2 and "pip install 'tk[serve]'" in out.output and "Traceback" not in out.output
