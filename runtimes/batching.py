@@ -121,7 +121,11 @@ class Engine:
 
     def start(self) -> "Engine":
         self.runtime.activate()
-        self.session = self.runtime.open_slots(self.slots)
+        try:
+            self.session = self.runtime.open_slots(self.slots)
+        except BaseException:
+            self.runtime.deactivate()  # what it loaded (device buffers, sessions) goes back
+            raise
         self._thread = threading.Thread(target=self._loop, name="tk-engine", daemon=True)
         self._thread.start()
         return self

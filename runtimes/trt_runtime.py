@@ -140,9 +140,9 @@ class TrtRuntime(Runtime):
         self.meta = read_engine_meta(self.artifact) if has_engines else None
         max_context = self.meta["limits"]["max_seq_len"] if self.meta else self.manifest.max_context
         super().__init__(self.manifest.dims, max_context)
-        if self.meta:  # the engines' optimization profiles bound what serving's slots may run
-            self.max_batch = self.meta["profiles"][contract.DECODE]["input_ids"][2][0]
-            self.max_prompt = self.meta["profiles"][contract.PREFILL]["input_ids"][2][1]
+        if self.meta:  # the limits the engines were built for bound what serving's slots may run
+            self.max_batch = self.meta["limits"]["max_batch"]
+            self.max_prompt = self.meta["limits"]["max_input_len"]
 
     def _load(self) -> None:
         env = trt_environment()  # first: on a machine without TensorRT, that is what the user must fix

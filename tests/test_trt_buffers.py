@@ -26,7 +26,7 @@ class FakeDevice:
     def __init__(self):
         self.live: dict[int, int] = {}  # ptr -> bytes
         self.allocated = 0
-        self._ptrs = itertools.count(0x1000, 0x1000)
+        self._ptrs = itertools.count(1 << 32, 1 << 32)  # far apart: a copy out of bounds lands in no buffer
         device = self
 
         class DeviceArray:
@@ -65,7 +65,13 @@ class FakeDevice:
 
         self.module = types.SimpleNamespace(
             DeviceArray=DeviceArray, Stream=Stream, MemcpyKind=types.SimpleNamespace(DeviceToDevice=3),
-            wrapper=lambda: types.SimpleNamespace(memcpy=lambda dst, src, n, kind, stream: None))
+            wrapper=lambda: types.SimpleNamespace(memcpy=self.memcpy))
+
+    def memcpy(self, dst: int, src: int, n: int, kind, stream) -> None:
+        """Both ranges must lie inside one live buffer each (row offsets are checked this way)."""
+        for ptr in (dst, src):
+            base = ptr - ptr % (1 << 32)
+            assert base in self.live and ptr + n <= base + self.live[base], "a copy runs outside its buffer"
 
 
 def _fake_tensorrt():
@@ -130,3 +136,23 @@ def test_sessions_give_back_every_device_buffer(fake_trt):
         assert len(device.live) == own
         assert device.allocated > own  # the sessions did allocate on the "GPU"
     assert device.live == {}  # deactivation frees the runtime's own
+
+
+def test_serving_slots_copy_inside_their_buffers_and_give_them_back(fake_trt):
+    from runtimes.base import InputError
+    from runtimes.batching import Engine, Request, wait_all
+
+    art, device = fake_trt
+    if trt_runtime.TrtRuntime(art).dims.kv_capacity is None:
+        pytest.skip("slots need the static cache")
+    with pytest.raises(InputError, match="--slots 4"):
+        Engine(trt_runtime.TrtRuntime(art), slots=5).start()
+    assert device.live == {}
+    rt = trt_runtime.TrtRuntime(art)
+    with Engine(rt, slots=3) as engine:
+        with pytest.raises(InputError, match="longer than the trt backend's 32"):
+            engine.submit(Request(list(range(1, 34)), 2))
+        requests = [engine.submit(Request(list(range(1, 2 + i * 5)), 3 + i, ignore_eos=True)) for i in range(5)]
+        assert wait_all(requests, 30)
+        assert [len(r.tokens) for r in requests] == [3, 4, 5, 6, 7]
+    assert device.live == {}  # the slots' buffers and the runtime's own, all given back
