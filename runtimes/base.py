@@ -209,10 +209,9 @@ class Runtime(ABC):
         """One decode step of the `active` slots; `tokens` (max(active) + 1,) holds each active
         slot's last token (the others' are ignored) -> logits (max(active) + 1, 1, V)."""
         n = max(active) + 1 if self.row_views else session.batch
-        full = np.zeros((n, 1), dtype=np.int64)
-        full[: len(tokens), 0] = tokens
-        check_token_ids(full, self.dims.vocab_size)
-        return self.layout.step_slots(self, session, full, active, n)
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1, 1)
+        check_token_ids(tokens, self.dims.vocab_size)
+        return self.layout.step_slots(self, session, tokens, active, n)
 
     def cache_arrays(self, session: Session) -> list[np.ndarray]:
         """The session's cache as float32 (B, Hkv, length, D) arrays in contract order (copies; for

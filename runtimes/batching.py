@@ -74,10 +74,10 @@ class Request:
 
 
 class _Running:
-    """A request in its slot: its sampler, the tokens it has seen (repetition penalty), its last token."""
+    """A request in its slot: its sampler and the tokens it has seen (repetition penalty)."""
 
     def __init__(self, request: Request, vocab_size: int):
-        self.request, self.sampler, self.last = request, Sampler(request.sampling), 0
+        self.request, self.sampler = request, Sampler(request.sampling)
         self.seen = None
         if request.sampling.repetition_penalty != 1.0:
             self.seen = np.zeros((1, vocab_size), dtype=bool)
@@ -100,6 +100,7 @@ class Engine:
         self._closing = False
         self._abort = False
         self._admitting = 0  # taken from the queue, not yet in a slot
+        self._last = np.zeros(slots, dtype=np.int64)  # each slot's last token: the next step's input
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self.finished = {reason: 0 for reason in FINISH_REASONS}
@@ -243,11 +244,8 @@ class Engine:
 
     def _step(self) -> None:
         active = sorted(self._running)
-        tokens = np.zeros(active[-1] + 1, dtype=np.int64)
-        for slot in active:
-            tokens[slot] = self._running[slot].last
         try:
-            out = self.runtime.step_slots(self.session, tokens, active)
+            out = self.runtime.step_slots(self.session, self._last[: active[-1] + 1], active)
         except Exception as e:  # noqa: BLE001
             self._fail(active, e)
             return
@@ -272,7 +270,7 @@ class Engine:
         request.tokens.append(token)
         if r.seen is not None:
             r.seen[0, token] = True
-        r.last = token
+        self._last[slot] = token
         self._tell(request, TokenEvent(request.id, token))
         if request.stop is not None and request.stop(request.tokens):
             self._leave(slot, "stop")

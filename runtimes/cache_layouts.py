@@ -95,7 +95,7 @@ class StaticLayout(_Layout):
     def _decode(rt: Runtime, s: Session, tokens: np.ndarray, rows, n: int) -> StepOutput:
         """Decode the first `n` rows; of them, `rows` advance (each at its own write index) and the
         others sit out: an empty slot writes its throwaway position 0 again and moves nothing."""
-        s.feeds["input_ids"][:n] = tokens  # in place: the arrays a backend bound stay the ones it reads
+        s.feeds["input_ids"][: len(tokens)] = tokens  # in place: the arrays a backend bound stay the ones it reads
         s.positions[rows] += 1
         s.mask[np.arange(s.batch)[rows], s.write[rows]] = 1
         feeds = s.feeds if n == s.batch else {k: v[:n] for k, v in s.feeds.items()}

@@ -138,13 +138,12 @@ def test_sessions_give_back_every_device_buffer(fake_trt):
     assert device.live == {}  # deactivation frees the runtime's own
 
 
+@pytest.mark.parametrize("fake_trt", ["static"], indirect=True)  # slots live in a static cache
 def test_serving_slots_copy_inside_their_buffers_and_give_them_back(fake_trt):
     from runtimes.base import InputError
     from runtimes.batching import Engine, Request, wait_all
 
     art, device = fake_trt
-    if trt_runtime.TrtRuntime(art).dims.kv_capacity is None:
-        pytest.skip("slots need the static cache")
     with pytest.raises(InputError, match="--slots 4"):
         Engine(trt_runtime.TrtRuntime(art), slots=5).start()
     assert device.live == {}

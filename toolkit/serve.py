@@ -47,7 +47,7 @@ class _Job:
         self.server, self.loop, self.prompt = server, loop, prompt
         self.text = TextStream(server.tokenizer, stops)
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.start = self.last = time.perf_counter()
+        self.last = time.perf_counter()  # the last token's time (at first: submission)
         budget = body.max_completion_tokens or body.max_tokens or server.default_max_tokens(body, len(prompt))
         seed = body.seed if body.seed is not None else int.from_bytes(os.urandom(4), "little")
         sampling = SamplingConfig(temperature=body.temperature, top_k=max(body.top_k, 0), top_p=body.top_p,
@@ -218,7 +218,7 @@ class Server:
 
     # --- running ---
 
-    def _config(self, sock):
+    def _config(self):
         import uvicorn
 
         return uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=self.drain_s, lifespan="on")
@@ -233,7 +233,7 @@ class Server:
         def stopped(sig, frame):  # uvicorn shuts down gracefully, then re-raises the signal it caught
             raise _Stopped
 
-        server = uvicorn.Server(self._config(sock))
+        server = uvicorn.Server(self._config())
         handlers = {sig: signal.signal(sig, stopped) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             server.run(sockets=[sock])
@@ -250,7 +250,7 @@ class Server:
         import uvicorn
 
         sock = bind(host, port)
-        server = uvicorn.Server(self._config(sock))
+        server = uvicorn.Server(self._config())
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
         thread.start()
         while not server.started and thread.is_alive():
@@ -321,8 +321,8 @@ def open_server(artifact, backend: str, options, host: str, port: int, slots: in
     _require()
     artifact = Path(artifact)
     manifest = Manifest.read(artifact)
-    if slots_problem(manifest.dims):
-        raise UsageProblem(f"{artifact}: {slots_problem(manifest.dims)}")
+    if problem := slots_problem(manifest.dims):
+        raise UsageProblem(f"{artifact}: {problem}")
     tokenizer = Tokenizer(artifact)
     runtime = open_runtime(artifact, backend, dataclasses.replace(options, static_cache=True))
     sock = bind(host, port)

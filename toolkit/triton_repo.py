@@ -70,8 +70,8 @@ def write_repository(artifact: Path, out: Path, name: str | None = None, backend
                      native: bool = False, sys_path: bool = True, force: bool = False) -> Path:
     artifact, out = Path(artifact).resolve(), Path(out)
     manifest = Manifest.read(artifact)
-    if slots_problem(manifest.dims):
-        raise UsageProblem(f"{artifact}: {slots_problem(manifest.dims)}")
+    if problem := slots_problem(manifest.dims):
+        raise UsageProblem(f"{artifact}: {problem}")
     name = name or artifact.name
     if not name.replace("_", "").replace("-", "").isalnum():
         raise UsageProblem(f"model name {name!r}: use letters, digits, '-' and '_' (Triton names folders by it)")
