@@ -127,7 +127,8 @@ def _group_query_attention(qkv, past_k, past_v, seqlens_k, total, cos_cache, sin
 def graph_dims(config, precision: Precision, variant: Variant) -> contract.GraphDims:
     c = config
     return contract.GraphDims(c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size, precision.kv, variant.capacity,
-                              c.hidden_size if variant.debug_outputs else None, variant.prefill_logits.value)
+                              c.hidden_size if variant.debug_outputs else None, variant.prefill_logits.value,
+                              variant.decode_prefills)
 
 
 def _example(graph: str, model: Decoder, dims: contract.GraphDims, fused: bool = False):
@@ -137,13 +138,16 @@ def _example(graph: str, model: Decoder, dims: contract.GraphDims, fused: bool =
     batch = Dim(contract.BATCH, min=1)
     if graph == contract.DECODE and capacity is not None:
         mask = torch.zeros(B, capacity, dtype=torch.int64)
-        mask[:, : P + 1] = 1
+        new = 2 if dims.decode_prefills else 1  # a run of new tokens per row (2: not specialized to 1)
+        mask[:, : P + new] = 1
         past = [torch.zeros(B, c.num_kv_heads, capacity, c.head_dim, dtype=model.dtype) for _ in range(2 * c.num_layers)]
-        args = (torch.randint(0, c.vocab_size, (B, 1)), mask, torch.full((B, 1), P, dtype=torch.int64),
+        args = (torch.randint(0, c.vocab_size, (B, new)), mask, P + torch.arange(new).repeat(B, 1),
                 torch.full((B,), P, dtype=torch.int64), *past)
-        shapes = {"input_ids": {0: batch}, "attention_mask": {0: batch}, "position_ids": {0: batch},
+        tokens = {0: batch, 1: Dim(contract.SEQ, min=1)} if dims.decode_prefills else {0: batch}
+        shapes = {"input_ids": tokens, "attention_mask": {0: batch}, "position_ids": tokens,
                   "rest": ({0: batch}, *({0: batch} for _ in past))}  # write_indices, then the cache
-        return GraphModule(model, static=True, output_hidden=output_hidden, fused=fused), args, shapes
+        return GraphModule(model, static=True, output_hidden=output_hidden, fused=fused,
+                           last_only=dims.decode_prefills), args, shapes
     if graph == contract.PREFILL:
         seq = Dim(contract.SEQ, min=1)
         ids = torch.randint(0, c.vocab_size, (B, S))

@@ -91,6 +91,9 @@ class Variant:
     prefill_logits: PrefillLogits = PrefillLogits.ALL
     debug_outputs: bool = False  # each layer's hidden state as an extra output (hidden.{i})
     opset: int = DEFAULT_OPSET
+    # the static decode graph also prefills (S >= 1 new tokens per row, contract.inputs): set for
+    # --target ort --kv-cache static --prefill-logits last, where ONNX Runtime then runs one session
+    decode_prefills: bool = False
 
     def __post_init__(self):  # accept the plain strings of the CLI and of manifest.json
         object.__setattr__(self, "target", Target(self.target))
@@ -138,7 +141,8 @@ class ExportOptions:
         if debug_outputs and (kv_cache == "static" or target != "portable"):
             raise UsageProblem("--debug-outputs works with the dynamic cache and the portable target; drop "
                                "--kv-cache static and --target for a debug export")
-        variant = Variant(target, kv_cache, max_seq_len, prefill_logits, debug_outputs, opset)
+        prefills = target == Target.ORT.value and kv_cache == "static" and prefill_logits == "last"
+        variant = Variant(target, kv_cache, max_seq_len, prefill_logits, debug_outputs, opset, prefills)
         precision = Precision.of(dtype)
         if weights is not None:
             precision = dataclasses.replace(precision, weights=weights, block_size=block_size,
@@ -222,7 +226,7 @@ class Manifest:
         c = self.config
         return contract.GraphDims(c["num_layers"], c["num_kv_heads"], c["head_dim"], c["vocab_size"], self.precision.kv,
                                   self.variant.capacity, c["hidden_size"] if self.variant.debug_outputs else None,
-                                  self.variant.prefill_logits.value)
+                                  self.variant.prefill_logits.value, self.variant.decode_prefills)
 
     @property
     def dtype(self) -> str:

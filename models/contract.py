@@ -68,18 +68,23 @@ def _kv(names: list[str], seq_dim: str | int) -> list[TensorSpec]:
     return [TensorSpec(n, KV_DTYPE, (BATCH, "num_kv_heads", seq_dim, "head_dim")) for n in names]
 
 
-def inputs(graph: str, num_layers: int, capacity: int | None = None) -> list[TensorSpec]:
+def inputs(graph: str, num_layers: int, capacity: int | None = None, decode_prefills: bool = False
+           ) -> list[TensorSpec]:
     """Graph inputs, in order (the contract table in DESIGN.md).
 
     With `capacity` the decode graph has a static-capacity cache: past and present are
     [batch, kv_heads, capacity, head_dim] buffers updated in place at `write_indices` (one cache
     index per row), and `attention_mask` covers the whole buffer (0 beyond what is written).
+    With `decode_prefills` that graph takes a run of new tokens per row (sequence_length >= 1,
+    written from `write_indices` on) and returns the last one's logits: a prompt can be prefilled
+    through it, so one session (one packed copy of the weights) serves both phases.
     """
     if graph == DECODE and capacity is not None:
+        new = SEQ if decode_prefills else 1
         return [
-            TensorSpec("input_ids", "int64", (BATCH, 1)),
+            TensorSpec("input_ids", "int64", (BATCH, new)),
             TensorSpec("attention_mask", "int64", (BATCH, capacity)),
-            TensorSpec("position_ids", "int64", (BATCH, 1)),
+            TensorSpec("position_ids", "int64", (BATCH, new)),
             TensorSpec("write_indices", "int64", (BATCH,)),
             *_kv(past_names(num_layers), capacity),
         ]
@@ -128,6 +133,7 @@ class GraphDims:
     kv_capacity: int | None = None  # set: the decode graph has a static-capacity cache of this many positions
     hidden_size: int | None = None  # set: the graphs also output hidden.{i} after the contract's outputs (debug)
     prefill_logits: str = "all"  # "last": prefill returns the last position's logits only (B, 1, V)
+    decode_prefills: bool = False  # the static decode graph takes S >= 1 new tokens per row (see inputs)
 
     def inputs(self, graph: str) -> tuple[TensorSpec, ...]:
         return _resolved_inputs(self, graph)  # cached: runtimes check inputs against this every step
@@ -143,7 +149,7 @@ class GraphDims:
 @functools.lru_cache(maxsize=64)
 def _resolved_inputs(dims: GraphDims, graph: str) -> tuple[TensorSpec, ...]:
     return tuple(s.resolve(dims.kv_dtype, dims.num_kv_heads, dims.head_dim, dims.vocab_size)
-                 for s in inputs(graph, dims.num_layers, dims.kv_capacity))
+                 for s in inputs(graph, dims.num_layers, dims.kv_capacity, dims.decode_prefills))
 
 
 @functools.lru_cache(maxsize=64)

@@ -49,12 +49,12 @@ def add_norm(norm: RMSNorm, h: torch.Tensor, delta: torch.Tensor | None):
 class FusedAttentionInputs:
     """What GroupQueryAttention takes besides qkv and the cache, computed once per decode step."""
 
-    seqlens_k: torch.Tensor  # (B,) int32: cache index of the new token (GQA: total length - 1)
+    seqlens_k: torch.Tensor  # (B,) int32: cache index of the newest token (GQA: total length - 1)
     total: torch.Tensor  # () int32: the mask's width (the static capacity, or past + 1)
     cos_cache: torch.Tensor  # (N, D/2): RoPE tables over every position the cache can hold
     sin_cache: torch.Tensor
     position_ids: torch.Tensor  # (B, 1) int64
-    bias: torch.Tensor  # (B, 1, 1, total) additive: 0 where the query may attend, dtype's min elsewhere
+    bias: torch.Tensor  # (B, 1, S, total) additive: 0 where a query may attend, dtype's min elsewhere
     static: bool  # the cache is a fixed-capacity buffer (present has the past's shape)
 
 
@@ -99,21 +99,26 @@ def _(qkv, past_k, past_v, seqlens_k, total, cos_cache, sin_cache, position_ids,
 def fused_attention_inputs(inv_freq: torch.Tensor, positions: int, attention_mask: torch.Tensor,
                            position_ids: torch.Tensor, sliding_window: int | None, write_index: torch.Tensor | None,
                            dtype: torch.dtype) -> FusedAttentionInputs:
-    """GroupQueryAttention's side inputs for one decode step; positions: how many rows the RoPE
-    tables need. The kernel itself never looks past a row's new token (seqlens_k), so the bias
-    only carries what else `causal_mask` hides: padding (except the token itself) and keys
-    beyond the sliding window. Fewer nodes than the full mask, run once per step."""
+    """GroupQueryAttention's side inputs for one decode step of S new tokens per row (position_ids
+    (B, S); S > 1 only over a static cache, whose decode graph also prefills); positions: how many
+    rows the RoPE tables need. The kernel itself is causal and never looks past a row's newest
+    token (seqlens_k), so the bias only carries what else `causal_mask` hides: padding (except
+    each token itself) and keys beyond the sliding window. Fewer nodes than the full mask, run
+    once per step."""
     B, T = attention_mask.shape
+    S = position_ids.shape[1]
     device = attention_mask.device
     freqs = torch.arange(positions, dtype=torch.float32, device=device)[:, None] * inv_freq  # (N, R/2)
-    new = torch.full((B,), T - 1, device=device) if write_index is None else write_index  # the new token's index
-    dist = new[:, None] - torch.arange(T, device=device)  # (B, T): how far each key lies behind the new token
-    visible = attention_mask.bool() | (dist == 0)
+    first = torch.full((B,), T - 1, device=device) if write_index is None else write_index  # the first new token's index
+    at = first[:, None] + torch.arange(S, device=device)  # (B, S): each new token's cache index
+    dist = at[:, :, None] - torch.arange(T, device=device)  # (B, S, T): how far each key lies behind each token
+    visible = attention_mask[:, None, :].bool() | (dist == 0)
     if sliding_window is not None:
         visible = visible & (dist < sliding_window)
-    bias = torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)[:, None, None, :]  # (B, 1, 1, T)
-    return FusedAttentionInputs(new.to(torch.int32), torch.full((), T, dtype=torch.int32), freqs.cos().to(dtype),
-                                freqs.sin().to(dtype), position_ids, bias, write_index is not None)
+    bias = torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)[:, None]  # (B, 1, S, T)
+    return FusedAttentionInputs((first + S - 1).to(torch.int32), torch.full((), T, dtype=torch.int32),
+                                freqs.cos().to(dtype), freqs.sin().to(dtype), position_ids, bias,
+                                write_index is not None)
 
 
 def forward(model: Decoder, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,

@@ -243,6 +243,7 @@ class Runtime(ABC):
         rows = slice(None) if row is None else slice(row, row + 1)
         dst[rows, :, :length] = self._to_numpy(src)
 
+    prefills_in_decode = False  # a static cache's prompts run through the decode graph (dims.decode_prefills)
     row_views = True  # `_leading` views a buffer's first rows without a copy (else slots run every row)
     max_batch: int | None = None  # the most rows one run may take (TensorRT: its engines' profiles)
     max_prompt: int | None = None  # the longest prefill

@@ -62,21 +62,44 @@ class StaticLayout(_Layout):
 
     def start(self, rt: Runtime, ids: np.ndarray, mask: np.ndarray, room: int) -> tuple[StepOutput, Session]:
         B, T = ids.shape
+        self._check_prompt(T)
+        d = rt.dims
+        buffers = [rt._alloc_cache((B, d.num_kv_heads, self.capacity, d.head_dim), d.kv_dtype)
+                   for _ in range(2 * d.num_layers)]
+        s = Session(rt, buffers, mask, 0)
+        s.mask = np.zeros((B, self.capacity), dtype=np.int64)
+        s.write = np.full((B,), T, dtype=np.int64)  # per row: the cache index its next token goes to
+        if rt.prefills_in_decode:  # each row's tokens alone, where left padding would have put them
+            pads = T - mask.sum(-1)
+            if not (mask == (np.arange(T) >= pads[:, None])).all():
+                raise InputError("prefill: the attention mask must be left padding (0s, then 1s) in every row")
+            out = StepOutput(np.concatenate([self._prefill_row(rt, s, b, ids[b:b + 1, p:], p).logits
+                                             for b, p in enumerate(pads.tolist())]))
+        else:
+            out, present = _prefill(rt, ids, mask)
+            for buf, src in zip(buffers, present):
+                rt._write_prefix(buf, src, T)
+            rt._release(present)
+        s.mask[:, :T] = mask
+        self._feeds(s)
+        return out, s
+
+    def _check_prompt(self, T: int) -> None:
         if T >= self.capacity:
             raise InputError(f"prefill: {T} tokens leave no room in the static cache of {self.capacity}; "
                              "export with a larger --max-seq-len")
-        out, present = _prefill(rt, ids, mask)
-        d = rt.dims
-        buffers = [rt._alloc_cache((B, d.num_kv_heads, self.capacity, d.head_dim), d.kv_dtype) for _ in present]
-        for buf, src in zip(buffers, present):
-            rt._write_prefix(buf, src, T)
-        rt._release(present)
-        s = Session(rt, buffers, mask, 0)
-        s.mask = np.zeros((B, self.capacity), dtype=np.int64)
-        s.mask[:, :T] = mask
-        s.write = np.full((B,), T, dtype=np.int64)  # per row: the cache index its next token goes to
-        self._feeds(s)
-        return out, s
+
+    @staticmethod
+    def _prefill_row(rt: Runtime, s: Session, row: int, ids: np.ndarray, at: int) -> StepOutput:
+        """Prefill one row's tokens (1, L) through the decode graph (it takes a run of new tokens:
+        contract.inputs' decode_prefills), written into row `row` of the cache from index `at`."""
+        L = ids.shape[1]
+        s.mask[row] = 0
+        s.mask[row, at:at + L] = 1
+        feeds = {"input_ids": ids, "attention_mask": s.mask[row:row + 1],
+                 "position_ids": np.arange(L, dtype=np.int64)[None], "write_indices": np.array([at], np.int64)}
+        out, _ = rt._run(contract.DECODE, feeds, [b[row:row + 1] for b in s.cache], None, in_place=True)
+        return out
 
     @staticmethod
     def _feeds(s: Session) -> None:
@@ -127,13 +150,14 @@ class StaticLayout(_Layout):
     def admit(self, rt: Runtime, s: Session, slot: int, ids: np.ndarray) -> StepOutput:
         """Prefill one prompt (1, T) alone, as `tk generate` of it would, into row `slot`."""
         T = ids.shape[1]
-        if T >= self.capacity:
-            raise InputError(f"prefill: {T} tokens leave no room in the static cache of {self.capacity}; "
-                             "export with a larger --max-seq-len")
-        out, present = _prefill(rt, ids, np.ones_like(ids))
-        for buf, src in zip(s.cache, present):
-            rt._write_prefix(buf, src, T, row=slot)
-        rt._release(present)
+        self._check_prompt(T)
+        if rt.prefills_in_decode:
+            out = self._prefill_row(rt, s, slot, ids, 0)
+        else:
+            out, present = _prefill(rt, ids, np.ones_like(ids))
+            for buf, src in zip(s.cache, present):
+                rt._write_prefix(buf, src, T, row=slot)
+            rt._release(present)
         s.mask[slot] = 0
         s.mask[slot, :T] = 1
         s.positions[slot] = T - 1

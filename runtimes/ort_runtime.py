@@ -63,7 +63,7 @@ class OrtRuntime(Runtime):
 
     def __init__(self, artifact: str | Path, threads: int | None = None, provider: str = "auto",
                  profile: bool = False, huge_pages: bool = True, prepack: bool = False, one_graph: bool = False,
-                 quant_compute: str = "int8"):
+                 quant_compute: str = "int8", prefill_graph: bool = False):
         """prepack: let each session repack its MatMul weights for the CPU's kernels (faster decode,
         a private copy per session); without it both sessions read the artifact's one weights file,
         which ONNX Runtime memory-maps: one copy in memory (each session maps it, so RSS, which counts
@@ -75,7 +75,10 @@ class OrtRuntime(Runtime):
         prepacked: the packed int4/int8 copy is what its kernels read): "int8" quantizes each block
         of activations to int8 (accuracy level 4, the fast path), "float" dequantizes the weights
         to float and multiplies in float (level 1, several times slower): what the quantized
-        reference computes, so the graphs can be judged with float tolerances."""
+        reference computes, so the graphs can be judged with float tolerances.
+        prefill_graph: run prompts through prefill.onnx even where the decode graph also prefills
+        (an artifact whose variant has decode_prefills, on the CPU provider, otherwise loads only
+        decode.onnx: one session, so one packed copy of the weights; export validation checks both)."""
         if quant_compute not in QUANT_COMPUTE:
             raise ValueError(f"quant_compute must be one of {', '.join(QUANT_COMPUTE)}, not {quant_compute!r}")
         self.artifact = Path(artifact)
@@ -83,7 +86,7 @@ class OrtRuntime(Runtime):
         super().__init__(self.manifest.dims, self.manifest.max_context)
         self.threads, self.provider, self.profile, self.huge_pages = threads, provider, profile, huge_pages
         self.prepack = prepack or self.manifest.precision.quantized
-        self.one_graph, self.quant_compute = one_graph, quant_compute
+        self.one_graph, self.quant_compute, self.prefill_graph = one_graph, quant_compute, prefill_graph
         self.huge_page_bytes = 0  # how much of what the sessions allocated now sits on huge pages
 
     def _load(self) -> None:
@@ -101,6 +104,8 @@ class OrtRuntime(Runtime):
         providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if use_cuda else ["CPUExecutionProvider"]
         self.device = "cuda" if use_cuda else "cpu"
         self.row_views = not use_cuda  # a device OrtValue has no view of its first rows
+        # prompts through the decode graph, one row at a time into its row of the cache (needs row views)
+        self.prefills_in_decode = self.dims.decode_prefills and self.row_views and not self.prefill_graph
         self._ort = ort
         self.output_names: dict[str, list[str]] = {}
         self._shared = self._shared_initializers()
@@ -109,7 +114,7 @@ class OrtRuntime(Runtime):
         if self.one_graph:
             return
         before = hugepages.anonymous_regions() if self.huge_pages and not use_cuda else None
-        for graph in contract.GRAPHS:
+        for graph in (contract.DECODE,) if self.prefills_in_decode else contract.GRAPHS:
             self._session(graph)
         if before is not None:  # the prepacked weights: a decode step streams them all (runtimes/hugepages.py)
             new = hugepages.mapped_since(before, hugepages.anonymous_regions())
@@ -199,14 +204,15 @@ class OrtRuntime(Runtime):
     def _run_in_place(self, feeds, past, session):
         """A static-capacity decode step: the binding is made once per session (and batch size: slots
         run their first rows) over the layout's feed arrays (rewritten in place each step) and the
-        cache buffers (past and present at once)."""
+        cache buffers (past and present at once). Without a session (a prompt prefilled through the
+        decode graph, its feeds of its own length) the binding is made for this run alone."""
         B = feeds["input_ids"].shape[0]
-        bindings = session.state.setdefault("bindings", {})
+        bindings = session.state.setdefault("bindings", {}) if session is not None else {}
         if B not in bindings:
             binding = self._session(contract.DECODE).io_binding()
             logits = np.zeros((B, 1, self.dims.vocab_size), np.float32)
             host = self._ort.OrtValue.ortvalue_from_numpy  # a CPU OrtValue over the array's own memory
-            inputs = {name: host(array) for name, array in feeds.items()}  # later writes to them are seen
+            inputs = {name: host(np.ascontiguousarray(array)) for name, array in feeds.items()}  # later writes are seen
             for name, value in inputs.items():
                 binding.bind_ortvalue_input(name, value)
             inputs["logits"] = host(logits)

@@ -21,7 +21,8 @@ from models.artifact import Manifest
 from models.contract import position_ids_from_mask
 from models.loading import load_decoder
 from runtimes.generate import generate, left_pad
-from runtimes.ort_runtime import open_ort
+from runtimes.base import InputError
+from runtimes.ort_runtime import OrtRuntime, open_ort
 from runtimes.torch_runtime import TorchRuntime
 from toolkit.export import export_artifact
 from toolkit.cli import main
@@ -78,6 +79,31 @@ def test_fused_ops_compute_what_the_reference_layers_compute(checkpoints, family
     assert _decode_both(model, ids, mask, steps=6, capacity=capacity) < 1e-5
 
 
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma"])
+def test_fused_decode_step_prefills_a_row_as_the_reference_does(checkpoints, family):
+    """The static decode step with S new tokens (what a decode graph that also prefills runs):
+    each row's prompt alone, written where left padding puts it, gives the reference's logits
+    and cache for the left-padded batch (Mistral's prompt of 14 crosses its window of 12)."""
+    model = load_decoder(checkpoints(family))
+    ids, mask = (torch.from_numpy(a) for a in left_pad(PROMPTS))
+    B, T, capacity = *ids.shape, 32
+    c = model.config
+    with torch.no_grad():
+        ref, ref_cache = model(ids, mask, position_ids_from_mask(mask))
+        for b in range(B):
+            pad = int(T - mask[b].sum())
+            row_mask = torch.zeros(1, capacity, dtype=torch.int64)
+            row_mask[0, pad:T] = 1
+            past = [torch.zeros(1, c.num_kv_heads, capacity, c.head_dim) for _ in range(2)]
+            logits, cache = ort_kernels.forward(model, ids[b:b + 1, pad:], row_mask, torch.arange(T - pad)[None],
+                                                [tuple(past)] * c.num_layers, torch.tensor([pad]), last_only=True)
+            assert (logits[0, -1] - ref[b, -1]).abs().max() < 1e-5 * ref.abs().max()
+            for (k, v), (rk, rv) in zip(cache, ref_cache):
+                assert (k[0, :, pad:T] - rk[b, :, pad:]).abs().max() < 1e-5
+                assert (v[0, :, pad:T] - rv[b, :, pad:]).abs().max() < 1e-5
+                assert not k[0, :, T:].any() and not k[0, :, :pad].any()  # nothing written outside the row's span
+
+
 @pytest.fixture(scope="module")
 def fused_llama(checkpoints, tmp_path_factory):
     out = tmp_path_factory.mktemp("fused") / "artifact"
@@ -104,6 +130,38 @@ def test_fused_graphs_use_ort_kernels_and_keep_the_contract(fused_llama):
     prefill = onnx.load(str(fused_llama / "prefill.onnx"), load_external_data=False)
     logits = prefill.graph.output[0].type.tensor_type.shape.dim
     assert [d.dim_param or d.dim_value for d in logits] == ["batch_size", 1, 384]
+    decode = onnx.load(str(fused_llama / "decode.onnx"), load_external_data=False)
+    assert manifest.variant.decode_prefills and manifest.dims.decode_prefills
+    assert [d.dim_param or d.dim_value for d in decode.graph.input[0].type.tensor_type.shape.dim] == [
+        "batch_size", "sequence_length"]  # a run of new tokens: the decode graph also prefills
+    assert [d.dim_param or d.dim_value for d in decode.graph.output[0].type.tensor_type.shape.dim] == [
+        "batch_size", 1, 384]
+    # export validation judged both ways of prefilling: through the decode graph and prefill.onnx
+    assert {c["backend"] for c in manifest.validation["comparisons"]} == {"ort", "ort/pre"}
+
+
+def test_one_session_prefills_through_the_decode_graph(fused_llama):
+    """On the CPU, ORT holds only the decode graph's session (one packed copy of the weights) and
+    prefills each row through it; its logits, caches and tokens equal prefill.onnx's."""
+    with OrtRuntime(fused_llama) as one, OrtRuntime(fused_llama, prefill_graph=True) as two:
+        assert one.prefills_in_decode and set(one.sessions) == {"decode"}
+        assert not two.prefills_in_decode and set(two.sessions) == {"prefill", "decode"}
+        ids, mask = left_pad(PROMPTS)
+        (a, sa), (b, sb) = one.start(ids, mask, room=4), two.start(ids, mask, room=4)
+        with sa, sb:
+            np.testing.assert_allclose(a.logits, b.logits, atol=1e-4)
+            real = mask.astype(bool)
+            for x, y in zip(one.cache_arrays(sa), two.cache_arrays(sb)):
+                np.testing.assert_allclose(x.transpose(0, 2, 1, 3)[real], y.transpose(0, 2, 1, 3)[real], atol=1e-5)
+            for token in ([3, 4], [5, 6]):
+                np.testing.assert_allclose(one.step(sa, token).logits, two.step(sb, token).logits, atol=1e-4)
+        assert ([r.tokens for r in generate(one, PROMPTS, 16, ignore_eos=True).rows]
+                == [r.tokens for r in generate(two, PROMPTS, 16, ignore_eos=True).rows])
+        slots = one.open_slots(3)
+        first = one.admit(slots, 2, PROMPTS[1])
+        np.testing.assert_allclose(first.logits[0, -1], b.logits[1, -1], atol=1e-4)
+        with pytest.raises(InputError, match="left padding"):
+            one.start(np.array([[5, 6, 7]]), np.array([[1, 0, 1]]))
 
 
 def test_fused_tokens_equal_portable_and_transformers(checkpoints, artifacts, fused_llama):

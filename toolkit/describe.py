@@ -62,7 +62,7 @@ def inspect_path(path: str | Path, batch: int = 1, seq_len: int | None = None) -
         by_dtype = weight_bytes_by_dtype(path, manifest)
         info = {"kind": "artifact", "precision": precision.describe(), "weights_by_dtype": by_dtype, "path": str(path), "source": manifest.source["path"], "graphs": graphs,
                 "target": v.target.value, "kv_cache": v.cache.value, "prefill_logits": v.prefill_logits.value,
-                "trt_lint": manifest.trt_lint,
+                "decode_prefills": v.decode_prefills, "trt_lint": manifest.trt_lint,
                 "validation": {k: v for k, v in manifest.validation.items() if k != "comparisons"}}
     else:
         cfg = read_config(path)
@@ -97,7 +97,9 @@ def format_info(info: dict) -> str:
         f"one each: {_mib(m['trt_weights_bytes'])} of weights on the GPU",
     ]
     if "target" in info:
-        lines.append(f"target {info['target']}  kv cache {info['kv_cache']}  prefill logits {info['prefill_logits']}")
+        lines.append(f"target {info['target']}  kv cache {info['kv_cache']}  prefill logits {info['prefill_logits']}"
+                     + ("  decode graph also prefills (ONNX Runtime on the CPU runs one session)"
+                        if info.get("decode_prefills") else ""))
         lines.append(f"precision: {info['precision']}; weights by dtype: " +
                      ", ".join(f"{k} {_mib(v)}" for k, v in info["weights_by_dtype"].items()))
     for graph, g in info.get("graphs", {}).items():

@@ -109,16 +109,25 @@ def validate(artifact: Path, manifest: Manifest, steps: int = VALIDATION_STEPS,
             artifact, manifest, debug=manifest.variant.debug_outputs, quantized=quantized), manifest.precision,
             cases, steps, tol)
     graphs_ref, full_ref = reference
-    with OrtRuntime(artifact, one_graph=True, quant_compute="float") as ort:  # one mapping of the weights at a time
-        report = compare_backends(graphs_ref, {"ort": ort}, cases, tol, steps, probes=False, free_running=False)
-    entry = report["backends"]["ort"]
+    # Where the decode graph also prefills, ORT runs prompts through it; TensorRT and prefill_graph
+    # runs take prefill.onnx: both are judged ("ort/pre" in the table).
+    runs = {"ort": False, **({"ort/pre": True} if manifest.dims.decode_prefills else {})}
+    passed, cases_run, divergence = True, [], None
+    for name, prefill_graph in runs.items():  # one runtime, so one mapping of the weights, at a time
+        with OrtRuntime(artifact, one_graph=True, quant_compute="float", prefill_graph=prefill_graph) as ort:
+            ort.name = name
+            report = compare_backends(graphs_ref, {name: ort}, cases, tol, steps, probes=False, free_running=False)
+        entry = report["backends"][name]
+        passed, cases_run = passed and report["passed"], cases_run + entry["cases"]
+        if divergence is None and entry["first_divergence"]:
+            divergence = describe_divergence(name, entry["first_divergence"]), entry["first_divergence"]
     quantized = manifest.precision.quantized
-    record = {"passed": report["passed"], "reference": "torch float32" + (", quantized weights" if quantized else ""),
-              "steps": steps, "tolerance": dataclasses.asdict(tol), "comparisons": entry["cases"],
-              "first_divergence": entry["first_divergence"]}
-    table = format_table([Comparison.from_dict(c) for c in entry["cases"]])
-    where = describe_divergence("ort", entry["first_divergence"]) if entry["first_divergence"] else None
-    if quantized and report["passed"]:
+    record = {"passed": passed, "reference": "torch float32" + (", quantized weights" if quantized else ""),
+              "steps": steps, "tolerance": dataclasses.asdict(tol), "comparisons": cases_run,
+              "first_divergence": divergence and divergence[1]}
+    table = format_table([Comparison.from_dict(c) for c in cases_run])
+    where = divergence and divergence[0]
+    if quantized and passed:
         from toolkit.quant_check import check_fused, quantization_error
 
         record["fused_matmulnbits"] = check_fused(artifact, manifest)
