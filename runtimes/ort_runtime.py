@@ -28,9 +28,11 @@ QUANT_COMPUTE = {"int8": "4", "float": "1"}  # MatMulNBits accuracy level of eac
 QUANTIZED_SUFFIXES = (".quant", ".scale")  # a quantized weight's initializers (exporters/weights.py)
 
 
-def session_options(ort, threads: int | None = None):
+def session_options(ort, threads: int | None = None, spin: bool = False):
     """SessionOptions for a tk session: full graph optimization, quiet, and on the process-wide
-    pool when the process opted in (use_shared_thread_pool), else on a non-spinning pool of its own."""
+    pool when the process opted in (use_shared_thread_pool), else on a pool of its own, whose
+    threads spin between kernels only with `spin` (a runtime with one session: no other pool's
+    threads to take the cores from)."""
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     opts.log_severity_level = 3
@@ -45,7 +47,7 @@ def session_options(ort, threads: int | None = None):
             _SHARED_POOL["threads"] = threads or 0
         opts.use_per_session_threads = False
     else:
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
         if threads:
             opts.intra_op_num_threads = threads
     return opts
@@ -121,7 +123,7 @@ class OrtRuntime(Runtime):
             self.huge_page_bytes = hugepages.back_with_huge_pages(new)
 
     def _options(self, graph: str):
-        opts = session_options(self._ort, self.threads)
+        opts = session_options(self._ort, self.threads, spin=self.prefills_in_decode)
         if not self.prepack:  # both sessions use the memory-mapped weights file as it is
             opts.add_session_config_entry("session.disable_prepacking", "1")
         if self.manifest.precision.quantized:
