@@ -45,10 +45,10 @@ class GraphModule(nn.Module):
     """
 
     def __init__(self, model: Decoder, static: bool = False, output_hidden: bool = False, fused: bool = False,
-                 last_only: bool = False):
+                 last_only: bool = False, unpadded: bool = False):
         super().__init__()
         self.model, self.static, self.output_hidden, self.fused = model, static, output_hidden, fused
-        self.last_only = last_only
+        self.last_only, self.unpadded = last_only, unpadded
 
     def forward(self, input_ids, attention_mask, position_ids, *rest):
         write_index = None
@@ -59,7 +59,7 @@ class GraphModule(nn.Module):
             from models import ort_kernels
 
             out = ort_kernels.forward(self.model, input_ids, attention_mask, position_ids, past, write_index,
-                                      self.last_only)
+                                      self.last_only, self.unpadded)
         else:
             out = self.model(input_ids, attention_mask, position_ids, past, write_index, self.output_hidden,
                              self.last_only)
@@ -95,11 +95,12 @@ def _register_contrib_schemas() -> None:
                  inputs=[P("query", "T"), P("key", "T", param_option=optional), P("value", "T", param_option=optional),
                          P("past_key", "T"), P("past_value", "T"), P("seqlens_k", "M"),
                          P("total_sequence_length", "M"), P("cos_cache", "T"), P("sin_cache", "T"),
-                         P("position_ids", "I"), P("attention_bias", "T")],
+                         P("position_ids", "I"), P("attention_bias", "T", param_option=optional)],
                  outputs=[P("output", "T"), P("present_key", "T"), P("present_value", "T")],
                  type_constraints=[("T", floats, ""), ("M", ["tensor(int32)"], ""), ("I", ["tensor(int64)"], "")],
                  attributes=[attr("num_heads", OpSchema.AttrType.INT, ""), attr("kv_num_heads", OpSchema.AttrType.INT, ""),
-                             attr("do_rotary", OpSchema.AttrType.INT, ""), attr("scale", OpSchema.AttrType.FLOAT, "")]),
+                             attr("do_rotary", OpSchema.AttrType.INT, ""), attr("scale", OpSchema.AttrType.FLOAT, ""),
+                             attr("local_window_size", OpSchema.AttrType.INT, "")]),
     ]
     for schema in schemas:
         if not onnx.defs.has(schema.name, schema.domain):
@@ -115,13 +116,14 @@ def _skip_simplified_layer_norm(h, delta, scale, eps: float):
 
 
 def _group_query_attention(qkv, past_k, past_v, seqlens_k, total, cos_cache, sin_cache, position_ids, bias,
-                           num_heads: int, kv_num_heads: int, static: bool):
+                           num_heads: int, kv_num_heads: int, local_window: int, static: bool):
     """tk::gqa -> com.microsoft GroupQueryAttention on packed qkv, with RoPE (do_rotary)."""
     from onnxscript.values import Opset
 
     return Opset(MS_DOMAIN, 1).GroupQueryAttention(
         qkv, None, None, past_k, past_v, seqlens_k, total, cos_cache, sin_cache, position_ids, bias,
-        num_heads=num_heads, kv_num_heads=kv_num_heads, do_rotary=1, scale=float(past_k.shape[-1]) ** -0.5)
+        num_heads=num_heads, kv_num_heads=kv_num_heads, do_rotary=1, scale=float(past_k.shape[-1]) ** -0.5,
+        local_window_size=local_window)
 
 
 def graph_dims(config, precision: Precision, variant: Variant) -> contract.GraphDims:
@@ -147,7 +149,7 @@ def _example(graph: str, model: Decoder, dims: contract.GraphDims, fused: bool =
         shapes = {"input_ids": tokens, "attention_mask": {0: batch}, "position_ids": tokens,
                   "rest": ({0: batch}, *({0: batch} for _ in past))}  # write_indices, then the cache
         return GraphModule(model, static=True, output_hidden=output_hidden, fused=fused,
-                           last_only=dims.decode_prefills), args, shapes
+                           last_only=dims.decode_prefills, unpadded=dims.decode_prefills), args, shapes
     if graph == contract.PREFILL:
         seq = Dim(contract.SEQ, min=1)
         ids = torch.randint(0, c.vocab_size, (B, S))

@@ -77,7 +77,10 @@ def inputs(graph: str, num_layers: int, capacity: int | None = None, decode_pref
     index per row), and `attention_mask` covers the whole buffer (0 beyond what is written).
     With `decode_prefills` that graph takes a run of new tokens per row (sequence_length >= 1,
     written from `write_indices` on) and returns the last one's logits: a prompt can be prefilled
-    through it, so one session (one packed copy of the weights) serves both phases.
+    through it, so one session (one packed copy of the weights) serves both phases. Its rows are
+    never padded: row b holds its tokens at 0 .. write_indices[b] - 1, so the graph attends to
+    exactly those and the new ones, and reads `attention_mask` for nothing but its width (the
+    runtimes still keep it, 1 exactly there).
     """
     if graph == DECODE and capacity is not None:
         new = SEQ if decode_prefills else 1

@@ -53,18 +53,21 @@ class FusedAttentionInputs:
     total: torch.Tensor  # () int32: the mask's width (the static capacity, or past + 1)
     cos_cache: torch.Tensor  # (N, D/2): RoPE tables over every position the cache can hold
     sin_cache: torch.Tensor
-    position_ids: torch.Tensor  # (B, 1) int64
-    bias: torch.Tensor  # (B, 1, S, total) additive: 0 where a query may attend, dtype's min elsewhere
+    position_ids: torch.Tensor  # (B, S) int64
+    bias: torch.Tensor | None  # (B, 1, S, total) additive: 0 where a query may attend, dtype's min elsewhere
+    local_window: int  # how many keys a query sees, itself included (the sliding window), or -1: all
     static: bool  # the cache is a fixed-capacity buffer (present has the past's shape)
 
 
 @torch.library.custom_op("tk::gqa", mutates_args=())
 def gqa(qkv: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor, seqlens_k: torch.Tensor, total: torch.Tensor,
-        cos_cache: torch.Tensor, sin_cache: torch.Tensor, position_ids: torch.Tensor, bias: torch.Tensor,
-        num_heads: int, kv_num_heads: int, static: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cos_cache: torch.Tensor, sin_cache: torch.Tensor, position_ids: torch.Tensor, bias: torch.Tensor | None,
+        num_heads: int, kv_num_heads: int, local_window: int, static: bool
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One attention step as ONNX Runtime's GroupQueryAttention computes it, from packed qkv
     (B, S, (H + 2 Hkv) D): RoPE (half-split) at position_ids, k and v written into the cache at
-    seqlens_k - S + 1, attention over the first `total` cache positions plus `bias`.
+    seqlens_k - S + 1, causal attention over the cache up to each row's seqlens_k, over the last
+    `local_window` keys (local_window_size, the query's own included) when >= 0, plus `bias` when given.
     Returns (y (B, S, H D), present_k, present_v); present is max(total, past) long."""
     B, S, _ = qkv.shape
     D = past_k.shape[-1]
@@ -79,10 +82,12 @@ def gqa(qkv: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor, seqlens_k
         past_k, past_v = (F.pad(t, (0, 0, 0, grow)) for t in (past_k, past_v))
     start = seqlens_k.long() - S + 1
     present_k, present_v = kv_write(past_k, k, start), kv_write(past_v, v, start)
-    # causal within the step, and nothing past a row's newest token, whatever the bias says
+    # causal within the step, nothing past a row's newest token, nothing beyond the window
     query_at = start[:, None, None] + torch.arange(S, device=qkv.device)[:, None]  # (B, S, 1)
-    beyond = (torch.arange(T, device=qkv.device) > query_at)[:, None]  # (B, 1, S, T)
-    bias = bias[..., :T].masked_fill(beyond, torch.finfo(bias.dtype).min)
+    dist = query_at - torch.arange(T, device=qkv.device)  # (B, S, T)
+    hidden = (dist < 0) | ((dist >= local_window) if local_window >= 0 else False)
+    bias = torch.zeros(B, 1, S, T, dtype=qkv.dtype, device=qkv.device) if bias is None else bias[..., :T]
+    bias = bias.masked_fill(hidden[:, None], torch.finfo(bias.dtype).min)
     y = F.scaled_dot_product_attention(q, present_k[:, :, :T], present_v[:, :, :T], attn_mask=bias,
                                        enable_gqa=num_heads != kv_num_heads)
     return y.transpose(1, 2).reshape(B, S, num_heads * D), present_k, present_v
@@ -90,7 +95,7 @@ def gqa(qkv: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor, seqlens_k
 
 @gqa.register_fake
 def _(qkv, past_k, past_v, seqlens_k, total, cos_cache, sin_cache, position_ids, bias, num_heads, kv_num_heads,
-      static):
+      local_window, static):
     B, S, _ = qkv.shape
     shape = past_k.shape if static else (B, past_k.shape[1], past_k.shape[2] + S, past_k.shape[3])
     return qkv.new_empty(B, S, num_heads * past_k.shape[-1]), past_k.new_empty(shape), past_v.new_empty(shape)
@@ -98,42 +103,45 @@ def _(qkv, past_k, past_v, seqlens_k, total, cos_cache, sin_cache, position_ids,
 
 def fused_attention_inputs(inv_freq: torch.Tensor, positions: int, attention_mask: torch.Tensor,
                            position_ids: torch.Tensor, sliding_window: int | None, write_index: torch.Tensor | None,
-                           dtype: torch.dtype) -> FusedAttentionInputs:
+                           dtype: torch.dtype, unpadded: bool = False) -> FusedAttentionInputs:
     """GroupQueryAttention's side inputs for one decode step of S new tokens per row (position_ids
-    (B, S); S > 1 only over a static cache, whose decode graph also prefills); positions: how many
-    rows the RoPE tables need. The kernel itself is causal and never looks past a row's newest
-    token (seqlens_k), so the bias only carries what else `causal_mask` hides: padding (except
-    each token itself) and keys beyond the sliding window. Fewer nodes than the full mask, run
-    once per step."""
+    (B, S); S > 1 only over a static cache whose decode graph also prefills); positions: how many
+    rows the RoPE tables need. The kernel itself is causal, never looks past a row's newest
+    token (seqlens_k) and applies the sliding window (local_window_size), so a bias carries only
+    padding (hiding every padding key but each token itself). With `unpadded` (the cache rows of
+    a decode graph that also prefills: every row's tokens from index 0, so attention_mask is 1
+    exactly on the row's first seqlens_k + 1 positions) there is no bias at all: GroupQueryAttention
+    then reads no mask, and the step has a dozen fewer nodes."""
     B, T = attention_mask.shape
     S = position_ids.shape[1]
     device = attention_mask.device
     freqs = torch.arange(positions, dtype=torch.float32, device=device)[:, None] * inv_freq  # (N, R/2)
     first = torch.full((B,), T - 1, device=device) if write_index is None else write_index  # the first new token's index
-    at = first[:, None] + torch.arange(S, device=device)  # (B, S): each new token's cache index
-    dist = at[:, :, None] - torch.arange(T, device=device)  # (B, S, T): how far each key lies behind each token
-    visible = attention_mask[:, None, :].bool() | (dist == 0)
-    if sliding_window is not None:
-        visible = visible & (dist < sliding_window)
-    bias = torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)[:, None]  # (B, 1, S, T)
+    bias = None
+    if not unpadded:
+        at = first[:, None] + torch.arange(S, device=device)  # (B, S): each new token's cache index
+        dist = at[:, :, None] - torch.arange(T, device=device)  # (B, S, T)
+        visible = attention_mask[:, None, :].bool() | (dist == 0)
+        bias = torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)[:, None]  # (B, 1, S, T)
+    window = -1 if sliding_window is None else sliding_window
     return FusedAttentionInputs((first + S - 1).to(torch.int32), torch.full((), T, dtype=torch.int32),
-                                freqs.cos().to(dtype), freqs.sin().to(dtype), position_ids, bias,
+                                freqs.cos().to(dtype), freqs.sin().to(dtype), position_ids, bias, window,
                                 write_index is not None)
 
 
 def forward(model: Decoder, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
             past_key_values: KVCache | None = None, write_index: torch.Tensor | None = None,
-            last_only: bool = False) -> tuple[torch.Tensor, KVCache]:
+            last_only: bool = False, unpadded: bool = False) -> tuple[torch.Tensor, KVCache]:
     """`Decoder.forward` through the fused kernels: the residual stream carried as (h, delta) so
     each add meets its norm in one SkipSimplifiedLayerNormalization, and in decode (a past is
-    given) one GroupQueryAttention per layer."""
+    given) one GroupQueryAttention per layer. `unpadded`: see fused_attention_inputs."""
     cfg = model.config
     x = model.embed_inputs(input_ids)  # (B, S, C)
     fused = None
     if past_key_values is not None:  # decode: GroupQueryAttention does RoPE and masking itself
         positions = attention_mask.shape[1] if write_index is not None else cfg.max_position_embeddings
         fused = fused_attention_inputs(model.inv_freq, positions, attention_mask, position_ids, cfg.sliding_window,
-                                       write_index, x.dtype)
+                                       write_index, x.dtype, unpadded)
     else:
         cos, sin = rope_cos_sin(position_ids, model.inv_freq, x.dtype)
         mask = causal_mask(attention_mask, input_ids.shape[1], cfg.sliding_window, write_index)
@@ -145,7 +153,8 @@ def forward(model: Decoder, input_ids: torch.Tensor, attention_mask: torch.Tenso
         if fused is not None:
             past = past_key_values[i]
             y, k, v = gqa(attn.wqkv(xn), past[0], past[1], fused.seqlens_k, fused.total, fused.cos_cache,
-                          fused.sin_cache, fused.position_ids, fused.bias, attn.n_heads, attn.n_kv, fused.static)
+                          fused.sin_cache, fused.position_ids, fused.bias, attn.n_heads, attn.n_kv, fused.local_window,
+                          fused.static)
             a, kv = attn.wo(y), (k, v)
         else:
             a, kv = attn(xn, cos, sin, mask, None, write_index)

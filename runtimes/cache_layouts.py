@@ -57,8 +57,12 @@ class DynamicLayout(_Layout):
 
 
 class StaticLayout(_Layout):
-    def __init__(self, capacity: int):
-        self.capacity = capacity
+    """`unpadded` (a decode graph that also prefills, dims.decode_prefills): every row's tokens sit
+    from cache index 0, each row at its own length, never behind left padding (the graph reads
+    no mask: contract.inputs); `arrays` still shows the left-padded batch the caller gave."""
+
+    def __init__(self, capacity: int, unpadded: bool = False):
+        self.capacity, self.unpadded = capacity, unpadded
 
     def start(self, rt: Runtime, ids: np.ndarray, mask: np.ndarray, room: int) -> tuple[StepOutput, Session]:
         B, T = ids.shape
@@ -69,20 +73,40 @@ class StaticLayout(_Layout):
         s = Session(rt, buffers, mask, 0)
         s.mask = np.zeros((B, self.capacity), dtype=np.int64)
         s.write = np.full((B,), T, dtype=np.int64)  # per row: the cache index its next token goes to
-        if rt.prefills_in_decode:  # each row's tokens alone, where left padding would have put them
-            pads = T - mask.sum(-1)
-            if not (mask == (np.arange(T) >= pads[:, None])).all():
-                raise InputError("prefill: the attention mask must be left padding (0s, then 1s) in every row")
-            out = StepOutput(np.concatenate([self._prefill_row(rt, s, b, ids[b:b + 1, p:], p).logits
+        pads = T - mask.sum(-1)
+        if self.unpadded and not (mask == (np.arange(T) >= pads[:, None])).all():
+            raise InputError("prefill: the attention mask must be left padding (0s, then 1s) in every row")
+        if rt.prefills_in_decode:  # each row's tokens alone, through the decode graph
+            out = StepOutput(np.concatenate([self._prefill_row(rt, s, b, ids[b:b + 1, p:]).logits
                                              for b, p in enumerate(pads.tolist())]))
         else:
             out, present = _prefill(rt, ids, mask)
             for buf, src in zip(buffers, present):
-                rt._write_prefix(buf, src, T)
+                if self.unpadded:  # each row moves to the front of its cache row
+                    host = rt._to_numpy(src)
+                    for b, p in enumerate(pads.tolist()):
+                        rt._write_prefix(buf, host[b:b + 1, :, p:], T - p, row=b)
+                else:
+                    rt._write_prefix(buf, src, T)
             rt._release(present)
-        s.mask[:, :T] = mask
+        if self.unpadded:
+            s.write -= pads
+            s.mask[np.arange(self.capacity) < s.write[:, None]] = 1
+        else:
+            s.mask[:, :T] = mask
         self._feeds(s)
         return out, s
+
+    def arrays(self, rt: Runtime, s: Session) -> list[np.ndarray]:
+        if not self.unpadded:
+            return super().arrays(rt, s)
+        out = []
+        for buf in s.cache:
+            host, a = rt._to_numpy(buf), np.zeros((s.batch, rt.dims.num_kv_heads, s.length, rt.dims.head_dim), np.float32)
+            for b, w in enumerate(s.write.tolist()):  # row b's tokens, back where its left padding put them
+                a[b, :, s.length - w:] = host[b, :, :w]
+            out.append(a)
+        return out
 
     def _check_prompt(self, T: int) -> None:
         if T >= self.capacity:
@@ -90,14 +114,14 @@ class StaticLayout(_Layout):
                              "export with a larger --max-seq-len")
 
     @staticmethod
-    def _prefill_row(rt: Runtime, s: Session, row: int, ids: np.ndarray, at: int) -> StepOutput:
+    def _prefill_row(rt: Runtime, s: Session, row: int, ids: np.ndarray) -> StepOutput:
         """Prefill one row's tokens (1, L) through the decode graph (it takes a run of new tokens:
-        contract.inputs' decode_prefills), written into row `row` of the cache from index `at`."""
+        contract.inputs' decode_prefills) into row `row` of the cache, from index 0."""
         L = ids.shape[1]
         s.mask[row] = 0
-        s.mask[row, at:at + L] = 1
+        s.mask[row, :L] = 1
         feeds = {"input_ids": ids, "attention_mask": s.mask[row:row + 1],
-                 "position_ids": np.arange(L, dtype=np.int64)[None], "write_indices": np.array([at], np.int64)}
+                 "position_ids": np.arange(L, dtype=np.int64)[None], "write_indices": np.zeros(1, np.int64)}
         out, _ = rt._run(contract.DECODE, feeds, [b[row:row + 1] for b in s.cache], None, in_place=True)
         return out
 
@@ -107,7 +131,7 @@ class StaticLayout(_Layout):
                    "position_ids": s.positions, "write_indices": s.write}
 
     def step(self, rt: Runtime, s: Session, tokens: np.ndarray) -> StepOutput:
-        if s.length >= self.capacity:
+        if s.length >= self.capacity:  # (the longest row's length)
             raise InputError(f"decode: the static cache holds {self.capacity} positions and is full; "
                              "export with a larger --max-seq-len")
         out = self._decode(rt, s, tokens, slice(None), s.batch)
@@ -152,7 +176,7 @@ class StaticLayout(_Layout):
         T = ids.shape[1]
         self._check_prompt(T)
         if rt.prefills_in_decode:
-            out = self._prefill_row(rt, s, slot, ids, 0)
+            out = self._prefill_row(rt, s, slot, ids)
         else:
             out, present = _prefill(rt, ids, np.ones_like(ids))
             for buf, src in zip(s.cache, present):
@@ -182,4 +206,4 @@ class StaticLayout(_Layout):
 
 
 def layout_for(dims: contract.GraphDims) -> DynamicLayout | StaticLayout:
-    return StaticLayout(dims.kv_capacity) if dims.kv_capacity is not None else DynamicLayout()
+    return StaticLayout(dims.kv_capacity, dims.decode_prefills) if dims.kv_capacity is not None else DynamicLayout()

@@ -81,27 +81,35 @@ def test_fused_ops_compute_what_the_reference_layers_compute(checkpoints, family
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "gemma"])
 def test_fused_decode_step_prefills_a_row_as_the_reference_does(checkpoints, family):
-    """The static decode step with S new tokens (what a decode graph that also prefills runs):
-    each row's prompt alone, written where left padding puts it, gives the reference's logits
-    and cache for the left-padded batch (Mistral's prompt of 14 crosses its window of 12)."""
+    """The unpadded static decode step with S new tokens (what a decode graph that also prefills
+    runs, with no attention bias): each row's prompt alone, from cache index 0, gives the
+    reference's logits and cache for the left-padded batch, and decoding on from there too
+    (Mistral's prompt of 14 crosses its window of 12)."""
     model = load_decoder(checkpoints(family))
     ids, mask = (torch.from_numpy(a) for a in left_pad(PROMPTS))
     B, T, capacity = *ids.shape, 32
     c = model.config
     with torch.no_grad():
         ref, ref_cache = model(ids, mask, position_ids_from_mask(mask))
+        token = ref[:, -1].argmax(-1, keepdim=True)
+        mask2 = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype)], 1)
+        ref2, _ = model(token, mask2, mask2.sum(-1, keepdim=True) - 1, ref_cache)
         for b in range(B):
-            pad = int(T - mask[b].sum())
+            n = int(mask[b].sum())
             row_mask = torch.zeros(1, capacity, dtype=torch.int64)
-            row_mask[0, pad:T] = 1
-            past = [torch.zeros(1, c.num_kv_heads, capacity, c.head_dim) for _ in range(2)]
-            logits, cache = ort_kernels.forward(model, ids[b:b + 1, pad:], row_mask, torch.arange(T - pad)[None],
-                                                [tuple(past)] * c.num_layers, torch.tensor([pad]), last_only=True)
+            row_mask[0, :n] = 1
+            past = [tuple(torch.zeros(1, c.num_kv_heads, capacity, c.head_dim) for _ in range(2))] * c.num_layers
+            logits, cache = ort_kernels.forward(model, ids[b:b + 1, T - n:], row_mask, torch.arange(n)[None], past,
+                                                torch.tensor([0]), last_only=True, unpadded=True)
             assert (logits[0, -1] - ref[b, -1]).abs().max() < 1e-5 * ref.abs().max()
             for (k, v), (rk, rv) in zip(cache, ref_cache):
-                assert (k[0, :, pad:T] - rk[b, :, pad:]).abs().max() < 1e-5
-                assert (v[0, :, pad:T] - rv[b, :, pad:]).abs().max() < 1e-5
-                assert not k[0, :, T:].any() and not k[0, :, :pad].any()  # nothing written outside the row's span
+                assert (k[0, :, :n] - rk[b, :, T - n:]).abs().max() < 1e-5
+                assert (v[0, :, :n] - rv[b, :, T - n:]).abs().max() < 1e-5
+                assert not k[0, :, n:].any()  # nothing written past the row's tokens
+            row_mask[0, n] = 1
+            logits, _ = ort_kernels.forward(model, token[b:b + 1], row_mask, torch.tensor([[n]]), cache,
+                                            torch.tensor([n]), last_only=True, unpadded=True)
+            assert (logits[0, -1] - ref2[b, -1]).abs().max() < 1e-5 * ref2.abs().max()
 
 
 @pytest.fixture(scope="module")
@@ -187,13 +195,17 @@ def test_fused_parity_and_probes_pass(fused_llama):
     assert "the cache at 0..5 compared" in probes["future_leak"]["detail"]
 
 
-@pytest.mark.parametrize("family", ["mistral", "gemma", "qwen2", "llama-linear-tied-mqa"])
-def test_fused_dynamic_cache_on_other_families(checkpoints, tmp_path, family):
-    """Mistral's window lives in the attention bias of the fused decode graph (12 + 16 steps cross
-    it); Gemma brings GeGLU, a norm offset and a scaled embedding; Qwen2 qkv biases; MQA one KV head."""
+@pytest.mark.parametrize("family, static", [("mistral", False), ("gemma", False), ("qwen2", False),
+                                            ("llama-linear-tied-mqa", False), ("mistral", True),
+                                            ("llama-linear-tied-mqa", True)])
+def test_fused_graphs_on_other_families(checkpoints, tmp_path, family, static):
+    """Mistral's window is GroupQueryAttention's local_window_size (12 + 16 steps cross it), also
+    with the unpadded static cache a decode graph that prefills reads; Gemma brings GeGLU, a norm
+    offset and a scaled embedding; Qwen2 qkv biases; MQA one KV head."""
     out = tmp_path / family
-    manifest = export_artifact(checkpoints(family), out, target="ort")
-    assert manifest.validation["passed"] and manifest.variant.cache == "dynamic"
+    options = dict(kv_cache="static", max_seq_len=64, prefill_logits="last") if static else {}
+    manifest = export_artifact(checkpoints(family), out, target="ort", **options)
+    assert manifest.validation["passed"] and manifest.variant.decode_prefills == static
     report = parity(out, ["ort"], steps=16)
     assert report["passed"], report["backends"]["ort"]["first_divergence"]
 
