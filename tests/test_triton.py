@@ -9,6 +9,7 @@ import queue
 import shutil
 import socket
 import subprocess
+import sys
 import sysconfig
 import time
 import urllib.request
@@ -87,7 +88,11 @@ def tritonserver(serve_artifact, tmp_path_factory):
         [str(server / "bin" / "tritonserver"), "--model-repository", str(repo), "--backend-directory",
          str(root / "backends"), "--http-address", "127.0.0.1", "--http-port", str(http), "--grpc-address",
          "127.0.0.1", "--grpc-port", str(grpc), "--metrics-address", "127.0.0.1", "--metrics-port", str(metrics)],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "LD_LIBRARY_PATH": ":".join(libs)})
+        stdout=log, stderr=subprocess.STDOUT,
+        # the stub's embedded Python finds its prefix through PATH: this venv's, whose numpy < 2 the
+        # stub's bindings need (the base interpreter may have numpy 2), activated or not
+        env={**os.environ, "LD_LIBRARY_PATH": ":".join(libs),
+             "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])})
     try:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline and proc.poll() is None:

@@ -9,6 +9,7 @@ each backend runs and set beside `tk inspect`'s prediction (weights + KV cache).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import json
 import os
@@ -177,16 +178,20 @@ def profile_decode(artifact: Path, prompt_len: int = 128, new_tokens: int = 64, 
     for path in trace.values():
         path.unlink(missing_ok=True)
     steps = len(result.decode_s)
-    runs = [e["dur"] for e in events if e.get("name") == "model_run"][-steps:]
+    # the last `steps` runs are the decode steps (a session that also prefills ran prompts before them)
+    windows = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == "model_run"][-steps:]
+    starts = [w[0] for w in windows]
     kernels: dict[str, float] = {}
     nodes = 0
     for e in events:
         if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
-            kernels[e["args"]["op_name"]] = kernels.get(e["args"]["op_name"], 0.0) + e["dur"]
-            nodes += 1
-    total_runs = len([e for e in events if e.get("name") == "model_run"])
+            i = bisect.bisect_right(starts, e["ts"]) - 1
+            if i >= 0 and e["ts"] <= windows[i][1]:
+                kernels[e["args"]["op_name"]] = kernels.get(e["args"]["op_name"], 0.0) + e["dur"]
+                nodes += 1
+    total_runs = steps
     wall_ms = 1e3 * statistics.median(result.decode_s)
-    run_ms = statistics.median(runs) / 1e3
+    run_ms = statistics.median([b - a for a, b in windows]) / 1e3
     kernel_ms = sum(kernels.values()) / total_runs / 1e3
     return {"steps": steps, "step_wall_ms": wall_ms, "ort_run_ms": run_ms, "kernel_ms": kernel_ms,
             "python_overhead_ms": wall_ms - run_ms, "executor_overhead_ms": run_ms - kernel_ms,
