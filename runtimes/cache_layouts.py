@@ -129,6 +129,7 @@ class StaticLayout(_Layout):
     def _feeds(s: Session) -> None:
         s.feeds = {"input_ids": np.zeros((s.batch, 1), np.int64), "attention_mask": s.mask,
                    "position_ids": s.positions, "write_indices": s.write}
+        s.index = np.arange(s.batch)  # the rows, for indexing the mask at each row's write index
 
     def step(self, rt: Runtime, s: Session, tokens: np.ndarray) -> StepOutput:
         if s.length >= self.capacity:  # (the longest row's length)
@@ -144,7 +145,7 @@ class StaticLayout(_Layout):
         others sit out: an empty slot writes its throwaway position 0 again and moves nothing."""
         s.feeds["input_ids"][: len(tokens)] = tokens  # in place: the arrays a backend bound stay the ones it reads
         s.positions[rows] += 1
-        s.mask[np.arange(s.batch)[rows], s.write[rows]] = 1
+        s.mask[s.index[rows], s.write[rows]] = 1
         feeds = s.feeds if n == s.batch else {k: v[:n] for k, v in s.feeds.items()}
         past = s.cache if n == s.batch else [rt._leading(b, n) for b in s.cache]
         out, _ = rt._run(contract.DECODE, feeds, past, s, in_place=True)

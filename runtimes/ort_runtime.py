@@ -10,6 +10,7 @@ buffers are tk's own numpy arrays; on CUDA, device OrtValues).
 
 from __future__ import annotations
 
+import sys
 import tempfile
 from pathlib import Path
 
@@ -204,29 +205,41 @@ class OrtRuntime(Runtime):
         return StepOutput(outs[0].numpy(), hidden), present
 
     def _run_in_place(self, feeds, past, session):
-        """A static-capacity decode step: the binding is made once per session (and batch size: slots
+        """A static-capacity decode step: bindings are made once per session (and batch size: slots
         run their first rows) over the layout's feed arrays (rewritten in place each step) and the
         cache buffers (past and present at once). Without a session (a prompt prefilled through the
-        decode graph, its feeds of its own length) the binding is made for this run alone."""
+        decode graph, its feeds of its own length) the binding is made for this run alone.
+
+        ORT writes the logits into an array the step then hands out as it is (copying 128 KB of
+        logits out of a just-run step cost ~20 us of a 1.2 ms step on the 55M model): each batch
+        size keeps a few bindings that differ only in that array, and a step takes the first
+        whose array nobody holds any more (its reference count is back to the pool's own), so
+        what a caller keeps is never overwritten."""
         B = feeds["input_ids"].shape[0]
-        bindings = session.state.setdefault("bindings", {}) if session is not None else {}
-        if B not in bindings:
-            binding = self._session(contract.DECODE).io_binding()
-            logits = np.zeros((B, 1, self.dims.vocab_size), np.float32)
-            host = self._ort.OrtValue.ortvalue_from_numpy  # a CPU OrtValue over the array's own memory
-            inputs = {name: host(np.ascontiguousarray(array)) for name, array in feeds.items()}  # later writes are seen
-            for name, value in inputs.items():
-                binding.bind_ortvalue_input(name, value)
-            inputs["logits"] = host(logits)
-            binding.bind_ortvalue_output("logits", inputs["logits"])
-            values = [b if not isinstance(b, np.ndarray) else self._value(b) for b in past]
-            for name, out, value in zip(self.past_names, self.present_names, values):
-                binding.bind_ortvalue_input(name, value)
-                binding.bind_ortvalue_output(out, value)  # the same buffer: updated in place
-            bindings[B] = (binding, logits, inputs, values)
-        binding, logits = bindings[B][:2]
-        self._session(contract.DECODE).run_with_iobinding(binding)
-        return StepOutput(logits.copy()), past
+        pool = session.state.setdefault("bindings", {}).setdefault(B, []) if session is not None else []
+        entry = next((e for e in pool if sys.getrefcount(e[1]) <= e[2]), None)
+        if entry is None:
+            entry = self._bind_in_place(feeds, past)
+            pool.append(entry)
+            entry[2] = sys.getrefcount(entry[1])  # what the pool itself holds (+1: this call's argument)
+        self._session(contract.DECODE).run_with_iobinding(entry[0])
+        return StepOutput(entry[1]), past
+
+    def _bind_in_place(self, feeds, past) -> list:
+        """[binding, logits array, its free reference count (set by the caller), the OrtValues kept alive]"""
+        binding = self._session(contract.DECODE).io_binding()
+        logits = np.zeros((feeds["input_ids"].shape[0], 1, self.dims.vocab_size), np.float32)
+        host = self._ort.OrtValue.ortvalue_from_numpy  # a CPU OrtValue over the array's own memory
+        values = {name: host(np.ascontiguousarray(array)) for name, array in feeds.items()}  # later writes are seen
+        for name, value in values.items():
+            binding.bind_ortvalue_input(name, value)
+        values["logits"] = host(logits)
+        binding.bind_ortvalue_output("logits", values["logits"])
+        cache = [b if not isinstance(b, np.ndarray) else self._value(b) for b in past]
+        for name, out, value in zip(self.past_names, self.present_names, cache):
+            binding.bind_ortvalue_input(name, value)
+            binding.bind_ortvalue_output(out, value)  # the same buffer: updated in place
+        return [binding, logits, 0, (values, cache)]
 
     def _alloc_cache(self, shape, dtype):
         array = np.zeros(shape, dtype=DTYPES[dtype].numpy)
