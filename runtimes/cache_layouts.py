@@ -130,6 +130,10 @@ class StaticLayout(_Layout):
         s.feeds = {"input_ids": np.zeros((s.batch, 1), np.int64), "attention_mask": s.mask,
                    "position_ids": s.positions, "write_indices": s.write}
         s.index = np.arange(s.batch)  # the rows, for indexing the mask at each row's write index
+        # flat int64 views of the same arrays: a step where every row advances updates them one
+        # element at a time, ~18 us cheaper than numpy calls right after a step (whose weights
+        # have just left the CPU's caches) on the 55M model
+        s.views = tuple(memoryview(a).cast("B").cast("q") for a in (s.feeds["input_ids"], s.positions, s.mask, s.write))
 
     def step(self, rt: Runtime, s: Session, tokens: np.ndarray) -> StepOutput:
         if s.length >= self.capacity:  # (the longest row's length)
@@ -143,20 +147,24 @@ class StaticLayout(_Layout):
     def _decode(rt: Runtime, s: Session, tokens: np.ndarray, rows: np.ndarray | None, n: int) -> StepOutput:
         """Decode the first `n` rows; of them, `rows` (None: all) advance (each at its own write
         index) and the others sit out: an empty slot writes its throwaway position 0 again and
-        moves nothing. (Every row advancing takes four numpy calls, not eleven: each costs a few
-        microseconds right after a step, whose weights have just left the CPU's caches.)"""
-        s.feeds["input_ids"][: len(tokens)] = tokens  # in place: the arrays a backend bound stay the ones it reads
+        moves nothing. The feed arrays are written in place: they are the ones a backend bound."""
         if rows is None:
-            s.positions += 1
-            s.mask[s.index, s.write] = 1
+            ids, positions, mask, write = s.views
+            width = s.mask.shape[1]
+            for b, token in enumerate(tokens.ravel().tolist()):
+                ids[b] = token
+                positions[b] += 1
+                mask[b * width + write[b]] = 1
         else:
+            s.feeds["input_ids"][: len(tokens)] = tokens
             s.positions[rows] += 1
             s.mask[s.index[rows], s.write[rows]] = 1
         feeds = s.feeds if n == s.batch else {k: v[:n] for k, v in s.feeds.items()}
         past = s.cache if n == s.batch else [rt._leading(b, n) for b in s.cache]
         out, _ = rt._run(contract.DECODE, feeds, past, s, in_place=True)
         if rows is None:
-            s.write += 1
+            for b in range(len(tokens)):
+                write[b] += 1
         else:
             s.write[rows] += 1
         return out

@@ -217,8 +217,10 @@ class OrtRuntime(Runtime):
         what a caller keeps is never overwritten."""
         B = feeds["input_ids"].shape[0]
         pool = session.state.setdefault("bindings", {}).setdefault(B, []) if session is not None else []
-        entry = next((e for e in pool if sys.getrefcount(e[1]) <= e[2]), None)
-        if entry is None:
+        for entry in pool:
+            if sys.getrefcount(entry[1]) <= entry[2]:
+                break
+        else:
             entry = self._bind_in_place(feeds, past)
             pool.append(entry)
             entry[2] = sys.getrefcount(entry[1])  # what the pool itself holds (+1: this call's argument)

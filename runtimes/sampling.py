@@ -57,7 +57,7 @@ class Sampler:
             penalized = np.where(logits > 0, logits / c.repetition_penalty, logits * c.repetition_penalty)
             logits = np.where(seen, penalized, logits)
         if c.greedy:
-            return logits.argmax(-1).astype(np.int64)
+            return logits.argmax(-1).astype(np.int64, copy=False)
         logits = logits / c.temperature
         if c.top_k:
             kth = -np.sort(-logits, axis=-1)[:, min(c.top_k, logits.shape[-1]) - 1 : min(c.top_k, logits.shape[-1])]
