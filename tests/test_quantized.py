@@ -125,6 +125,32 @@ def test_parity_and_generate_on_int4(quantized):
     assert "parity passed" in r.stdout + r.stderr
 
 
+def test_int4_fast_export_runs_one_session_and_benches(quantized):
+    """The CPU deployment export (int4, --target ort, static cache, last logits): its decode graph
+    also prefills, so ORT holds one session (one packed copy of the weights); it validates both
+    ways of prefilling, generates what prefill.onnx generates, and tk bench reads its real bytes."""
+    from models.artifact import Manifest
+    from runtimes.generate import generate
+    from runtimes.ort_runtime import OrtRuntime
+
+    art = quantized("llama", "int4", target="ort", kv_cache="static", max_seq_len=64, prefill_logits="last")
+    m = Manifest.read(art)
+    layers = m.config["num_layers"]
+    assert m.variant.decode_prefills and m.validation["passed"]
+    assert m.validation["fused_matmulnbits"] == {"prefill": 4 * layers + 1, "decode": 4 * layers + 1}
+    assert {c["backend"] for c in m.validation["comparisons"]} == {"ort", "ort/pre"}
+    prompts = [[5, 17, 99, 3, 8], [42, 8, 300, 12, 77, 150, 9]]
+    with OrtRuntime(art) as one, OrtRuntime(art, prefill_graph=True) as two:
+        assert set(one.sessions) == {"decode"} and set(two.sessions) == {"prefill", "decode"}
+        a, b = generate(one, prompts, 12, ignore_eos=True), generate(two, prompts, 12, ignore_eos=True)
+        assert [r.tokens for r in a.rows] == [r.tokens for r in b.rows]
+    r = subprocess.run([sys.executable, "-m", "toolkit.cli", "bench", str(art), "--backends", "ort", "--prompt-len",
+                        "8", "--new-tokens", "6", "--repeats", "1", "--profile"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    mib = (art / "weights.onnx.data").stat().st_size / 2**20
+    assert f"weights {mib:,.1f} MiB" in r.stdout and "kernels" in r.stdout
+
+
 def test_eval_perplexity_matches_transformers(artifacts, checkpoints, tmp_path):
     """tk eval's NLL on the torch and ORT backends equals one computed from transformers' own
     logits on the same tokens, window by window."""

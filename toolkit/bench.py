@@ -115,7 +115,8 @@ def _bench(artifact, runtimes, skipped, loaded, prompt_len, new_tokens, batch, r
                 result = generate(rt, prompts, new_tokens, ignore_eos=True)
             growth[name] = max(growth[name], w.peak - before)
             runs[name].append({**result.timings(), "other_cores": w.other_cores})
-    plan = memory_plan(cfg, manifest.precision, batch, prompt_len + new_tokens)
+    data = {g.data_file: g.data_bytes for g in manifest.graphs.values() if g.data_file}  # the weights as stored
+    plan = memory_plan(cfg, manifest.precision, batch, prompt_len + new_tokens, sum(data.values()) or None)
     report = {"artifact": str(artifact), "prompt_len": prompt_len, "new_tokens": new_tokens, "batch": batch,
               "repeats": repeats, "threads": options.threads, "cpu_count": os.cpu_count(),
               "predicted": {k: plan[k] for k in ("weights_bytes", "kv_bytes", "total_bytes")},
