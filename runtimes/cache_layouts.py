@@ -4,7 +4,8 @@
   position longer; the mask grows by one real position per step.
 - `StaticLayout` (`--kv-cache static --max-seq-len N`): the cache is N-position buffers that the
   decode graph writes in place at per-row `write_indices`; the prefill's present is copied into
-  them once, and the mask covers the whole buffer (0 beyond what is written). The same feed
+  them once (or, where the decode graph also prefills, each row's prompt runs through it into its
+  row, unpadded), and the mask covers the whole buffer (0 beyond what is written). The same feed
   arrays are rewritten in place every step, so a backend may bind them once per session. Its
   slots (`open_slots`, `admit`, `step_slots`, `free`) are one session whose rows requests take
   and leave, each at its own length: the continuous batching of runtimes/batching.py.

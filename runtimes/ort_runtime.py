@@ -5,7 +5,9 @@
 straight into the next decode step, so the loop never copies the cache through numpy. Over a
 static-capacity artifact the cache buffers are bound as both past input and present output
 once per session, so TensorScatter writes each new position in place (on the CPU provider the
-buffers are tk's own numpy arrays; on CUDA, device OrtValues).
+buffers are tk's own numpy arrays; on CUDA, device OrtValues). Where the decode graph also
+prefills (dims.decode_prefills) the CPU provider loads decode.onnx alone: one session, one packed
+copy of the weights, prompts run through it row by row.
 """
 
 from __future__ import annotations
