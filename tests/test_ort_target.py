@@ -7,8 +7,6 @@ layers, the exported graphs against torch (parity) and transformers (tokens).
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import onnx
 import pytest
