@@ -73,28 +73,28 @@ class StaticLayout(_Layout):
                    for _ in range(2 * d.num_layers)]
         s = Session(rt, buffers, mask, 0)
         s.mask = np.zeros((B, self.capacity), dtype=np.int64)
-        s.write = np.full((B,), T, dtype=np.int64)  # per row: the cache index its next token goes to
-        pads = T - mask.sum(-1)
-        if self.unpadded and not (mask == (np.arange(T) >= pads[:, None])).all():
-            raise InputError("prefill: the attention mask must be left padding (0s, then 1s) in every row")
+        pads = (T - mask.sum(-1)).tolist()
+        if self.unpadded:  # row b's tokens at 0 .. its length - 1
+            if not (mask == (np.arange(T) >= np.array(pads)[:, None])).all():
+                raise InputError("prefill: the attention mask must be left padding (0s, then 1s) in every row")
+            s.write = mask.sum(-1)  # per row: the cache index its next token goes to
+            s.mask[np.arange(self.capacity) < s.write[:, None]] = 1
+        else:
+            s.write = np.full((B,), T, dtype=np.int64)
+            s.mask[:, :T] = mask
         if rt.prefills_in_decode:  # each row's tokens alone, through the decode graph
             out = StepOutput(np.concatenate([self._prefill_row(rt, s, b, ids[b:b + 1, p:]).logits
-                                             for b, p in enumerate(pads.tolist())]))
+                                             for b, p in enumerate(pads)]))
         else:
             out, present = _prefill(rt, ids, mask)
             for buf, src in zip(buffers, present):
                 if self.unpadded:  # each row moves to the front of its cache row
                     host = rt._to_numpy(src)
-                    for b, p in enumerate(pads.tolist()):
+                    for b, p in enumerate(pads):
                         rt._write_prefix(buf, host[b:b + 1, :, p:], T - p, row=b)
                 else:
                     rt._write_prefix(buf, src, T)
             rt._release(present)
-        if self.unpadded:
-            s.write -= pads
-            s.mask[np.arange(self.capacity) < s.write[:, None]] = 1
-        else:
-            s.mask[:, :T] = mask
         self._feeds(s)
         return out, s
 
@@ -117,10 +117,9 @@ class StaticLayout(_Layout):
     @staticmethod
     def _prefill_row(rt: Runtime, s: Session, row: int, ids: np.ndarray) -> StepOutput:
         """Prefill one row's tokens (1, L) through the decode graph (it takes a run of new tokens:
-        contract.inputs' decode_prefills) into row `row` of the cache, from index 0."""
+        contract.inputs' decode_prefills) into row `row` of the cache, from index 0 (the row's
+        mask is already 1 on 0 .. L - 1)."""
         L = ids.shape[1]
-        s.mask[row] = 0
-        s.mask[row, :L] = 1
         feeds = {"input_ids": ids, "attention_mask": s.mask[row:row + 1],
                  "position_ids": np.arange(L, dtype=np.int64)[None], "write_indices": np.zeros(1, np.int64)}
         out, _ = rt._run(contract.DECODE, feeds, [b[row:row + 1] for b in s.cache], None, in_place=True)
@@ -130,7 +129,6 @@ class StaticLayout(_Layout):
     def _feeds(s: Session) -> None:
         s.feeds = {"input_ids": np.zeros((s.batch, 1), np.int64), "attention_mask": s.mask,
                    "position_ids": s.positions, "write_indices": s.write}
-        s.index = np.arange(s.batch)  # the rows, for indexing the mask at each row's write index
         # flat int64 views of the same arrays: a step where every row advances updates them one
         # element at a time, ~18 us cheaper than numpy calls right after a step (whose weights
         # have just left the CPU's caches) on the 55M model
@@ -159,7 +157,7 @@ class StaticLayout(_Layout):
         else:
             s.feeds["input_ids"][: len(tokens)] = tokens
             s.positions[rows] += 1
-            s.mask[s.index[rows], s.write[rows]] = 1
+            s.mask[rows, s.write[rows]] = 1
         feeds = s.feeds if n == s.batch else {k: v[:n] for k, v in s.feeds.items()}
         past = s.cache if n == s.batch else [rt._leading(b, n) for b in s.cache]
         out, _ = rt._run(contract.DECODE, feeds, past, s, in_place=True)
@@ -194,17 +192,16 @@ class StaticLayout(_Layout):
         """Prefill one prompt (1, T) alone, as `tk generate` of it would, into row `slot`."""
         T = ids.shape[1]
         self._check_prompt(T)
-        if rt.prefills_in_decode:
-            out = self._prefill_row(rt, s, slot, ids)
-        else:
-            out, present = _prefill(rt, ids, np.ones_like(ids))
-            for buf, src in zip(s.cache, present):
-                rt._write_prefix(buf, src, T, row=slot)
-            rt._release(present)
         s.mask[slot] = 0
         s.mask[slot, :T] = 1
         s.positions[slot] = T - 1
         s.write[slot] = T
+        if rt.prefills_in_decode:
+            return self._prefill_row(rt, s, slot, ids)
+        out, present = _prefill(rt, ids, np.ones_like(ids))
+        for buf, src in zip(s.cache, present):
+            rt._write_prefix(buf, src, T, row=slot)
+        rt._release(present)
         return out
 
     @staticmethod

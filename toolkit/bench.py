@@ -190,14 +190,13 @@ def profile_decode(artifact: Path, prompt_len: int = 128, new_tokens: int = 64, 
             if i >= 0 and e["ts"] <= windows[i][1]:
                 kernels[e["args"]["op_name"]] = kernels.get(e["args"]["op_name"], 0.0) + e["dur"]
                 nodes += 1
-    total_runs = steps
     wall_ms = 1e3 * statistics.median(result.decode_s)
     run_ms = statistics.median([b - a for a, b in windows]) / 1e3
-    kernel_ms = sum(kernels.values()) / total_runs / 1e3
+    kernel_ms = sum(kernels.values()) / steps / 1e3
     return {"steps": steps, "step_wall_ms": wall_ms, "ort_run_ms": run_ms, "kernel_ms": kernel_ms,
             "python_overhead_ms": wall_ms - run_ms, "executor_overhead_ms": run_ms - kernel_ms,
-            "nodes_per_step": nodes // total_runs,
-            "ops": {op: us / total_runs / 1e3 for op, us in sorted(kernels.items(), key=lambda kv: -kv[1])[:top]}}
+            "nodes_per_step": nodes // steps,
+            "ops": {op: us / steps / 1e3 for op, us in sorted(kernels.items(), key=lambda kv: -kv[1])[:top]}}
 
 
 def format_profile(p: dict) -> str:

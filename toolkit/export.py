@@ -112,21 +112,21 @@ def validate(artifact: Path, manifest: Manifest, steps: int = VALIDATION_STEPS,
     # Where the decode graph also prefills, ORT runs prompts through it; TensorRT and prefill_graph
     # runs take prefill.onnx: both are judged ("ort/pre" in the table).
     runs = {"ort": False, **({"ort/pre": True} if manifest.dims.decode_prefills else {})}
-    passed, cases_run, divergence = True, [], None
+    passed, cases_run, first, where = True, [], None, None
     for name, prefill_graph in runs.items():  # one runtime, so one mapping of the weights, at a time
         with OrtRuntime(artifact, one_graph=True, quant_compute="float", prefill_graph=prefill_graph) as ort:
             ort.name = name
             report = compare_backends(graphs_ref, {name: ort}, cases, tol, steps, probes=False, free_running=False)
         entry = report["backends"][name]
         passed, cases_run = passed and report["passed"], cases_run + entry["cases"]
-        if divergence is None and entry["first_divergence"]:
-            divergence = describe_divergence(name, entry["first_divergence"]), entry["first_divergence"]
+        if first is None and entry["first_divergence"]:
+            first = entry["first_divergence"]
+            where = describe_divergence(name, first)
     quantized = manifest.precision.quantized
     record = {"passed": passed, "reference": "torch float32" + (", quantized weights" if quantized else ""),
               "steps": steps, "tolerance": dataclasses.asdict(tol), "comparisons": cases_run,
-              "first_divergence": divergence and divergence[1]}
+              "first_divergence": first}
     table = format_table([Comparison.from_dict(c) for c in cases_run])
-    where = divergence and divergence[0]
     if quantized and passed:
         from toolkit.quant_check import check_fused, quantization_error
 
