@@ -82,9 +82,9 @@ def level(url: str, model: str, requests, clients: int) -> dict:
 
 
 def solo_tokens(artifact: Path, requests) -> list[list[int]]:
-    from models.artifact import Manifest
-    from runtimes.generate import generate
-    from toolkit.backends import BackendOptions, open_runtime
+    from tk.models.artifact import Manifest
+    from tk.runtimes.generate import generate
+    from tk.toolkit.backends import BackendOptions, open_runtime
 
     manifest = Manifest.read(artifact)
     with open_runtime(artifact, "ort", BackendOptions(static_cache=True)) as rt:
@@ -121,7 +121,7 @@ def main() -> None:
     artifact = args.artifact or args.artifact_opt
     if artifact is None:
         ap.error("give ARTIFACT (and --url to benchmark a server already running)")
-    from models.artifact import Manifest
+    from tk.models.artifact import Manifest
 
     requests = mix(Manifest.read(artifact).dims.vocab_size, args.requests)
     solo = solo_tokens(artifact, requests)

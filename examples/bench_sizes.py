@@ -40,9 +40,9 @@ def write_checkpoint(folder: Path, shape: str, dtype: str, shard_bytes: int = 2 
     import torch
     from safetensors.torch import save_file
 
-    from models.config import config_from_hf
-    from models.loading import hf_shapes
-    from models.presets import _LLAMA, train_tokenizer
+    from tk.models.config import config_from_hf
+    from tk.models.loading import hf_shapes
+    from tk.models.presets import _LLAMA, train_tokenizer
 
     hf = {**_LLAMA, **SHAPES[shape], "torch_dtype": {"fp32": "float32", "fp16": "float16"}[dtype]}
     folder.mkdir(parents=True, exist_ok=True)
@@ -133,8 +133,8 @@ def watched(cmd: list[str], max_rss: int) -> str:
 RUNTIME = """
 import json, sys
 sys.path.insert(0, {root!r})
-from runtimes.ort_runtime import OrtRuntime
-from runtimes.generate import generate
+from tk.runtimes.ort_runtime import OrtRuntime
+from tk.runtimes.generate import generate
 def mem():
     rss = int(open('/proc/self/statm').read().split()[1]) * 4096
     pss = next(int(l.split()[1]) * 1024 for l in open('/proc/self/smaps_rollup') if l.startswith('Pss:'))

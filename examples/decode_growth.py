@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from runtimes.generate import generate
-from runtimes.ort_runtime import open_ort
+from tk.runtimes.generate import generate
+from tk.runtimes.ort_runtime import open_ort
 
 
 def main() -> None:

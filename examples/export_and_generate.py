@@ -11,12 +11,12 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from models.presets import write_preset
-from runtimes.generate import generate
-from runtimes.sampling import SamplingConfig
-from toolkit.export import export_artifact
-from toolkit.backends import open_runtime
-from toolkit.textgen import Tokenizer
+from tk.models.presets import write_preset
+from tk.runtimes.generate import generate
+from tk.runtimes.sampling import SamplingConfig
+from tk.toolkit.pipeline.export import export_artifact
+from tk.toolkit.backends import open_runtime
+from tk.toolkit.textgen import Tokenizer
 
 
 def main() -> None:

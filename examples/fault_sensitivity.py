@@ -1,6 +1,6 @@
 """How small a fault does the parity gate still catch? Bisect the size of three injected faults.
 
-For each fault the reference decoder is compared (`toolkit.parity_report.compare_backends`, the
+For each fault the reference decoder is compared (`tk.toolkit.verify.compare.compare_backends`, the
 whole gate: teacher-forced cases and probes) with a copy of itself carrying the fault at size
 eps, and eps is bisected on a log scale for the smallest value that fails the gate:
 
@@ -25,12 +25,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.decoder import rope_inv_freq  # noqa: E402
-from models.loading import load_decoder  # noqa: E402
-from models.presets import PRESETS, write_preset  # noqa: E402
-from runtimes.torch_runtime import TorchRuntime  # noqa: E402
-from toolkit.parity import random_cases, tolerance_for  # noqa: E402
-from toolkit.parity_report import compare_backends  # noqa: E402
+from tk.models.decoder import rope_inv_freq  # noqa: E402
+from tk.models.loading import load_decoder  # noqa: E402
+from tk.models.presets import PRESETS, write_preset  # noqa: E402
+from tk.runtimes.torch_runtime import TorchRuntime  # noqa: E402
+from tk.toolkit.verify.metrics import random_cases, tolerance_for  # noqa: E402
+from tk.toolkit.verify.compare import compare_backends  # noqa: E402
 
 
 def mutate(model, kind: str, eps: float):

@@ -26,7 +26,7 @@ def genai_nll(folder: Path, chunks: list[list[int]]) -> tuple[float, int]:
     """NLL of the windows through genai's model.onnx, run directly by ONNX Runtime."""
     import onnxruntime as ort
 
-    from toolkit.evaluate import window_nll
+    from tk.toolkit.verify.perplexity import window_nll
 
     cfg = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]
     sess = ort.InferenceSession(str(folder / cfg["filename"]), providers=["CPUExecutionProvider"])
@@ -58,11 +58,11 @@ def main() -> None:
     ap.add_argument("--report", type=Path)
     args = ap.parse_args()
 
-    from runtimes.ort_runtime import OrtRuntime
-    from toolkit.backends import reference_runtime
-    from toolkit.evaluate import nll, windows
-    from toolkit.export import export_artifact
-    from toolkit.textgen import Tokenizer
+    from tk.runtimes.ort_runtime import OrtRuntime
+    from tk.toolkit.backends import reference_runtime
+    from tk.toolkit.verify.perplexity import nll, windows
+    from tk.toolkit.pipeline.export import export_artifact
+    from tk.toolkit.textgen import Tokenizer
 
     args.work.mkdir(parents=True, exist_ok=True)
     fp32, int4 = args.work / "tk-fp32", args.work / "tk-int4"

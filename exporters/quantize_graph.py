@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from exporters.weights import QUANT, SCALE, external_tensor
+from tk.exporters.weights import QUANT, SCALE, external_tensor
 
 QDQ_OPSET = 21  # blocked DequantizeLinear, INT4
 

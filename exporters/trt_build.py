@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from models import contract
-from models.artifact import Manifest, sha256_file
-from models.dtypes import canonical_dtype
-from models.errors import TRT_MISSING, TkError, UsageProblem
+from tk.models import contract
+from tk.models.artifact import Manifest, sha256_file
+from tk.models.dtypes import canonical_dtype
+from tk.models.errors import TRT_MISSING, TkError, UsageProblem
 
 
 class EngineBuildError(TkError, RuntimeError):

@@ -31,11 +31,11 @@ import torch
 from onnx.external_data_helper import ExternalDataInfo
 from torch import nn
 
-from models.config import DecoderConfig
-from models.decoder import Decoder, RMSNorm, rope_inv_freq
-from models.artifact import Precision
-from models.loading import CheckpointReader, ReusableBuffer
-from models.quantize import pack_int4, quantize, quantized_layers
+from tk.models.config import DecoderConfig
+from tk.models.decoder import Decoder, RMSNorm, rope_inv_freq
+from tk.models.artifact import Precision
+from tk.models.loading import CheckpointReader, ReusableBuffer
+from tk.models.quantize import pack_int4, quantize, quantized_layers
 
 WEIGHTS_FILE = "weights.onnx.data"
 ALIGN = 4096  # a page: ONNX Runtime maps page-aligned external data instead of reading it

@@ -17,9 +17,9 @@ from enum import Enum
 from pathlib import Path
 from typing import Callable
 
-from models import contract
-from models.dtypes import canonical_dtype
-from models.errors import TkError, UsageProblem
+from tk.models import contract
+from tk.models.dtypes import canonical_dtype
+from tk.models.errors import TkError, UsageProblem
 
 
 class ArtifactError(TkError):
@@ -157,7 +157,7 @@ class ExportOptions:
             raise UsageProblem(f"--max-seq-len ({v.capacity}) is beyond the model's context of "
                                f"{config.max_position_embeddings}")
         if v.target is Target.ORT:
-            from models.ort_kernels import unsupported
+            from tk.models.ort_kernels import unsupported
 
             problems = unsupported(config)
             if problems:
@@ -165,7 +165,7 @@ class ExportOptions:
                                    "export with --target portable")
         p = self.precision
         if p.quantized:
-            from models.quantize import layer_ks
+            from tk.models.quantize import layer_ks
 
             for layer, k in layer_ks(config).items():
                 if k % p.block_size:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from models.errors import TkError
+from tk.models.errors import TkError
 
 ROPE_TYPES = ("default", "linear", "llama3")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")

@@ -13,8 +13,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from models.dtypes import DTYPES
-from models.errors import TkError
+from tk.models.dtypes import DTYPES
+from tk.models.errors import TkError
 
 CONTRACT_VERSION = 2  # 2: the static-capacity decode variant (write_indices, fixed-capacity cache)
 

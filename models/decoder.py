@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.config import DecoderConfig
+from tk.models.config import DecoderConfig
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (key, value), each (B, Hkv, T, D)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from models.errors import UsageProblem
+from tk.models.errors import UsageProblem
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from models.config import DecoderConfig, UnsupportedModelError, config_from_hf
-from models.dtypes import canonical_dtype
-from models.errors import TkError
-from models.decoder import Decoder, rope_inv_freq
+from tk.models.config import DecoderConfig, UnsupportedModelError, config_from_hf
+from tk.models.dtypes import canonical_dtype
+from tk.models.errors import TkError
+from tk.models.decoder import Decoder, rope_inv_freq
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -261,7 +261,7 @@ def quantize_weights_(model: Decoder, precision) -> Decoder:
     """The quantized reference: each linear weight a quantized export stores quantized replaced,
     in place, by its dequantized value (models/quantize.py; scales rounded to the activations'
     dtype as the artifact stores them), so that eager PyTorch computes what the graphs compute."""
-    from models.quantize import dequantize, quantize, quantized_layers
+    from tk.models.quantize import dequantize, quantize, quantized_layers
 
     scale_dtype = torch_dtype(precision.activations)
     for name in quantized_layers(model.config, precision.quantized_lm_head):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from models.decoder import Decoder, KVCache, RMSNorm, apply_rope, causal_mask, kv_write, rope_cos_sin
+from tk.models.decoder import Decoder, KVCache, RMSNorm, apply_rope, causal_mask, kv_write, rope_cos_sin
 
 
 def unsupported(cfg) -> list[str]:

@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from models.config import config_from_hf
-from models.decoder import Decoder
-from models.errors import UsageProblem
-from models.loading import SINGLE_FILE, hf_shapes, weight_map
+from tk.models.config import config_from_hf
+from tk.models.decoder import Decoder
+from tk.models.errors import UsageProblem
+from tk.models.loading import SINGLE_FILE, hf_shapes, weight_map
 
 EOS, PAD = "<|endoftext|>", "<|pad|>"
 

@@ -22,10 +22,10 @@ from typing import Any
 
 import numpy as np
 
-from models import contract
-from models.artifact import ArtifactError  # noqa: F401  (raised by backends; re-exported for them)
-from models.dtypes import DTYPES
-from models.errors import TkError
+from tk.models import contract
+from tk.models.artifact import ArtifactError  # noqa: F401  (raised by backends; re-exported for them)
+from tk.models.dtypes import DTYPES
+from tk.models.errors import TkError
 
 
 class RuntimeProblem(TkError):
@@ -134,7 +134,7 @@ class Runtime(ABC):
     name = "base"
 
     def __init__(self, dims: contract.GraphDims, max_context: int):
-        from runtimes.cache_layouts import layout_for
+        from tk.runtimes.cache_layouts import layout_for
 
         self.dims = dims  # the graphs this runtime runs, always
         self.layout = layout_for(dims)
@@ -185,7 +185,7 @@ class Runtime(ABC):
 
     def open_slots(self, count: int) -> Session:
         """A session of `count` empty slots, which requests take (`admit`) and leave (`free`)."""
-        from runtimes.batching import slots_problem
+        from tk.runtimes.batching import slots_problem
 
         self._require_active()
         problem = slots_problem(self.dims)

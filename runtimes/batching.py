@@ -9,7 +9,7 @@ token budget, its front end's stop) or is cancelled leaves at once and frees its
 request samples with a `Sampler` of its own (its seed, temperature, top-k/p, repetition
 penalty), so its tokens do not depend on what else shares its steps.
 
-Front ends (toolkit/serve.py's HTTP server, the Triton model that toolkit/triton_repo.py
+Front ends (toolkit/serving/openai_server.py's HTTP server, the Triton model that toolkit/serving/triton_repo.py
 writes) submit `Request`s and hear of each token through the request's `on_event`, called on the
 engine's thread: keep it short (hand the event to another thread or an event loop). Stop strings
 belong to the front end, which has the text: its `stop(tokens)` is asked after each token.
@@ -29,9 +29,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from runtimes.base import InputError, Runtime, RuntimeProblem, check_token_ids
-from runtimes.generate import TokenEvent
-from runtimes.sampling import Sampler, SamplingConfig
+from tk.runtimes.base import InputError, Runtime, RuntimeProblem, check_token_ids
+from tk.runtimes.generate import TokenEvent
+from tk.runtimes.sampling import Sampler, SamplingConfig
 
 log = logging.getLogger("tk.engine")
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from models import contract
-from runtimes.base import InputError, Runtime, Session, StepOutput
+from tk.models import contract
+from tk.runtimes.base import InputError, Runtime, Session, StepOutput
 
 
 def _prefill(rt: Runtime, ids: np.ndarray, mask: np.ndarray) -> tuple[StepOutput, list]:

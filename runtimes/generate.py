@@ -16,8 +16,8 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from runtimes.base import InputError, Runtime
-from runtimes.sampling import Sampler, SamplingConfig
+from tk.runtimes.base import InputError, Runtime
+from tk.runtimes.sampling import Sampler, SamplingConfig
 
 
 @dataclass

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import numpy as np
 
-from models import contract
-from models.artifact import Manifest
-from models.dtypes import DTYPES
-from runtimes import hugepages
-from runtimes.base import BackendUnavailable, Runtime, StepOutput
+from tk.models import contract
+from tk.models.artifact import Manifest
+from tk.models.dtypes import DTYPES
+from tk.runtimes import hugepages
+from tk.runtimes.base import BackendUnavailable, Runtime, StepOutput
 
 _SHARED_POOL: dict = {"wanted": False, "threads": None}  # ORT's own process-wide state, mirrored
 

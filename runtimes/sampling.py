@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from models.errors import UsageProblem
+from tk.models.errors import UsageProblem
 
 
 @dataclass(frozen=True)

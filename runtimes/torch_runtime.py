@@ -12,8 +12,8 @@ from typing import Callable
 
 import numpy as np
 
-from models import contract
-from runtimes.base import BackendUnavailable, Runtime, StepOutput
+from tk.models import contract
+from tk.runtimes.base import BackendUnavailable, Runtime, StepOutput
 
 
 def dims_of(config, kv_dtype: str) -> contract.GraphDims:

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import numpy as np
 
-from models import contract
-from models.artifact import ArtifactError, Manifest, sha256_file
-from models.dtypes import DTYPES
-from models.errors import TRT_MISSING
-from runtimes.base import BackendUnavailable, InputError, Runtime, StepOutput
+from tk.models import contract
+from tk.models.artifact import ArtifactError, Manifest, sha256_file
+from tk.models.dtypes import DTYPES
+from tk.models.errors import TRT_MISSING
+from tk.runtimes.base import BackendUnavailable, InputError, Runtime, StepOutput
 
 
 class EnginesMissing(ArtifactError, BackendUnavailable):

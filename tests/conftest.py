@@ -37,7 +37,7 @@ def checkpoints(tmp_path_factory):
 @pytest.fixture(scope="session")
 def artifacts(tmp_path_factory, checkpoints):
     """(family, dtype, opset) -> exported, validated artifact folder (exported once per session)."""
-    from toolkit.export import export_artifact
+    from tk.toolkit.pipeline.export import export_artifact
 
     cache: dict[tuple, Path] = {}
 
@@ -55,7 +55,7 @@ def artifacts(tmp_path_factory, checkpoints):
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     """The built-in tiny preset as a checkpoint folder."""
-    from models.presets import write_preset
+    from tk.models.presets import write_preset
 
     return write_preset("tiny", tmp_path_factory.mktemp("tiny"))
 
@@ -63,14 +63,14 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="session")
 def trained_like(tmp_path_factory):
     """The trained-like preset (24 layers, vocab 32768, logits ~30, growing residual stream)."""
-    from models.presets import write_preset
+    from tk.models.presets import write_preset
 
     return write_preset("trained-like", tmp_path_factory.mktemp("trained-like"))
 
 
 @pytest.fixture(scope="session")
 def tiny_artifact(tmp_path_factory, tiny):
-    from toolkit.export import export_artifact
+    from tk.toolkit.pipeline.export import export_artifact
 
     out = tmp_path_factory.mktemp("tiny-art") / "artifact"
     export_artifact(tiny, out)
@@ -87,7 +87,7 @@ def serve_artifact(tmp_path_factory, tiny):
     import shutil
 
     from chat import add_chat_template
-    from toolkit.export import export_artifact
+    from tk.toolkit.pipeline.export import export_artifact
 
     ckpt = tmp_path_factory.mktemp("serve-ckpt") / "checkpoint"
     shutil.copytree(tiny, ckpt)

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from models import contract
-from models.artifact import Manifest
-from runtimes.base import Runtime, StepOutput
-from toolkit import backends
-from toolkit.cli import main
+from tk.models import contract
+from tk.models.artifact import Manifest
+from tk.runtimes.base import Runtime, StepOutput
+from tk.toolkit import backends
+from tk.toolkit.cli.main import main
 
 pytestmark = pytest.mark.slow
 

@@ -8,12 +8,12 @@ import threading
 import numpy as np
 import pytest
 
-from models.artifact import Manifest
-from runtimes.base import InputError
-from runtimes.batching import EngineClosed, Engine, QueueFull, Request, wait_all
-from runtimes.generate import generate
-from runtimes.sampling import SamplingConfig
-from toolkit.backends import BackendOptions, open_runtime
+from tk.models.artifact import Manifest
+from tk.runtimes.base import InputError
+from tk.runtimes.batching import EngineClosed, Engine, QueueFull, Request, wait_all
+from tk.runtimes.generate import generate
+from tk.runtimes.sampling import SamplingConfig
+from tk.toolkit.backends import BackendOptions, open_runtime
 
 pytestmark = pytest.mark.slow
 SLOTS = BackendOptions(static_cache=True)
@@ -37,7 +37,7 @@ def _solo(artifact, backend, prompts, budgets, sampling, eos):
 @pytest.fixture(scope="module")
 def fast_artifact(serve_artifact, tmp_path_factory):
     """The fastest ONNX Runtime variant: GroupQueryAttention reads each row's own length."""
-    from toolkit.export import export_artifact
+    from tk.toolkit.pipeline.export import export_artifact
 
     out = tmp_path_factory.mktemp("fast") / "artifact"
     export_artifact(Manifest.read(serve_artifact).source["path"], out, target="ort", kv_cache="static",

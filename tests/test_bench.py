@@ -6,7 +6,7 @@ import json
 
 from click.testing import CliRunner
 
-from toolkit.cli import main
+from tk.toolkit.cli.main import main
 
 
 def run(*args):
@@ -29,7 +29,7 @@ def test_bench_reports_both_backends(tiny_artifact, tmp_path):
 
 
 def test_bench_profile_splits_a_decode_step(tiny_artifact):
-    from toolkit.bench import profile_decode
+    from tk.toolkit.tools.bench import profile_decode
 
     p = profile_decode(tiny_artifact, prompt_len=8, new_tokens=6)
     assert p["steps"] == 5 and p["nodes_per_step"] > 20

@@ -9,8 +9,8 @@ import pytest
 from click.testing import CliRunner
 
 from chat import add_chat_template
-from toolkit.export import export_artifact
-from toolkit.cli import main
+from tk.toolkit.pipeline.export import export_artifact
+from tk.toolkit.cli.main import main
 
 pytestmark = pytest.mark.slow
 

@@ -8,8 +8,8 @@ import shutil
 import pytest
 from click.testing import CliRunner
 
-from models import contract
-from toolkit.cli import main
+from tk.models import contract
+from tk.toolkit.cli.main import main
 
 
 def run(*args):
@@ -86,11 +86,11 @@ def test_export_bad_checkpoint(bad_checkpoints, tmp_path, case):
     (("--target", "trt"), "Error: Invalid value for '--target': 'trt' is not one of 'portable', 'ort'."),
 ])
 def test_export_bad_options_exit_2_before_loading_weights(tiny, tmp_path, args, expected, monkeypatch):
-    import models.loading
+    import tk.models.loading
 
     def no(*a, **k):
         raise AssertionError("weights were read for an export whose options are bad")
-    monkeypatch.setattr(models.loading, "load_state_dict", no)
+    monkeypatch.setattr(tk.models.loading, "load_state_dict", no)
     result = run("export", tiny, "-o", tmp_path / "out", *args)
     assert result.exit_code == 2 and error_line(result) == expected
     assert not (tmp_path / "out").exists()
@@ -100,7 +100,7 @@ def test_a_bug_keeps_its_traceback(tiny, tmp_path, monkeypatch):
     """A plain ValueError (a numpy broadcast, say) is not a user's error: no one-line message."""
     def bug(*a, **k):
         raise ValueError("operands could not be broadcast together")
-    monkeypatch.setattr("toolkit.export.read_config", bug)
+    monkeypatch.setattr("tk.toolkit.pipeline.export.read_config", bug)
     result = run("export", tiny, "-o", tmp_path / "out", "--no-validate")
     assert result.exit_code == 1 and isinstance(result.exception, ValueError)
     assert "Error:" not in result.stderr
@@ -110,8 +110,8 @@ def test_cli_imports_neither_torch_nor_onnxruntime():
     import subprocess
     import sys
 
-    code = ("import sys, toolkit.cli; from click.testing import CliRunner; "
-            "r = CliRunner().invoke(toolkit.cli.main, ['--help']); assert r.exit_code == 0, r.output; "
+    code = ("import sys, tk.toolkit.cli.main; from click.testing import CliRunner; "
+            "r = CliRunner().invoke(tk.toolkit.cli.main.main, ['--help']); assert r.exit_code == 0, r.output; "
             "print(sorted(m for m in ('torch', 'onnxruntime', 'onnx', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -134,7 +134,7 @@ def test_export_refuses_existing_out_and_unwritable_out(tiny, tmp_path):
 
 @pytest.mark.slow
 def test_failed_validation_exits_3_and_leaves_nothing(tiny, tmp_path, monkeypatch):
-    from toolkit import export
+    from tk.toolkit.pipeline import export
 
     strict = export.tolerance_for
     monkeypatch.setattr(export, "tolerance_for", lambda *a, **k: strict(*a, **k, atol=1e-12, rtol=1e-12))

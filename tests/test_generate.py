@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from models import contract
-from models.errors import UsageProblem
-from runtimes.base import InputError
-from runtimes.generate import generate
-from runtimes.sampling import Sampler, SamplingConfig
-from toolkit.backends import open_runtime
-from toolkit.cli import main
+from tk.models import contract
+from tk.models.errors import UsageProblem
+from tk.runtimes.base import InputError
+from tk.runtimes.generate import generate
+from tk.runtimes.sampling import Sampler, SamplingConfig
+from tk.toolkit.backends import open_runtime
+from tk.toolkit.cli.main import main
 
 PROMPTS = [[5, 17, 99, 3], [42, 8, 300, 12, 77, 150, 9, 61, 33], [250, 251]]
 BACKENDS = ["torch", "ort"]
@@ -206,7 +206,7 @@ def test_torch_backend_cuda_without_a_gpu(tiny_artifact):
 
 def test_text_stream_is_incremental_and_cuts_at_stop_strings(tiny_artifact):
     """Each token decodes a short window: a row of n tokens costs O(n) decoded tokens, not O(n^2)."""
-    from toolkit.textgen import TextStream, Tokenizer
+    from tk.toolkit.textgen import TextStream, Tokenizer
 
     tok = Tokenizer(tiny_artifact)
     ids = tok.encode("Once upon a time there was a small model that wanted to run everywhere: on a laptop, "
@@ -260,7 +260,7 @@ def test_ort_weight_modes_give_the_same_tokens(tiny_artifact):
     """Default: both sessions read the memory-mapped weights file; --prepack: each repacks its own copy;
     one_graph (export validation): one session at a time, the cache handed back as numpy so the other
     session's map of the weights is gone."""
-    from runtimes.ort_runtime import OrtRuntime
+    from tk.runtimes.ort_runtime import OrtRuntime
 
     runs = {}
     for name, kw in (("shared", {}), ("prepack", {"prepack": True}), ("one_graph", {"one_graph": True})):

@@ -14,19 +14,19 @@ import torch
 from click.testing import CliRunner
 
 from hf_models import hf_greedy
-from models import contract, ort_kernels
-from models.artifact import Manifest
-from models.contract import position_ids_from_mask
-from models.loading import load_decoder
-from runtimes.generate import generate, left_pad
-from runtimes.base import InputError
-from runtimes.ort_runtime import OrtRuntime, open_ort
-from runtimes.torch_runtime import TorchRuntime
-from toolkit.export import export_artifact
-from toolkit.cli import main
-from toolkit.parity import tolerance_for
-from toolkit.parity_report import parity
-from toolkit.probes import run_probes
+from tk.models import contract, ort_kernels
+from tk.models.artifact import Manifest
+from tk.models.contract import position_ids_from_mask
+from tk.models.loading import load_decoder
+from tk.runtimes.generate import generate, left_pad
+from tk.runtimes.base import InputError
+from tk.runtimes.ort_runtime import OrtRuntime, open_ort
+from tk.runtimes.torch_runtime import TorchRuntime
+from tk.toolkit.pipeline.export import export_artifact
+from tk.toolkit.cli.main import main
+from tk.toolkit.verify.metrics import tolerance_for
+from tk.toolkit.verify.compare import parity
+from tk.toolkit.verify.probes import run_probes
 
 pytestmark = pytest.mark.slow
 

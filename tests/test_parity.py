@@ -14,13 +14,13 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from conftest import FAMILY_NAMES
-from models.decoder import RMSNorm, rope_inv_freq
-from models.loading import load_decoder
-from runtimes.torch_runtime import TorchRuntime
-from toolkit.cli import main
-from toolkit.parity import random_cases, tolerance_for
-from toolkit.parity_report import SCHEMA_PATH, compare_backends, parity, verdict
-from toolkit.probes import PROBES
+from tk.models.decoder import RMSNorm, rope_inv_freq
+from tk.models.loading import load_decoder
+from tk.runtimes.torch_runtime import TorchRuntime
+from tk.toolkit.cli.main import main
+from tk.toolkit.verify.metrics import random_cases, tolerance_for
+from tk.toolkit.verify.compare import SCHEMA_PATH, compare_backends, parity, verdict
+from tk.toolkit.verify.probes import PROBES
 
 PROBE_NAMES = [p.__name__ for p in PROBES]
 
@@ -201,7 +201,7 @@ def test_injected_bug_fails_and_is_localized(mutation_checkpoints, model, kind, 
 @pytest.mark.parametrize("prefill_logits", ["all", "last"])
 def test_bug_in_the_reference_exits_3_naming_step_and_layer(tiny, tmp_path, prefill_logits):
     """With --prefill-logits last the prefill's cache, which covers every position, still names the layer."""
-    from toolkit.export import export_artifact
+    from tk.toolkit.pipeline.export import export_artifact
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(tiny, ckpt)
@@ -248,7 +248,7 @@ def test_prompts_file_text_and_ids(tiny_artifact, tmp_path):
 
 def test_debug_export_localizes_to_the_layer_output(tiny, tmp_path):
     """A debug export's hidden.{i} outputs let tk parity name the layer whose output diverged."""
-    from toolkit.export import export_artifact
+    from tk.toolkit.pipeline.export import export_artifact
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(tiny, ckpt)

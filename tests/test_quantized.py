@@ -19,7 +19,7 @@ QUANT_CASES = [(f, w) for w in ("int4", "int8") for f in FAMILIES]
 
 @pytest.fixture(scope="module")
 def quantized(tmp_path_factory, checkpoints):
-    from toolkit.export import export_artifact
+    from tk.toolkit.pipeline.export import export_artifact
 
     cache = {}
 
@@ -36,7 +36,7 @@ def quantized(tmp_path_factory, checkpoints):
 
 @pytest.mark.parametrize("family,weights", QUANT_CASES)
 def test_quantized_export_validates_and_fuses(quantized, family, weights):
-    from models.artifact import Manifest
+    from tk.models.artifact import Manifest
 
     art = quantized(family, weights)
     m = Manifest.read(art)
@@ -62,8 +62,8 @@ def test_quantized_reference_is_what_the_graphs_compute(quantized, checkpoints):
     """The quantized reference differs from the full-precision one (the weights really are
     quantized), ORT multiplying in float matches it to float32 rounding, and ORT's int8 compute
     lands between."""
-    from runtimes.ort_runtime import OrtRuntime
-    from toolkit.backends import reference_runtime
+    from tk.runtimes.ort_runtime import OrtRuntime
+    from tk.toolkit.backends import reference_runtime
 
     art = quantized("llama", "int4")
     ids = np.array([[3, 17, 42, 99, 7, 250]], np.int64)
@@ -85,8 +85,8 @@ def test_quantized_reference_is_what_the_graphs_compute(quantized, checkpoints):
 
 
 def test_int4_weights_file_is_an_eighth(quantized, artifacts):
-    from models.artifact import Manifest
-    from toolkit.quant_check import weight_bytes_by_dtype
+    from tk.models.artifact import Manifest
+    from tk.toolkit.verify.quant import weight_bytes_by_dtype
 
     fp = weight_bytes_by_dtype(artifacts("llama"), Manifest.read(artifacts("llama")))
     q = weight_bytes_by_dtype(quantized("llama", "int4"), Manifest.read(quantized("llama", "int4")))
@@ -98,9 +98,9 @@ def test_unfused_matmul_fails_naming_it(quantized, tmp_path):
     """A DequantizeLinear that also feeds a graph output cannot fuse: the check names its MatMul."""
     import shutil
 
-    from models.artifact import GraphFile, Manifest, sha256_file
-    from models.errors import CheckFailed
-    from toolkit.quant_check import check_fused
+    from tk.models.artifact import GraphFile, Manifest, sha256_file
+    from tk.models.errors import CheckFailed
+    from tk.toolkit.verify.quant import check_fused
 
     art = tmp_path / "art"
     shutil.copytree(quantized("llama", "int4"), art)
@@ -119,7 +119,7 @@ def test_unfused_matmul_fails_naming_it(quantized, tmp_path):
 
 def test_parity_and_generate_on_int4(quantized):
     art = quantized("mistral", "int4")
-    r = subprocess.run([sys.executable, "-m", "toolkit.cli", "parity", str(art), "--steps", "4"],
+    r = subprocess.run([sys.executable, "-m", "tk.toolkit.cli.main", "parity", str(art), "--steps", "4"],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "parity passed" in r.stdout + r.stderr
@@ -129,9 +129,9 @@ def test_int4_fast_export_runs_one_session_and_benches(quantized):
     """The CPU deployment export (int4, --target ort, static cache, last logits): its decode graph
     also prefills, so ORT holds one session (one packed copy of the weights); it validates both
     ways of prefilling, generates what prefill.onnx generates, and tk bench reads its real bytes."""
-    from models.artifact import Manifest
-    from runtimes.generate import generate
-    from runtimes.ort_runtime import OrtRuntime
+    from tk.models.artifact import Manifest
+    from tk.runtimes.generate import generate
+    from tk.runtimes.ort_runtime import OrtRuntime
 
     art = quantized("llama", "int4", target="ort", kv_cache="static", max_seq_len=64, prefill_logits="last")
     m = Manifest.read(art)
@@ -144,7 +144,7 @@ def test_int4_fast_export_runs_one_session_and_benches(quantized):
         assert set(one.sessions) == {"decode"} and set(two.sessions) == {"prefill", "decode"}
         a, b = generate(one, prompts, 12, ignore_eos=True), generate(two, prompts, 12, ignore_eos=True)
         assert [r.tokens for r in a.rows] == [r.tokens for r in b.rows]
-    r = subprocess.run([sys.executable, "-m", "toolkit.cli", "bench", str(art), "--backends", "ort", "--prompt-len",
+    r = subprocess.run([sys.executable, "-m", "tk.toolkit.cli.main", "bench", str(art), "--backends", "ort", "--prompt-len",
                         "8", "--new-tokens", "6", "--repeats", "1", "--profile"], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
     mib = (art / "weights.onnx.data").stat().st_size / 2**20
@@ -154,8 +154,8 @@ def test_int4_fast_export_runs_one_session_and_benches(quantized):
 def test_eval_perplexity_matches_transformers(artifacts, checkpoints, tmp_path):
     """tk eval's NLL on the torch and ORT backends equals one computed from transformers' own
     logits on the same tokens, window by window."""
-    from toolkit.evaluate import evaluate, windows
-    from toolkit.textgen import Tokenizer
+    from tk.toolkit.verify.perplexity import evaluate, windows
+    from tk.toolkit.textgen import Tokenizer
 
     art = artifacts("qwen2")
     text = "Once upon a time there was a small model. " * 12
@@ -177,7 +177,7 @@ def test_eval_perplexity_matches_transformers(artifacts, checkpoints, tmp_path):
 def test_eval_on_int4_shows_the_baseline(quantized, tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 6)
-    r = subprocess.run([sys.executable, "-m", "toolkit.cli", "eval", str(quantized("llama", "int4")), "--text",
+    r = subprocess.run([sys.executable, "-m", "tk.toolkit.cli.main", "eval", str(quantized("llama", "int4")), "--text",
                         str(text), "--json"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)["backends"]
@@ -196,7 +196,7 @@ def test_eval_on_int4_shows_the_baseline(quantized, tmp_path):
 ])
 def test_bad_quantization_options(checkpoints, tmp_path, flags, message):
     out = tmp_path / "out"
-    r = subprocess.run([sys.executable, "-m", "toolkit.cli", "export", str(checkpoints("llama")), "-o", str(out),
+    r = subprocess.run([sys.executable, "-m", "tk.toolkit.cli.main", "export", str(checkpoints("llama")), "-o", str(out),
                         *flags], capture_output=True, text=True)
     assert r.returncode == 2, r.stderr
     assert message in r.stderr and "Traceback" not in r.stderr
@@ -204,18 +204,18 @@ def test_bad_quantization_options(checkpoints, tmp_path, flags, message):
 
 
 def test_build_engine_refuses_blocks_tensorrt_does_not_take(quantized):
-    from models.artifact import Manifest
+    from tk.models.artifact import Manifest
 
     art = quantized("llama", "int4")  # block 32: ONNX Runtime's default, not TensorRT's
     assert any(p["rule"] == "int4-block" for p in Manifest.read(art).trt_lint["problems"])
-    r = subprocess.run([sys.executable, "-m", "toolkit.cli", "build-engine", str(art)], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "tk.toolkit.cli.main", "build-engine", str(art)], capture_output=True, text=True)
     assert r.returncode == 2 and "TensorRT takes blocks of 64 or 128; re-export with --block-size 128" in r.stderr
     assert "Traceback" not in r.stderr
 
 
 def test_int4_block_128_passes_the_tensorrt_lint(tmp_path, trained_like):
-    from models.artifact import Manifest
-    from toolkit.export import export_artifact
+    from tk.models.artifact import Manifest
+    from tk.toolkit.pipeline.export import export_artifact
 
     export_artifact(trained_like, tmp_path / "art", weights="int4", block_size=128, validate=False)
     lint = Manifest.read(tmp_path / "art").trt_lint
@@ -225,7 +225,7 @@ def test_int4_block_128_passes_the_tensorrt_lint(tmp_path, trained_like):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    from models.presets import write_preset
+    from tk.models.presets import write_preset
 
     return write_preset("trained", tmp_path_factory.mktemp("trained"))
 
@@ -234,9 +234,9 @@ def trained(tmp_path_factory):
 def test_trained_model_keeps_its_tokens_within_the_table(trained, tmp_path, weights):
     """On a model really trained, quantization costs what the table expects: a quantizer that
     scrambles scales or nibbles (and still matches its own reference) fails here."""
-    from models.artifact import Manifest
-    from toolkit.export import export_artifact
-    from toolkit.quant_check import QUANT_TABLE
+    from tk.models.artifact import Manifest
+    from tk.toolkit.pipeline.export import export_artifact
+    from tk.toolkit.verify.quant import QUANT_TABLE
 
     export_artifact(trained, tmp_path / "art", weights=weights)
     q = Manifest.read(tmp_path / "art").validation["quantization"]

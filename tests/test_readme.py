@@ -27,7 +27,7 @@ def usage_lines() -> list[str]:
 
 
 def test_every_readme_command_works_verbatim(tmp_path):
-    from models.presets import write_preset
+    from tk.models.presets import write_preset
 
     lines = usage_lines()
     assert len(lines) >= 12 and any("--chat" in ln for ln in lines) and any("--junit" in ln for ln in lines)

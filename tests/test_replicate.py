@@ -18,7 +18,7 @@ VARIANTS = {  # family, export flags: together they cover both caches, both targ
 
 def _run(artifact, steps: int = 5):
     """Logits, hidden states and final cache of a left-padded batch of 2, greedy."""
-    from runtimes.ort_runtime import OrtRuntime
+    from tk.runtimes.ort_runtime import OrtRuntime
 
     ids = np.array([[1, 1, 5, 9, 17, 33], [4, 8, 15, 16, 23, 42]], np.int64)
     mask = np.array([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], np.int64)
@@ -38,8 +38,8 @@ def _run(artifact, steps: int = 5):
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_grown_graphs_equal_traced_ones(variant, tmp_path, monkeypatch):
-    import exporters.onnx_export as onnx_export
-    from toolkit.export import export_artifact
+    import tk.exporters.onnx_export as onnx_export
+    from tk.toolkit.pipeline.export import export_artifact
 
     family, flags = VARIANTS[variant]
     ckpt = make_checkpoint(family, tmp_path / "ckpt", layers=LAYERS)
@@ -61,7 +61,7 @@ def test_layers_that_do_not_repeat_are_traced(tmp_path):
     """A graph whose last traced layer reads something its predecessor does not is never grown."""
     import onnx_ir as ir
 
-    from exporters.replicate import grow
+    from tk.exporters.replicate import grow
 
     x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([2]))
     graph = ir.Graph([x], [], nodes=[], opset_imports={"": 23})

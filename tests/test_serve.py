@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from models.artifact import Manifest
-from runtimes.sampling import SamplingConfig
-from toolkit.backends import BackendOptions, open_runtime
-from toolkit.cli import main
-from toolkit.textgen import Tokenizer, generate_text
+from tk.models.artifact import Manifest
+from tk.runtimes.sampling import SamplingConfig
+from tk.toolkit.backends import BackendOptions, open_runtime
+from tk.toolkit.cli.main import main
+from tk.toolkit.textgen import Tokenizer, generate_text
 
 openai = pytest.importorskip("openai", reason="the openai client is a test extra: pip install -e '.[test]'")
 pytest.importorskip("fastapi", reason="the serving stack: pip install -e '.[serve]'")
@@ -33,7 +33,7 @@ WORDS = "the cat sat on a mat and then it ran far away into the dark wood where 
 
 @pytest.fixture(scope="module")
 def server(serve_artifact):
-    from toolkit.serve import open_server
+    from tk.toolkit.serving.openai_server import open_server
 
     srv, sock = open_server(serve_artifact, "ort", BackendOptions(), "127.0.0.1", 0, 4, 64, "tiny", 1.0)
     sock.close()  # in_thread binds its own
@@ -204,7 +204,7 @@ def test_two_hundred_requests_with_hangups_and_garbage_leak_no_slot(server, solo
 
 
 def test_a_full_queue_gets_429(serve_artifact):
-    from toolkit.serve import open_server
+    from tk.toolkit.serving.openai_server import open_server
 
     srv, sock = open_server(serve_artifact, "ort", BackendOptions(), "127.0.0.1", 0, 1, 0, "tiny", 0.0)
     sock.close()

@@ -8,14 +8,14 @@ import pytest
 from click.testing import CliRunner
 
 from hf_models import hf_greedy
-from models.artifact import Manifest
-from runtimes.base import InputError
-from runtimes.cache_layouts import StaticLayout
-from runtimes.generate import generate
-from runtimes.ort_runtime import open_ort
-from toolkit.cli import main
-from toolkit.export import export_artifact
-from toolkit.parity_report import parity
+from tk.models.artifact import Manifest
+from tk.runtimes.base import InputError
+from tk.runtimes.cache_layouts import StaticLayout
+from tk.runtimes.generate import generate
+from tk.runtimes.ort_runtime import open_ort
+from tk.toolkit.cli.main import main
+from tk.toolkit.pipeline.export import export_artifact
+from tk.toolkit.verify.compare import parity
 
 pytestmark = pytest.mark.slow
 

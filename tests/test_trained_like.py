@@ -11,10 +11,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from models.artifact import Manifest
-from models.loading import load_decoder
-from toolkit.export import export_artifact
-from toolkit.cli import main
+from tk.models.artifact import Manifest
+from tk.models.loading import load_decoder
+from tk.toolkit.pipeline.export import export_artifact
+from tk.toolkit.cli.main import main
 
 pytestmark = pytest.mark.slow
 

@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from models.artifact import Manifest
-from runtimes.sampling import SamplingConfig
-from toolkit.backends import BackendOptions, open_runtime
-from toolkit.cli import main
-from toolkit.textgen import Tokenizer, generate_text
+from tk.models.artifact import Manifest
+from tk.runtimes.sampling import SamplingConfig
+from tk.toolkit.backends import BackendOptions, open_runtime
+from tk.toolkit.cli.main import main
+from tk.toolkit.textgen import Tokenizer, generate_text
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["the cat", "a mat and then it ran", "owls", "the dark wood where owls sing and the cat sat on a mat",

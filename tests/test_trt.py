@@ -12,13 +12,13 @@ import pytest
 from click.testing import CliRunner
 from onnx import TensorProto, helper
 
-from exporters.trt_build import Limits, compute_profiles
-from exporters.trt_lint import lint_graphs, lint_model
-from models import contract
-from models.artifact import Manifest, sha256_file
-from models.errors import UsageProblem
-from runtimes.trt_runtime import engine_problems, profile_problem
-from toolkit.cli import main
+from tk.exporters.trt_build import Limits, compute_profiles
+from tk.exporters.trt_lint import lint_graphs, lint_model
+from tk.models import contract
+from tk.models.artifact import Manifest, sha256_file
+from tk.models.errors import UsageProblem
+from tk.runtimes.trt_runtime import engine_problems, profile_problem
+from tk.toolkit.cli.main import main
 
 DIMS = contract.GraphDims(num_layers=2, num_kv_heads=2, head_dim=16, vocab_size=512, kv_dtype="float32")
 INSTALL = ("Error: TensorRT is not installed; on a machine with an NVIDIA GPU, pip install 'tk[gpu]' "
@@ -96,7 +96,7 @@ def built(tiny_artifact, tmp_path):
 
 
 def test_engine_meta_round_trip_has_no_problems(built):
-    from runtimes.trt_runtime import read_engine_meta
+    from tk.runtimes.trt_runtime import read_engine_meta
 
     art, meta = built
     assert read_engine_meta(art) == meta
@@ -229,7 +229,7 @@ def test_static_cache_profiles_fix_the_capacity():
 @pytest.mark.trt
 def test_static_cache_engines_and_parity_on_gpu(tiny, tmp_path):
     pytest.importorskip("tensorrt", reason="needs TensorRT (pip install 'tk[gpu]' from NVIDIA's index) and a GPU")
-    from toolkit.export import export_artifact
+    from tk.toolkit.pipeline.export import export_artifact
 
     art = tmp_path / "art"
     export_artifact(tiny, art, kv_cache="static", max_seq_len=64)

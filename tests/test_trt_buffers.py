@@ -14,10 +14,10 @@ import types
 import numpy as np
 import pytest
 
-from models import contract
-from runtimes import trt_runtime
-from runtimes.generate import generate
-from toolkit.parity import run_trace
+from tk.models import contract
+from tk.runtimes import trt_runtime
+from tk.runtimes.generate import generate
+from tk.toolkit.verify.metrics import run_trace
 
 
 class FakeDevice:
@@ -140,8 +140,8 @@ def test_sessions_give_back_every_device_buffer(fake_trt):
 
 @pytest.mark.parametrize("fake_trt", ["static"], indirect=True)  # slots live in a static cache
 def test_serving_slots_copy_inside_their_buffers_and_give_them_back(fake_trt):
-    from runtimes.base import InputError
-    from runtimes.batching import Engine, Request, wait_all
+    from tk.runtimes.base import InputError
+    from tk.runtimes.batching import Engine, Request, wait_all
 
     art, device = fake_trt
     with pytest.raises(InputError, match="--slots 4"):

@@ -1,5 +1,5 @@
 """The backends tk can run an artifact on: one registry, read by the CLI's choices, `tk doctor`,
-`tk bench` and `tk parity`. A new backend is one module (a `runtimes.base.Runtime`) and one
+`tk bench` and `tk parity`. A new backend is one module (a `tk.runtimes.base.Runtime`) and one
 `register(...)` line. Opening a backend is cheap: runtimes load on activation. Nothing heavy is
 imported here until a backend is opened.
 """
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from models.artifact import ArtifactError, Manifest, sha256_file
+from tk.models.artifact import ArtifactError, Manifest, sha256_file
 
 
 PROVIDERS = ("auto", "cpu", "cuda")
@@ -68,10 +68,10 @@ def torch_reference(source: Path, dims, max_context: int, dtype: str = "float32"
     """The reference decoder of the checkpoint at `source` for graphs of `dims`, loaded on activation;
     with `quantized` (a quantized Precision), the quantized reference: its linear weights are what
     the artifact's quantized weights dequantize to."""
-    from runtimes.torch_runtime import TorchRuntime
+    from tk.runtimes.torch_runtime import TorchRuntime
 
     def load():
-        from models.loading import load_decoder, quantize_weights_
+        from tk.models.loading import load_decoder, quantize_weights_
 
         model = load_decoder(source, dtype)
         return quantize_weights_(model, quantized) if quantized is not None else model
@@ -88,14 +88,14 @@ def _open_torch(artifact: Path, manifest: Manifest, options: BackendOptions):
 
 
 def _open_ort(artifact: Path, manifest: Manifest, options: BackendOptions):
-    from runtimes.ort_runtime import OrtRuntime
+    from tk.runtimes.ort_runtime import OrtRuntime
 
     return OrtRuntime(artifact, threads=options.threads, provider=options.provider, prepack=options.prepack,
                       quant_compute=options.quant_compute)
 
 
 def _open_trt(artifact: Path, manifest: Manifest, options: BackendOptions):
-    from runtimes.trt_runtime import TrtRuntime
+    from tk.runtimes.trt_runtime import TrtRuntime
 
     return TrtRuntime(artifact)
 

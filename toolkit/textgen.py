@@ -10,10 +10,10 @@ import threading
 from pathlib import Path
 from typing import Callable, Sequence
 
-from models.artifact import ArtifactError
-from runtimes.base import InputError, Runtime
-from runtimes.generate import Generation, GenerationResult
-from runtimes.sampling import SamplingConfig
+from tk.models.artifact import ArtifactError
+from tk.runtimes.base import InputError, Runtime
+from tk.runtimes.generate import Generation, GenerationResult
+from tk.runtimes.sampling import SamplingConfig
 
 _HF_LOCK = threading.Lock()
 

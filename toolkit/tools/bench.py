@@ -20,14 +20,14 @@ from pathlib import Path
 
 import numpy as np
 
-from models.artifact import Manifest
-from models.config import DecoderConfig
-from models.contract import DECODE
-from models.errors import UsageProblem
-from runtimes.base import BackendUnavailable
-from runtimes.generate import generate
-from toolkit.backends import BackendOptions, open_runtime
-from toolkit.describe import memory_plan
+from tk.models.artifact import Manifest
+from tk.models.config import DecoderConfig
+from tk.models.contract import DECODE
+from tk.models.errors import UsageProblem
+from tk.runtimes.base import BackendUnavailable
+from tk.runtimes.generate import generate
+from tk.toolkit.backends import BackendOptions, open_runtime
+from tk.toolkit.tools.describe import memory_plan
 
 BUSY_CORES = 0.25  # other processes using more than this many cores on average: the run is flagged
 
@@ -168,7 +168,7 @@ def profile_decode(artifact: Path, prompt_len: int = 128, new_tokens: int = 64, 
                    top: int = 8) -> dict:
     """Where a decode step's time goes on ORT: Python and binding overhead (the step's wall time
     minus ORT's own run time) against ORT's run, and the op types that take the kernel time."""
-    from runtimes.ort_runtime import OrtRuntime
+    from tk.runtimes.ort_runtime import OrtRuntime
 
     with OrtRuntime(artifact, threads=threads, profile=True) as rt:
         prompt = np.random.default_rng(0).integers(0, rt.dims.vocab_size, prompt_len).tolist()

@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 
 
-from models import contract
-from models.errors import CheckFailed
-from toolkit.parity import PROBE_NOISE, Comparison, Tolerance, format_table
-from toolkit.parity_report import compare_backends
+from tk.models import contract
+from tk.models.errors import CheckFailed
+from tk.toolkit.verify.metrics import PROBE_NOISE, Comparison, Tolerance, format_table
+from tk.toolkit.verify.compare import compare_backends
 
 # weights -> (least mean top-1 agreement, least mean top-5 overlap, largest mean of each step's
 # worst KL), over every position of the validation cases. Calibrated on the `trained` preset (a
@@ -38,7 +38,7 @@ def fused_matmuls(artifact: Path, manifest) -> dict[str, tuple[int, list[str]]]:
     import onnx
     import onnxruntime as ort
 
-    from runtimes.ort_runtime import session_options
+    from tk.runtimes.ort_runtime import session_options
 
     out = {}
     paths = manifest.verify_files(artifact)
@@ -58,8 +58,8 @@ def fused_matmuls(artifact: Path, manifest) -> dict[str, tuple[int, list[str]]]:
 
 
 def expected_quantized(manifest) -> int:
-    from models.config import DecoderConfig
-    from models.quantize import quantized_layers
+    from tk.models.config import DecoderConfig
+    from tk.models.quantize import quantized_layers
 
     return len(quantized_layers(DecoderConfig.from_dict(manifest.config), manifest.precision.quantized_lm_head))
 
@@ -83,7 +83,7 @@ def quantization_error(artifact: Path, manifest, full_reference, cases: dict, st
     forced: the record (means over the cases' steps, and whether they are within QUANT_TABLE) and
     a printable table. Quantization error is the model's and the method's, not an export bug: the
     caller reports it; `tk eval` measures what it costs on the user's text."""
-    from runtimes.ort_runtime import OrtRuntime
+    from tk.runtimes.ort_runtime import OrtRuntime
 
     with OrtRuntime(artifact, one_graph=True, quant_compute="int8") as ort:
         report = compare_backends(full_reference, {"ort-int8": ort}, cases, _UNBOUNDED, steps, probes=False,
@@ -110,7 +110,7 @@ def weight_bytes_by_dtype(artifact: Path, manifest) -> dict[str, int]:
     """Bytes of the weights file by ONNX data type (for tk inspect)."""
     import onnx
 
-    from exporters.weights import external_initializers
+    from tk.exporters.weights import external_initializers
 
     names = {}
     for graph in contract.GRAPHS:

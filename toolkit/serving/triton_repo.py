@@ -2,7 +2,7 @@
 `tritonserver` serves.
 
     REPO/<name>/config.pbtxt       decoupled python model, the engine's limits as parameters
-    REPO/<name>/1/model.py         toolkit/triton_model.py (hands requests to toolkit/triton_backend.py)
+    REPO/<name>/1/model.py         toolkit/serving/triton_model.py (hands requests to toolkit/serving/triton_backend.py)
     REPO/<name>/1/artifact/        with --copy-artifact (else the parameter points at ARTIFACT)
     REPO/<name>_prefill, _decode   with --native: the raw graphs for Triton's onnxruntime backend
     REPO/<name>_prefill_trt, ...   with --native and built engines: the plans for its tensorrt backend
@@ -20,12 +20,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from models import contract
-from models.artifact import Manifest
-from models.errors import UsageProblem
-from runtimes.batching import slots_problem
+from tk.models import contract
+from tk.models.artifact import Manifest
+from tk.models.errors import UsageProblem
+from tk.runtimes.batching import slots_problem
 
-INPUTS = [  # (name, Triton type, dims): every one optional; toolkit/triton_backend.py says what each does
+INPUTS = [  # (name, Triton type, dims): every one optional; toolkit/serving/triton_backend.py says what each does
     ("text_input", "TYPE_STRING", [1]), ("prompt_ids", "TYPE_INT64", [-1]), ("max_tokens", "TYPE_INT32", [1]),
     ("temperature", "TYPE_FP32", [1]), ("top_p", "TYPE_FP32", [1]), ("top_k", "TYPE_INT32", [1]),
     ("repetition_penalty", "TYPE_FP32", [1]), ("seed", "TYPE_INT64", [1]), ("stop", "TYPE_STRING", [-1]),
@@ -60,9 +60,9 @@ def native_config(name: str, platform: str) -> str:
 
 
 def tk_sys_path() -> list[str]:
-    """Where this tk and its packages are installed: the stub process does not read PYTHONPATH."""
-    here = str(Path(__file__).resolve().parents[1])
-    return [here] + [p for p in sys.path if p.endswith(("site-packages", "dist-packages")) and Path(p).is_dir()]
+    """Where tk and its packages are installed (site directories: an editable install's finder is a
+    .pth file there): the stub process does not read PYTHONPATH."""
+    return [p for p in sys.path if p.endswith(("site-packages", "dist-packages")) and Path(p).is_dir()]
 
 
 def write_repository(artifact: Path, out: Path, name: str | None = None, backend: str = "ort", slots: int = 8,

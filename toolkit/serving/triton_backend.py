@@ -1,6 +1,6 @@
 """Inside Triton: the decoupled python model's work, over the same engine as `tk serve`.
 
-`execute()` only turns each Triton request into a `runtimes.batching.Request` and submits it;
+`execute()` only turns each Triton request into a `tk.runtimes.batching.Request` and submits it;
 the engine's thread runs continuous batching (the pattern of Triton's vLLM backend, which
 FACTS.md measured at 3x Triton's own iterative sequence batching) and sends each token as a
 response through the request's response sender (`stream` true), or one response at the end.
@@ -25,12 +25,12 @@ from pathlib import Path
 
 import numpy as np
 
-from models.artifact import Manifest
-from models.errors import TkError
-from runtimes.batching import FINISH_REASONS, Engine, Request
-from runtimes.sampling import SamplingConfig
-from toolkit.backends import BackendOptions, open_runtime
-from toolkit.textgen import TextStream, Tokenizer
+from tk.models.artifact import Manifest
+from tk.models.errors import TkError
+from tk.runtimes.batching import FINISH_REASONS, Engine, Request
+from tk.runtimes.sampling import SamplingConfig
+from tk.toolkit.backends import BackendOptions, open_runtime
+from tk.toolkit.textgen import TextStream, Tokenizer
 
 log = logging.getLogger("tk.triton")
 FINISHED = ("eos", "stop", "length")

@@ -17,7 +17,7 @@ import threading
 import time
 import traceback
 
-from models.errors import TkError
+from tk.models.errors import TkError
 
 
 class Background:
@@ -105,7 +105,7 @@ class Background:
         self.close()
 
 
-_CHILD = "import sys; from toolkit.background import _child; _child(int(sys.argv[1]))"
+_CHILD = "import sys; from tk.toolkit.pipeline.background import _child; _child(int(sys.argv[1]))"
 
 
 def _child(fd: int) -> None:

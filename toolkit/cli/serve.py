@@ -1,5 +1,5 @@
-"""`tk serve` and `tk triton`: the serving commands (registered on toolkit.cli's group, which
-imports this module last). Option parsing only; toolkit/serve.py and toolkit/triton_repo.py do the work."""
+"""`tk serve` and `tk triton`: the serving commands (registered on tk.toolkit.cli.main's group, which
+imports this module last). Option parsing only; toolkit/serving/openai_server.py and toolkit/serving/triton_repo.py do the work."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import click
 
-from toolkit.backends import BackendOptions
-from toolkit.cli import BackendName, backend_options, main
+from tk.toolkit.backends import BackendOptions
+from tk.toolkit.cli.options import BackendName, backend_options
 
 
 def engine_options(f):
@@ -19,7 +19,7 @@ def engine_options(f):
                         help="Requests decoded together (rows of the static cache).")(f)
 
 
-@main.command()
+@click.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.option("--backend", default="ort", show_default=True, type=BackendName())
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
@@ -32,7 +32,7 @@ def engine_options(f):
 def serve(artifact: Path, backend: str, host: str, port: int, slots: int, max_queue: int, model_name: str | None,
           drain: float, threads: int | None, device: str, provider: str, prepack: bool) -> None:
     """Serve an ARTIFACT (static cache) over the OpenAI API, with continuous batching."""
-    from toolkit.serve import open_server
+    from tk.toolkit.serving.openai_server import open_server
 
     server, sock = open_server(artifact, backend, BackendOptions(threads, device, provider, prepack),
                                host, port, slots, max_queue, model_name, drain)
@@ -41,7 +41,7 @@ def serve(artifact: Path, backend: str, host: str, port: int, slots: int, max_qu
     server.run(sock)
 
 
-@main.command()
+@click.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.option("-o", "--out", required=True, type=click.Path(path_type=Path), help="The model repository to write.")
 @click.option("--model-name", help="Triton's name for the model [default: the artifact folder's name].")
@@ -60,7 +60,7 @@ def serve(artifact: Path, backend: str, host: str, port: int, slots: int, max_qu
 def triton(artifact: Path, out: Path, model_name: str | None, backend: str, slots: int, max_queue: int,
            threads: int | None, prepack: bool, copy_artifact: bool, native: bool, sys_path: bool, force: bool) -> None:
     """Write a Triton model repository that serves ARTIFACT (static cache) with tk's engine."""
-    from toolkit.triton_repo import write_repository
+    from tk.toolkit.serving.triton_repo import write_repository
 
     click.echo(str(write_repository(artifact, out, model_name, backend, slots, max_queue, threads, prepack,
                                     copy_artifact, native, sys_path, force)))

@@ -12,14 +12,14 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from models.presets import write_preset
-from runtimes.generate import left_pad
-from runtimes.sampling import SamplingConfig
-from toolkit.backends import open_runtime, reference_runtime
-from toolkit.export import export_artifact
-from toolkit.parity import tolerance_for
-from toolkit.parity_report import compare_backends
-from toolkit.textgen import Tokenizer, generate_text
+from tk.models.presets import write_preset
+from tk.runtimes.generate import left_pad
+from tk.runtimes.sampling import SamplingConfig
+from tk.toolkit.backends import open_runtime, reference_runtime
+from tk.toolkit.pipeline.export import export_artifact
+from tk.toolkit.verify.metrics import tolerance_for
+from tk.toolkit.verify.compare import compare_backends
+from tk.toolkit.textgen import Tokenizer, generate_text
 
 
 def run_demo(preset: str, prompt: str, max_new_tokens: int, echo: Callable[[str], None] = print) -> dict:

@@ -2,12 +2,12 @@
 
 `POST /v1/completions` and `/v1/chat/completions` (the artifact's chat template), `stream: true`
 as server-sent events, `GET /v1/models`, `/health` and Prometheus `/metrics`. Each HTTP request
-becomes one `runtimes.batching.Request`; the engine's thread detokenizes its tokens as they come
+becomes one `tk.runtimes.batching.Request`; the engine's thread detokenizes its tokens as they come
 (`TextStream`: stop strings end the request right after the token that completes one, as
 `tk generate --stop` does) and hands them to the event loop. Errors are OpenAI's JSON shape:
 400 naming the field, 429 when the queue is full, 503 while shutting down. A client that goes
 away cancels its request, which frees its slot before the next step. The API's shapes are
-toolkit/openai_api.py's.
+toolkit/serving/openai_api.py's.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ import time
 import uuid
 from contextlib import contextmanager
 
-from models.errors import TkError, UsageProblem
-from runtimes.base import InputError
-from runtimes.batching import EngineClosed, Engine, QueueFull, Request, slots_problem
-from runtimes.sampling import SamplingConfig
-from toolkit import openai_api
-from toolkit.openai_api import ApiError
-from toolkit.textgen import TextStream, Tokenizer
+from tk.models.errors import TkError, UsageProblem
+from tk.runtimes.base import InputError
+from tk.runtimes.batching import EngineClosed, Engine, QueueFull, Request, slots_problem
+from tk.runtimes.sampling import SamplingConfig
+from tk.toolkit.serving import openai_api
+from tk.toolkit.serving.openai_api import ApiError
+from tk.toolkit.textgen import TextStream, Tokenizer
 
 MISSING = "the serving stack is not installed; pip install 'tk[serve]' (fastapi, uvicorn, prometheus-client)"
 
@@ -315,8 +315,8 @@ def open_server(artifact, backend: str, options, host: str, port: int, slots: in
     import dataclasses
     from pathlib import Path
 
-    from models.artifact import Manifest
-    from toolkit.backends import open_runtime
+    from tk.models.artifact import Manifest
+    from tk.toolkit.backends import open_runtime
 
     _require()
     artifact = Path(artifact)

@@ -9,10 +9,10 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from exporters.trt_build import Limits, build_engines, compute_profiles
-from models import contract
-from models.artifact import ArtifactError, Manifest, Target
-from models.errors import UsageProblem, FilesystemProblem
+from tk.exporters.trt_build import Limits, build_engines, compute_profiles
+from tk.models import contract
+from tk.models.artifact import ArtifactError, Manifest, Target
+from tk.models.errors import UsageProblem, FilesystemProblem
 
 
 def build(artifact: Path, precision: str | None, max_batch: int, max_input_len: int | None, max_seq_len: int | None,
@@ -31,7 +31,7 @@ def build(artifact: Path, precision: str | None, max_batch: int, max_input_len: 
     compute_profiles(manifest.dims, limits, manifest.max_context)  # the flags are checked first
     if (artifact / contract.ENGINE_META).exists() and not force:
         raise FilesystemProblem(f"{artifact} already has engines; pass --force to rebuild them")
-    from runtimes.trt_runtime import trt_environment
+    from tk.runtimes.trt_runtime import trt_environment
 
     env = trt_environment()  # says what is missing (TensorRT, a GPU) before any work
     meta, engines = build_engines(artifact, manifest, env, precision, limits, workspace, timing_cache, progress)

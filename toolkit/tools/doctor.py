@@ -5,9 +5,9 @@ from __future__ import annotations
 import platform
 from importlib import metadata
 
-from models.artifact import ArtifactError
-from runtimes.base import BackendUnavailable
-from toolkit.backends import BACKENDS
+from tk.models.artifact import ArtifactError
+from tk.runtimes.base import BackendUnavailable
+from tk.toolkit.backends import BACKENDS
 
 
 def _version(pkg: str) -> str | None:
@@ -37,7 +37,7 @@ def doctor_report() -> dict:
     except ImportError:
         report["onnxruntime"] = {"available": False, "hint": "pip install onnxruntime"}
     try:
-        from runtimes.trt_runtime import trt_environment
+        from tk.runtimes.trt_runtime import trt_environment
 
         env = trt_environment()
         report["tensorrt"] = {"available": True, "version": env["tensorrt_version"], "gpu": env["gpu_name"],

@@ -6,11 +6,11 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from models import contract
-from models.artifact import Manifest, Precision
-from models.config import DecoderConfig
-from models.dtypes import DTYPES
-from models.loading import hf_shapes, read_config
+from tk.models import contract
+from tk.models.artifact import Manifest, Precision
+from tk.models.config import DecoderConfig
+from tk.models.dtypes import DTYPES
+from tk.models.loading import hf_shapes, read_config
 
 
 def parameter_count(cfg: DecoderConfig) -> int:
@@ -36,7 +36,7 @@ def memory_plan(cfg: DecoderConfig, precision: Precision, batch: int, seq_len: i
 def _io_table(path: Path) -> tuple[list[dict], int, dict]:
     import onnx
 
-    from exporters.contract_check import describe_value, op_histogram
+    from tk.exporters.contract_check import describe_value, op_histogram
 
     model = onnx.load(str(path), load_external_data=False)
     rows = [{"kind": kind, "name": n, "dtype": d, "dims": list(s)}
@@ -57,7 +57,7 @@ def inspect_path(path: str | Path, batch: int = 1, seq_len: int | None = None) -
             io, opset, ops = _io_table(path / manifest.graphs[graph].file)
             graphs[graph] = {"io": io, "opset": opset, "ops": ops}
         v = manifest.variant
-        from toolkit.quant_check import weight_bytes_by_dtype
+        from tk.toolkit.verify.quant import weight_bytes_by_dtype
 
         by_dtype = weight_bytes_by_dtype(path, manifest)
         info = {"kind": "artifact", "precision": precision.describe(), "weights_by_dtype": by_dtype, "path": str(path), "source": manifest.source["path"], "graphs": graphs,

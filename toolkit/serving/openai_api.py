@@ -1,5 +1,5 @@
 """The OpenAI API's shapes for `tk serve`: request bodies (pydantic), errors, responses and
-server-sent-event chunks. No server here (toolkit/serve.py); pydantic comes with FastAPI.
+server-sent-event chunks. No server here (toolkit/serving/openai_server.py); pydantic comes with FastAPI.
 
 Beyond OpenAI's fields, vLLM's names: `top_k`, `repetition_penalty`, `ignore_eos`, and
 `return_token_ids` (each choice, and each streamed chunk, then carries its `token_ids`).
@@ -11,7 +11,7 @@ import json
 import time
 from typing import Literal, Union
 
-from runtimes.base import InputError
+from tk.runtimes.base import InputError
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # the engine's finish reasons as OpenAI's
 UNSUPPORTED = {"n": "tk serve returns one choice per request (n=1)",

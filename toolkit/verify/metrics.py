@@ -7,7 +7,7 @@ not derail the rest. `compare_traces` turns two traces into per-step metrics jud
 model's tolerance, and `first_divergence` localizes where a backend first leaves it. Bounds
 scale with the model: each tensor is judged relative to the reference's own magnitude, at the
 depth it was computed, with float32's relative bound derived from the model's accumulation
-length. `tk export` validation and `tk parity` are both this code (toolkit/parity_report.py).
+length. `tk export` validation and `tk parity` are both this code (toolkit/verify/compare.py).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
-from models.contract import present_names
-from runtimes.base import Runtime
-from runtimes.generate import left_pad
+from tk.models.contract import present_names
+from tk.runtimes.base import Runtime
+from tk.runtimes.generate import left_pad
 
 
 # Unit roundoff (half the machine epsilon) of each activation dtype.

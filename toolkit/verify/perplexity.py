@@ -16,10 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
-from models.artifact import Manifest
-from models.errors import UsageProblem
-from runtimes.base import BackendUnavailable, InputError
-from toolkit.backends import BackendOptions, open_runtime, reference_runtime
+from tk.models.artifact import Manifest
+from tk.models.errors import UsageProblem
+from tk.runtimes.base import BackendUnavailable, InputError
+from tk.toolkit.backends import BackendOptions, open_runtime, reference_runtime
 
 DEFAULT_WINDOW = 1024  # tokens per window (at most the context): logits of a window are window x vocab floats
 
@@ -52,7 +52,7 @@ def nll(runtime, chunks: list[list[int]]) -> tuple[float, int]:
 def evaluate(artifact: Path, text: str, backends: list[str], window: int | None = None,
              options: BackendOptions = BackendOptions(), baseline: bool = True) -> dict:
     """Perplexity of `text` on each backend (a skipped backend says why)."""
-    from toolkit.textgen import Tokenizer
+    from tk.toolkit.textgen import Tokenizer
 
     manifest = Manifest.read(artifact)
     if manifest.variant.prefill_logits.value != "all":

@@ -1,6 +1,6 @@
 """`tk parity`: every backend against the float32 PyTorch reference, as one JSON report.
 
-Composes the parity core (toolkit/parity.py) and the probes (toolkit/probes.py). The report's
+Composes the parity core (toolkit/verify/metrics.py) and the probes (toolkit/verify/probes.py). The report's
 schema is `parity_report.schema.json` beside this file; it holds no timestamps or timings, so two
 runs with the same seed on the same machine write the same report.
 """
@@ -15,14 +15,14 @@ from pathlib import Path
 
 import numpy as np
 
-from models.artifact import Manifest
-from models.errors import UsageProblem
-from runtimes.base import BackendUnavailable, InputError, Runtime
-from runtimes.generate import left_pad
-from toolkit.parity import (Comparison, Tolerance, Trace, compare_traces, first_divergence, format_table,
+from tk.models.artifact import Manifest
+from tk.models.errors import UsageProblem
+from tk.runtimes.base import BackendUnavailable, InputError, Runtime
+from tk.runtimes.generate import left_pad
+from tk.toolkit.verify.metrics import (Comparison, Tolerance, Trace, compare_traces, first_divergence, format_table,
                             random_cases, run_trace, tolerance_for)
-from toolkit.backends import BackendOptions, open_runtime, reference_runtime
-from toolkit.probes import ProbeResult, run_probes
+from tk.toolkit.backends import BackendOptions, open_runtime, reference_runtime
+from tk.toolkit.verify.probes import ProbeResult, run_probes
 
 SCHEMA_VERSION = 2
 SCHEMA_PATH = Path(__file__).with_name("parity_report.schema.json")
@@ -101,7 +101,7 @@ def artifact_cases(artifact: Path, prompts_file: Path | None, vocab_size: int, s
     try:
         prompts = json.loads(text)
     except json.JSONDecodeError:
-        from toolkit.textgen import Tokenizer
+        from tk.toolkit.textgen import Tokenizer
 
         tok = Tokenizer(artifact)
         prompts = [tok.encode(line) for line in text.splitlines() if line.strip()]

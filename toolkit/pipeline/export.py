@@ -23,18 +23,18 @@ from typing import Callable
 
 import onnx
 
-from exporters.contract_check import check_graph_file
-from exporters.onnx_export import CONTRIB_OPS, finish_graph, graph_dims, trace_graph
-from exporters.trt_lint import lint_graphs
-from exporters.weights import WEIGHTS_FILE, export_view, weights_record, write_weights
-from models import contract
-from models.artifact import ExportOptions, GraphFile, Manifest, Target, sha256_file
-from models.errors import CheckFailed, FilesystemProblem
-from models.loading import CheckpointReader, read_config, torch_dtype
-from toolkit.background import Background
-from toolkit.backends import reference_runtime, torch_reference
-from toolkit.parity import Comparison, format_table, random_cases, tolerance_for
-from toolkit.parity_report import ReferenceRun, compare_backends, describe_divergence, run_reference
+from tk.exporters.contract_check import check_graph_file
+from tk.exporters.onnx_export import CONTRIB_OPS, finish_graph, graph_dims, trace_graph
+from tk.exporters.trt_lint import lint_graphs
+from tk.exporters.weights import WEIGHTS_FILE, export_view, weights_record, write_weights
+from tk.models import contract
+from tk.models.artifact import ExportOptions, GraphFile, Manifest, Target, sha256_file
+from tk.models.errors import CheckFailed, FilesystemProblem
+from tk.models.loading import CheckpointReader, read_config, torch_dtype
+from tk.toolkit.pipeline.background import Background
+from tk.toolkit.backends import reference_runtime, torch_reference
+from tk.toolkit.verify.metrics import Comparison, format_table, random_cases, tolerance_for
+from tk.toolkit.verify.compare import ReferenceRun, compare_backends, describe_divergence, run_reference
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
@@ -97,10 +97,10 @@ def validate(artifact: Path, manifest: Manifest, steps: int = VALIDATION_STEPS,
     """Export validation: ORT on the artifact vs the float32 PyTorch reference, through the parity
     engine without its probes. A quantized artifact is judged against the quantized reference with
     the same float tolerances, ORT multiplying in float ("float" compute); its fused MatMuls and its
-    quantization error (toolkit/quant_check.py) are checked after. `reference`: the runs of
+    quantization error (toolkit/verify/quant.py) are checked after. `reference`: the runs of
     `reference_run` when made already (export makes them beside tracing). Returns the manifest
     record, a printable table, and what failed first (None when all passed)."""
-    from runtimes.ort_runtime import OrtRuntime
+    from tk.runtimes.ort_runtime import OrtRuntime
 
     tol = tolerance_for(manifest.dtype, manifest.config)
     cases = random_cases(manifest.dims.vocab_size)
@@ -128,7 +128,7 @@ def validate(artifact: Path, manifest: Manifest, steps: int = VALIDATION_STEPS,
               "first_divergence": first}
     table = format_table([Comparison.from_dict(c) for c in cases_run])
     if quantized and passed:
-        from toolkit.quant_check import check_fused, quantization_error
+        from tk.toolkit.verify.quant import check_fused, quantization_error
 
         record["fused_matmulnbits"] = check_fused(artifact, manifest)
         record["quantization"], q_table = quantization_error(artifact, manifest, full_ref, cases, steps)

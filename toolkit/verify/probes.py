@@ -23,9 +23,9 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from runtimes.base import Runtime
-from runtimes.generate import left_pad
-from toolkit.parity import Tolerance
+from tk.runtimes.base import Runtime
+from tk.runtimes.generate import left_pad
+from tk.toolkit.verify.metrics import Tolerance
 
 
 @dataclass

@@ -1,0 +1,78 @@
+"""`tk export` and `tk build-engine`: the artifact and its TensorRT engines. Option parsing only;
+tk.toolkit.pipeline does the work."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from tk.models.artifact import DEFAULT_BLOCK, QUANTIZED, CacheLayout, PrefillLogits, Target
+from tk.models.dtypes import DTYPE_CHOICES
+from tk.toolkit.cli.options import choices, progress
+
+
+@click.command()
+@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.option("-o", "--out", required=True, type=click.Path(path_type=Path),
+              help="Artifact folder to create (missing parents are created).")
+@click.option("--dtype", default="fp32", show_default=True, type=click.Choice(DTYPE_CHOICES),
+              help="Precision of the graphs' weights, activations and KV cache.")
+@click.option("--opset", default=23, show_default=True, type=int, help="23 (fused Attention/RMSNorm) or 18..22.")
+@click.option("--no-validate", is_flag=True, help="Skip the ORT-vs-PyTorch numeric validation.")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--kv-cache", default="dynamic", show_default=True, type=choices(CacheLayout),
+              help="dynamic (past in, longer present out) or static (fixed capacity, updated in place).")
+@click.option("--max-seq-len", type=int, help="Capacity of a static cache (with --kv-cache static).")
+@click.option("--debug-outputs", is_flag=True, help="Also output every layer's hidden state (for tk parity).")
+@click.option("--target", default="portable", show_default=True, type=choices(Target),
+              help="portable (standard ONNX: ONNX Runtime and TensorRT) or ort (ONNX Runtime's fused kernels: "
+                   "faster on ONNX Runtime, not loadable by TensorRT).")
+@click.option("--prefill-logits", default="all", show_default=True, type=choices(PrefillLogits),
+              help="all (every prompt position) or last (the last position only: what generation needs, and a "
+                   "faster first token).")
+@click.option("--weights", type=click.Choice(QUANTIZED),
+              help="Weight-only quantization of every linear layer (activations stay in --dtype).")
+@click.option("--block-size", type=int, help=f"Rows of K per scale with --weights (default {DEFAULT_BLOCK}; "
+              "TensorRT takes 64 or 128).")
+@click.option("--quantize-lm-head/--no-quantize-lm-head", default=True, show_default=True,
+              help="Quantize the LM head too with --weights.")
+def export(model_dir: Path, out: Path, dtype: str, opset: int, no_validate: bool, force: bool, kv_cache: str,
+           max_seq_len: int | None, debug_outputs: bool, target: str, prefill_logits: str, weights: str | None,
+           block_size: int | None, quantize_lm_head: bool) -> None:
+    """Export MODEL_DIR (a Hugging Face checkpoint folder) to prefill/decode ONNX graphs."""
+    from tk.models.artifact import ExportOptions
+
+    options = ExportOptions.from_flags(dtype, opset, kv_cache, max_seq_len, target, prefill_logits, debug_outputs,
+                                       not no_validate, force, weights, block_size,
+                                       quantize_lm_head)  # every flag checked before any work
+    from tk.toolkit.pipeline.export import export_artifact
+
+    click.echo(f"tk export {model_dir} -> {out}", err=True)
+    manifest = export_artifact(model_dir, out, options, progress)
+    v = manifest.validation
+    if not v.get("skipped"):
+        steps = [s for c in v["comparisons"] for s in c["steps"]]
+        click.echo(f"  validation passed: max |logit diff| {max(s['max_abs'] for s in steps):.3g}, at most "
+                   f"{max(s['error_ratio'] for s in steps):.2g} of its bound; KV cache at most "
+                   f"{max(s['present_ratio'] for s in steps):.2g} of its bound", err=True)
+    click.echo(str(out))
+
+
+@click.command("build-engine")
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16"]), help="Default: the graphs' own dtype.")
+@click.option("--max-batch", default=1, show_default=True, type=int)
+@click.option("--max-input-len", type=int, help="Longest prompt [default: half of --max-seq-len].")
+@click.option("--max-seq-len", type=int, help="Prompt + generated tokens [default: the model's context, at most 2048].")
+@click.option("--timing-cache", type=click.Path(dir_okay=False, path_type=Path), help="Load and save this cache.")
+@click.option("--workspace", default=4.0, show_default=True, type=float, help="Builder workspace, GiB.")
+@click.option("--force", is_flag=True, help="Replace existing engines.")
+def build_engine(artifact: Path, precision: str | None, max_batch: int, max_input_len: int | None,
+                 max_seq_len: int | None,
+                 timing_cache: Path | None, workspace: float, force: bool) -> None:
+    """Build TensorRT engines for an exported ARTIFACT (needs TensorRT and an NVIDIA GPU)."""
+    from tk.toolkit.pipeline.build_engine import build
+
+    build(artifact, precision, max_batch, max_input_len, max_seq_len, timing_cache, workspace, force, progress)
+    click.echo(str(artifact))

@@ -1,0 +1,69 @@
+"""The `tk` command line: the group, its error mapping, and the commands registered on it.
+
+Commands live in one module per group (export, run, check, serve: tk.toolkit.cli.*); they parse
+options, call library functions and format results, nothing else. Library code raises `TkError`s
+(tk/models/errors.py), each carrying its exit code (1 error, 2 usage, 3 a check ran and failed);
+`TkGroup` prints their first line, once, here. Option values come from the typed tables (dtypes,
+export variants and profiles, the backend registry), so a bad one is a usage error at parse
+time. `--debug` shows tracebacks. Only the standard library, click and tk's stdlib-only modules
+are imported here: `tk --help` and `tk generate --backend ort` never pay for torch.
+"""
+
+from __future__ import annotations
+
+import sys
+from importlib import metadata
+
+import click
+
+from tk.models.errors import CheckFailed, TkError
+from tk.toolkit.cli import check, export, run, serve
+
+
+class TkGroup(click.Group):
+    """Maps a TkError to its one-line message and exit code (1 error, 2 usage, 3 a check failed).
+    Anything else is a bug and keeps its traceback."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except TkError as exc:
+            if ctx.obj.get("debug"):
+                raise
+            if isinstance(exc, CheckFailed) and exc.table:
+                click.echo(exc.table, err=True)
+            click.echo(f"Error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", err=True)
+            ctx.exit(exc.exit_code)
+
+
+def _version() -> str:
+    try:
+        return metadata.version("tk")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+@click.group(cls=TkGroup)
+@click.version_option(_version(), prog_name="tk")
+@click.option("--debug", is_flag=True, help="Show Python tracebacks for errors.")
+@click.pass_context
+def main(ctx: click.Context, debug: bool) -> None:
+    """tk: decoder-only transformers from PyTorch to ONNX Runtime and TensorRT, with parity proofs."""
+    ctx.ensure_object(dict)["debug"] = debug
+
+
+for command in (export.export, check.inspect, run.generate, check.parity, run.eval_, export.build_engine,
+                check.doctor, run.bench, run.demo, serve.serve, serve.triton):
+    main.add_command(command)
+
+
+def entry() -> None:
+    """The `tk` console script: this process is tk's own, so its ORT sessions share one thread pool."""
+    from tk.runtimes.ort_runtime import use_shared_thread_pool
+
+    use_shared_thread_pool()
+    main()
+
+
+if __name__ == "__main__":
+    sys.exit(entry())

@@ -1,0 +1,58 @@
+"""What several `tk` commands share: typed option values (a registered backend, a list of them, an
+enum's values) and the backend options. Standard library, click and tk's stdlib-only modules only."""
+
+from __future__ import annotations
+
+import click
+
+from tk.toolkit.backends import BACKENDS, PROVIDERS
+
+class BackendName(click.ParamType):
+    """A registered backend (toolkit/backends.py); read at parse time, so a registered one counts."""
+
+    name = "backend"
+
+    def convert(self, value, param, ctx):
+        if value not in BACKENDS:
+            self.fail(f"unknown backend {value!r}; use one of {', '.join(BACKENDS)}", param, ctx)
+        return value
+
+
+class BackendList(click.ParamType):
+    """A comma-separated list of registered backends."""
+
+    name = "backends"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, list):
+            return value
+        names = [b.strip() for b in value.split(",") if b.strip()]
+        unknown = [b for b in names if b not in BACKENDS]
+        if unknown or not names:
+            self.fail(f"unknown backend {', '.join(unknown) or '(none)'}; use {', '.join(BACKENDS)}", param, ctx)
+        return names
+
+
+def choices(enum) -> click.Choice:
+    return click.Choice([e.value for e in enum])
+
+
+def progress(msg: str) -> None:
+    click.echo(f"  {msg}", err=True)
+
+
+def backend_options(f=None, *, prepack: bool = False):
+    """--threads, --device, --provider, --prepack: how a backend runs (BackendOptions). Serving
+    prepacks by default: batched MatMuls on unpacked weights repack them every step."""
+    def add(f):
+        f = click.option("--prepack/--no-prepack", default=prepack, show_default=True,
+                         help="ONNX Runtime: repack the weights for the CPU's kernels in each session (faster decode, "
+                              "much faster batched decode; a private copy of the weights per session; without it: "
+                              "one memory-mapped copy).")(f)
+        f = click.option("--provider", default="auto", show_default=True, type=click.Choice(PROVIDERS),
+                         help="ONNX Runtime execution provider (auto: CUDA when onnxruntime-gpu sees a GPU).")(f)
+        f = click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]),
+                         help="Device of the torch backend (auto: CUDA when present).")(f)
+        return click.option("--threads", type=click.IntRange(min=1), help="ONNX Runtime intra-op threads.")(f)
+
+    return add if f is None else add(f)

@@ -1,0 +1,130 @@
+"""`tk generate`, `tk eval`, `tk bench`, `tk demo`: running an artifact. Option parsing and output only."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from tk.toolkit.backends import BackendOptions
+from tk.toolkit.cli.options import BackendList, BackendName, backend_options
+
+
+@click.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--backend", default="ort", show_default=True, type=BackendName())
+@click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeat for a batch).")
+@click.option("--prompt-ids", "prompt_ids", multiple=True, help="Comma-separated token ids (repeat for a batch).")
+@click.option("--chat", help="A user message, rendered with the checkpoint's chat template; prints the reply.")
+@click.option("--system", help="A system message before --chat.")
+@click.option("--max-new-tokens", default=32, show_default=True, type=int)
+@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
+@click.option("--top-k", default=0, show_default=True, type=int)
+@click.option("--top-p", default=1.0, show_default=True, type=float)
+@click.option("--repetition-penalty", default=1.0, show_default=True, type=float)
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--stop", "stops", multiple=True, help="Stop when this text appears (repeatable).")
+@click.option("--ignore-eos", is_flag=True, help="Generate exactly --max-new-tokens.")
+@backend_options
+@click.option("--json", "as_json", is_flag=True, help="Print tokens, text, finish reason and timings as JSON.")
+def generate(artifact: Path, backend: str, prompts: tuple[str, ...], prompt_ids: tuple[str, ...],
+             chat: str | None, system: str | None, max_new_tokens: int, temperature: float, top_k: int,
+             top_p: float, repetition_penalty: float, seed: int, stops: tuple[str, ...], ignore_eos: bool,
+             threads: int | None, device: str, provider: str, prepack: bool, as_json: bool) -> None:
+    """Generate text from an exported ARTIFACT on one backend."""
+    from tk.models.artifact import Manifest
+    from tk.runtimes.sampling import SamplingConfig
+    from tk.toolkit.backends import open_runtime
+    from tk.toolkit.textgen import Tokenizer, generate_text, parse_ids
+
+    if sum(map(bool, (prompts, prompt_ids, chat is not None))) != 1:
+        raise click.UsageError("give one of --prompt, --prompt-ids or --chat")
+    if system is not None and chat is None:
+        raise click.UsageError("--system goes with --chat")
+    manifest = Manifest.read(artifact)
+    runtime = open_runtime(artifact, backend, BackendOptions(threads, device, provider, prepack))
+    tokenizer = Tokenizer(artifact) if prompts or chat is not None else Tokenizer.find(artifact)
+    if chat is not None:
+        ids = [tokenizer.chat(chat, system)]
+    else:
+        ids = [tokenizer.encode(p) for p in prompts] if prompts else [parse_ids(p) for p in prompt_ids]
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p,
+                              repetition_penalty=repetition_penalty, seed=seed)
+    stream = None if as_json else lambda text: click.echo(text, nl=False)
+    result, texts = generate_text(runtime, tokenizer, ids, max_new_tokens, sampling,
+                                  manifest.eos_token_ids, stops, ignore_eos, stream)
+    if as_json:
+        rows = [{"prompt_tokens": r.prompt_tokens, "tokens": r.tokens, "text": t, "finish_reason": r.finish_reason}
+                for r, t in zip(result.rows, texts)]
+        click.echo(json.dumps({"backend": backend, "rows": rows, "timings": result.timings()}, indent=2))
+        return
+    if len(ids) > 1:
+        for i, text in enumerate(texts):
+            click.echo(f"[{i}] {text}")
+    else:
+        click.echo()
+    t = result.timings()
+    click.echo(f"{backend}: time to first token {t['ttft_ms']:.1f} ms, decode {t['decode_ms_per_token']:.2f} ms/token, "
+               f"{t['tokens_per_s']:.1f} tokens/s, finish: {', '.join(r.finish_reason for r in result.rows)}",
+               err=True)
+
+
+@click.command("eval")
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--text", "text_file", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="A UTF-8 text file: its perplexity is computed, teacher-forced.")
+@click.option("--backends", default="torch,ort", show_default=True, type=BackendList(),
+              help="Comma-separated: torch, ort, trt.")
+@click.option("--window", type=click.IntRange(min=2), help="Tokens per window (default: min(1024, the context)).")
+@click.option("--baseline/--no-baseline", default=True, show_default=True,
+              help="With quantized weights, also the full-precision reference.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@backend_options
+def eval_(artifact: Path, text_file: Path, backends: list[str], window: int | None, baseline: bool, as_json: bool,
+          threads: int | None, device: str, provider: str, prepack: bool) -> None:
+    """Perplexity of a text on each backend of ARTIFACT (what quantization costs, on your text)."""
+    from tk.toolkit.verify.perplexity import evaluate, format_eval
+
+    result = evaluate(artifact, text_file.read_text(encoding="utf-8"), backends, window,
+                      BackendOptions(threads, device, provider, prepack), baseline)
+    click.echo(json.dumps(result, indent=2) if as_json else format_eval(result))
+
+
+@click.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--backends", default="torch,ort", show_default=True, type=BackendList(),
+              help="Comma-separated: torch, ort, trt.")
+@click.option("--prompt-len", default=128, show_default=True, type=int)
+@click.option("--new-tokens", default=128, show_default=True, type=int)
+@click.option("--batch", default=1, show_default=True, type=int)
+@click.option("--repeats", default=3, show_default=True, type=int)
+@backend_options
+@click.option("--report", type=click.Path(dir_okay=False, path_type=Path), help="Write the JSON report here.")
+@click.option("--profile", is_flag=True, help="Also split an ORT decode step into Python, executor and kernel time.")
+def bench(artifact: Path, backends: list[str], prompt_len: int, new_tokens: int, batch: int, repeats: int,
+          threads: int | None, device: str, provider: str, prepack: bool, report: Path | None,
+          profile: bool) -> None:
+    """Time to first token, decode speed and memory of each backend, side by side in one run."""
+    from tk.toolkit.tools.bench import bench as run_bench
+    from tk.toolkit.tools.bench import format_bench, format_profile, profile_decode
+
+    result = run_bench(artifact, backends, prompt_len, new_tokens, batch, repeats,
+                       BackendOptions(threads, device, provider, prepack))
+    click.echo(format_bench(result))
+    if profile:
+        result["decode_profile"] = profile_decode(artifact, prompt_len, new_tokens, threads)
+        click.echo(format_profile(result["decode_profile"]))
+    if report is not None:
+        report.write_text(json.dumps(result, indent=2))
+
+
+@click.command()
+@click.option("--preset", default="tiny", show_default=True, help="Built-in model preset: tiny, small, trained-like.")
+@click.option("--prompt", default="Once upon a time", show_default=True)
+@click.option("--max-new-tokens", default=24, show_default=True, type=click.IntRange(min=1))
+def demo(preset: str, prompt: str, max_new_tokens: int) -> None:
+    """The whole path on a built-in tiny model: checkpoint, export, validate, generate on torch and ORT."""
+    from tk.toolkit.tools.demo import run_demo
+
+    run_demo(preset, prompt, max_new_tokens, echo=lambda msg: click.echo(msg))
