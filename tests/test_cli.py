@@ -134,10 +134,10 @@ def test_export_refuses_existing_out_and_unwritable_out(tiny, tmp_path):
 
 @pytest.mark.slow
 def test_failed_validation_exits_3_and_leaves_nothing(tiny, tmp_path, monkeypatch):
-    from tk.toolkit.pipeline import export
+    from tk.toolkit.pipeline import validate
 
-    strict = export.tolerance_for
-    monkeypatch.setattr(export, "tolerance_for", lambda *a, **k: strict(*a, **k, atol=1e-12, rtol=1e-12))
+    strict = validate.tolerance_for
+    monkeypatch.setattr(validate, "tolerance_for", lambda *a, **k: strict(*a, **k, atol=1e-12, rtol=1e-12))
     out = tmp_path / "new" / "folders" / "out"  # missing parents are created, and removed on failure
     result = run("export", tiny, "-o", out)
     assert result.exit_code == 3

@@ -1,0 +1,114 @@
+"""Export validation: ORT on a freshly written artifact against the float32 PyTorch reference,
+through the parity engine (tk.toolkit.verify.compare) without its probes. The reference runs
+need only the checkpoint, so `tk export` makes them in a child process beside tracing
+(`reference_run`); `run_validation` judges the artifact in its temporary folder and raises
+`CheckFailed` (exit 3) naming the step and layer where ORT first left its tolerance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Callable
+
+from tk.exporters.onnx_export import graph_dims
+from tk.models.artifact import ExportOptions, Manifest
+from tk.models.errors import CheckFailed
+from tk.toolkit.backends import reference_runtime, torch_reference
+from tk.toolkit.pipeline.background import Background
+from tk.toolkit.verify.compare import ReferenceRun, compare_backends, describe_divergence, run_reference
+from tk.toolkit.verify.metrics import Comparison, format_table, random_cases, tolerance_for
+
+VALIDATION_STEPS = 8
+
+
+def validate(artifact: Path, manifest: Manifest, steps: int = VALIDATION_STEPS,
+             reference: tuple[ReferenceRun, ReferenceRun | None] | None = None) -> tuple[dict, str, str | None]:
+    """Export validation: ORT on the artifact vs the float32 PyTorch reference, through the parity
+    engine without its probes. A quantized artifact is judged against the quantized reference with
+    the same float tolerances, ORT multiplying in float ("float" compute); its fused MatMuls and its
+    quantization error (toolkit/verify/quant.py) are checked after. `reference`: the runs of
+    `reference_run` when made already (export makes them beside tracing). Returns the manifest
+    record, a printable table, and what failed first (None when all passed)."""
+    from tk.runtimes.ort_runtime import OrtRuntime
+
+    tol = tolerance_for(manifest.dtype, manifest.config)
+    cases = random_cases(manifest.dims.vocab_size)
+    if reference is None:
+        reference = _reference_runs(lambda quantized: reference_runtime(
+            artifact, manifest, debug=manifest.variant.debug_outputs, quantized=quantized), manifest.precision,
+            cases, steps, tol)
+    graphs_ref, full_ref = reference
+    # Where the decode graph also prefills, ORT runs prompts through it; TensorRT and prefill_graph
+    # runs take prefill.onnx: both are judged ("ort/pre" in the table).
+    runs = {"ort": False, **({"ort/pre": True} if manifest.dims.decode_prefills else {})}
+    passed, cases_run, first, where = True, [], None, None
+    for name, prefill_graph in runs.items():  # one runtime, so one mapping of the weights, at a time
+        with OrtRuntime(artifact, one_graph=True, quant_compute="float", prefill_graph=prefill_graph) as ort:
+            ort.name = name
+            report = compare_backends(graphs_ref, {name: ort}, cases, tol, steps, probes=False, free_running=False)
+        entry = report["backends"][name]
+        passed, cases_run = passed and report["passed"], cases_run + entry["cases"]
+        if first is None and entry["first_divergence"]:
+            first = entry["first_divergence"]
+            where = describe_divergence(name, first)
+    quantized = manifest.precision.quantized
+    record = {"passed": passed, "reference": "torch float32" + (", quantized weights" if quantized else ""),
+              "steps": steps, "tolerance": dataclasses.asdict(tol), "comparisons": cases_run,
+              "first_divergence": first}
+    table = format_table([Comparison.from_dict(c) for c in cases_run])
+    if quantized and passed:
+        from tk.toolkit.verify.quant import check_fused, quantization_error
+
+        record["fused_matmulnbits"] = check_fused(artifact, manifest)
+        record["quantization"], q_table = quantization_error(artifact, manifest, full_ref, cases, steps)
+        table += "\n" + q_table
+    return record, table, where
+
+
+def _reference_runs(open_reference, precision, cases, steps, tol) -> tuple[ReferenceRun, ReferenceRun | None]:
+    """(the run the graphs must match, the full-precision run when the weights are quantized)."""
+    runs = []
+    for quantized in ([True, False] if precision.quantized else [False]):
+        with open_reference(quantized) as ref:  # unloaded before the next, and before ORT loads
+            runs.append(run_reference(ref, cases, steps, tol, probes=False))
+    return runs[0], runs[1] if len(runs) > 1 else None
+
+
+def reference_run(model_dir: Path, config, options: ExportOptions,
+                  steps: int = VALIDATION_STEPS) -> tuple[ReferenceRun, ReferenceRun | None]:
+    """What validation compares ORT with: the float32 reference decoder of the checkpoint on the
+    validation cases (a debug export localizes to the layer outputs; quantized weights: also the
+    quantized reference). Needs no artifact, so export runs it in a child process while it writes
+    and traces."""
+    dims = graph_dims(config, options.precision, options.variant)
+    tol = tolerance_for(options.precision.activations, config.to_dict())
+    p = options.precision
+    return _reference_runs(lambda quantized: torch_reference(
+        model_dir, dims, config.max_position_embeddings, debug=options.variant.debug_outputs,
+        quantized=p if quantized else None), p, random_cases(dims.vocab_size), steps, tol)
+
+
+def run_validation(tmp: Path, manifest: Manifest, reference: "Background", progress: Callable[[str], None]) -> None:
+    t = time.perf_counter()
+    ref = reference.result()
+    progress(f"reference: torch float32 on the checkpoint, in a child process beside the export: "
+             f"{reference.seconds:.1f} s ({time.perf_counter() - t:.1f} s waited)")
+    t = time.perf_counter()
+    manifest.validation, table, where = validate(tmp, manifest, reference=ref)
+    manifest.write(tmp)
+    verdict = "passed" if manifest.validation["passed"] else "FAILED"
+    progress(f"validate ORT vs torch float32 ({VALIDATION_STEPS} decode steps): {verdict}, "
+             f"{time.perf_counter() - t:.1f} s")
+    q = manifest.validation.get("quantization")
+    if q is not None:
+        fused = manifest.validation["fused_matmulnbits"]
+        progress(f"quantized MatMuls fused into MatMulNBits: {fused['prefill']} and {fused['decode']}, all; "
+                 f"quantization error vs full precision: top-1 {q['top1_mean']:.3f}, top-5 {q['top5_mean']:.3f}, "
+                 f"KL {q['kl_max_mean']:.3g}" + ("" if q["within_table"] else
+                                                 " -- MORE than the table expects: measure it on your text "
+                                                 "with tk eval before you deploy"))
+    if not manifest.validation["passed"]:
+        raise CheckFailed(f"export validation failed: {where or 'ort failed its ' + manifest.dtype + ' tolerance'}",
+                          table)
