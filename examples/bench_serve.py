@@ -30,8 +30,6 @@ from urllib.parse import urlparse
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 PROMPT_LENS = (16, 48, 96, 160)
 OUTPUT_LENS = (32, 64, 128, 96)

@@ -132,7 +132,6 @@ def watched(cmd: list[str], max_rss: int) -> str:
 
 RUNTIME = """
 import json, sys
-sys.path.insert(0, {root!r})
 from tk.runtimes.ort_runtime import OrtRuntime
 from tk.runtimes.generate import generate
 def mem():
@@ -161,7 +160,6 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="tk export and genai's builder, alternated, this many times")
     ap.add_argument("--report", type=Path)
     args = ap.parse_args()
-    root = str(Path(__file__).resolve().parents[1])
     ckpt, art = args.work / "checkpoint", args.work / "artifact"
     if not (ckpt / "config.json").is_file():
         t = time.perf_counter()
@@ -206,7 +204,7 @@ def main() -> None:
         report["genai_runs_s"] = genai_walls
         report["export_time_ratio"] = statistics.median(t / g for t, g in zip(walls, genai_walls))
     for prepack in (False,) if args.no_prepacked else (False, True):
-        code = RUNTIME.format(root=root, art=str(art), prepack=prepack)
+        code = RUNTIME.format(art=str(art), prepack=prepack)
         result = watched([sys.executable, "-c", code], int(args.max_rss_gib * 2**30))
         report["ort_prepacked" if prepack else "ort_shared"] = json.loads(result.strip().splitlines()[-1])
     gib = 2**30

@@ -19,18 +19,15 @@ import argparse
 import dataclasses
 import json
 import math
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tk.models.decoder import rope_inv_freq  # noqa: E402
-from tk.models.loading import load_decoder  # noqa: E402
-from tk.models.presets import PRESETS, write_preset  # noqa: E402
-from tk.runtimes.torch_runtime import TorchRuntime  # noqa: E402
-from tk.toolkit.verify.metrics import random_cases, tolerance_for  # noqa: E402
-from tk.toolkit.verify.compare import compare_backends  # noqa: E402
+from tk.models.decoder import rope_inv_freq
+from tk.models.loading import load_decoder
+from tk.models.presets import PRESETS, write_preset
+from tk.runtimes.torch_runtime import TorchRuntime
+from tk.toolkit.verify.metrics import random_cases, tolerance_for
+from tk.toolkit.verify.compare import compare_backends
 
 
 def mutate(model, kind: str, eps: float):
