@@ -45,10 +45,10 @@ class GraphModule(nn.Module):
     """
 
     def __init__(self, model: Decoder, static: bool = False, output_hidden: bool = False, fused: bool = False,
-                 last_only: bool = False, unpadded: bool = False):
+                 last_only: bool = False, decode_prefills: bool = False):
         super().__init__()
         self.model, self.static, self.output_hidden, self.fused = model, static, output_hidden, fused
-        self.last_only, self.unpadded = last_only, unpadded
+        self.last_only, self.decode_prefills = last_only, decode_prefills
 
     def forward(self, input_ids, attention_mask, position_ids, *rest):
         write_index = None
@@ -59,7 +59,7 @@ class GraphModule(nn.Module):
             from tk.models import ort_kernels
 
             out = ort_kernels.forward(self.model, input_ids, attention_mask, position_ids, past, write_index,
-                                      self.last_only, self.unpadded)
+                                      self.last_only, self.decode_prefills)
         else:
             out = self.model(input_ids, attention_mask, position_ids, past, write_index, self.output_hidden,
                              self.last_only)
@@ -149,7 +149,7 @@ def _example(graph: str, model: Decoder, dims: contract.GraphDims, fused: bool =
         shapes = {"input_ids": tokens, "attention_mask": {0: batch}, "position_ids": tokens,
                   "rest": ({0: batch}, *({0: batch} for _ in past))}  # write_indices, then the cache
         return GraphModule(model, static=True, output_hidden=output_hidden, fused=fused,
-                           last_only=dims.decode_prefills, unpadded=dims.decode_prefills), args, shapes
+                           last_only=dims.decode_prefills, decode_prefills=dims.decode_prefills), args, shapes
     if graph == contract.PREFILL:
         seq = Dim(contract.SEQ, min=1)
         ids = torch.randint(0, c.vocab_size, (B, S))

@@ -103,12 +103,12 @@ def _(qkv, past_k, past_v, seqlens_k, total, cos_cache, sin_cache, position_ids,
 
 def fused_attention_inputs(inv_freq: torch.Tensor, positions: int, attention_mask: torch.Tensor,
                            position_ids: torch.Tensor, sliding_window: int | None, write_index: torch.Tensor | None,
-                           dtype: torch.dtype, unpadded: bool = False) -> FusedAttentionInputs:
+                           dtype: torch.dtype, decode_prefills: bool = False) -> FusedAttentionInputs:
     """GroupQueryAttention's side inputs for one decode step of S new tokens per row (position_ids
     (B, S); S > 1 only over a static cache whose decode graph also prefills); positions: how many
     rows the RoPE tables need. The kernel itself is causal, never looks past a row's newest
     token (seqlens_k) and applies the sliding window (local_window_size), so a bias carries only
-    padding (hiding every padding key but each token itself). With `unpadded` (the cache rows of
+    padding (hiding every padding key but each token itself). With `decode_prefills` (the cache rows of
     a decode graph that also prefills: every row's tokens from index 0, so attention_mask is 1
     exactly on the row's first seqlens_k + 1 positions) there is no bias at all: GroupQueryAttention
     then reads no mask, and the step has a dozen fewer nodes."""
@@ -118,7 +118,7 @@ def fused_attention_inputs(inv_freq: torch.Tensor, positions: int, attention_mas
     freqs = torch.arange(positions, dtype=torch.float32, device=device)[:, None] * inv_freq  # (N, R/2)
     first = torch.full((B,), T - 1, device=device) if write_index is None else write_index  # the first new token's index
     bias = None
-    if not unpadded:
+    if not decode_prefills:
         at = first[:, None] + torch.arange(S, device=device)  # (B, S): each new token's cache index
         dist = at[:, :, None] - torch.arange(T, device=device)  # (B, S, T)
         visible = attention_mask[:, None, :].bool() | (dist == 0)
@@ -131,17 +131,17 @@ def fused_attention_inputs(inv_freq: torch.Tensor, positions: int, attention_mas
 
 def forward(model: Decoder, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
             past_key_values: KVCache | None = None, write_index: torch.Tensor | None = None,
-            last_only: bool = False, unpadded: bool = False) -> tuple[torch.Tensor, KVCache]:
+            last_only: bool = False, decode_prefills: bool = False) -> tuple[torch.Tensor, KVCache]:
     """`Decoder.forward` through the fused kernels: the residual stream carried as (h, delta) so
     each add meets its norm in one SkipSimplifiedLayerNormalization, and in decode (a past is
-    given) one GroupQueryAttention per layer. `unpadded`: see fused_attention_inputs."""
+    given) one GroupQueryAttention per layer. `decode_prefills`: see fused_attention_inputs."""
     cfg = model.config
     x = model.embed_inputs(input_ids)  # (B, S, C)
     fused = None
     if past_key_values is not None:  # decode: GroupQueryAttention does RoPE and masking itself
         positions = attention_mask.shape[1] if write_index is not None else cfg.max_position_embeddings
         fused = fused_attention_inputs(model.inv_freq, positions, attention_mask, position_ids, cfg.sliding_window,
-                                       write_index, x.dtype, unpadded)
+                                       write_index, x.dtype, decode_prefills)
     else:
         cos, sin = rope_cos_sin(position_ids, model.inv_freq, x.dtype)
         mask = causal_mask(attention_mask, input_ids.shape[1], cfg.sliding_window, write_index)

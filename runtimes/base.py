@@ -6,38 +6,34 @@ is refused, as Polygraphy's runners refuse), and offers
     start(input_ids, attention_mask) -> (StepOutput, Session)   # prefill a left-padded batch
     step(session, tokens) -> StepOutput                         # one token per row
 
-The session holds each row's positions, the mask and the cache (torch tensors, OrtValues, device
-buffers: opaque to callers), so the loop, parity, the probes and a server never build masks or
-positions; `session.keep(rows)` lets finished rows leave. How the cache grows is the export's
-cache layout (runtimes/cache_layouts.py), written once for every backend: a backend implements
-only `_load`, `_run` (one graph, contract-named numpy feeds) and a few buffer hooks.
-Imports nothing heavy.
+The session (runtimes/session.py) holds each row's positions, the mask and the cache (torch
+tensors, OrtValues, device buffers: opaque to callers), so the loop, parity, the probes and a
+server never build masks or positions; `session.keep(rows)` lets finished rows leave. How the
+cache grows is the export's cache layout (runtimes/cache_layouts.py), written once for every
+backend: a backend implements only `_load`, `_unload` (which puts back what `_load` set), `_run`
+(one graph, contract-named numpy feeds) and a few buffer hooks. Serving's slots are not the
+runtime's: runtimes/slots.py opens them over a runtime and its static layout. Imports nothing heavy.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import Any
+from typing import Literal
 
 import numpy as np
 
 from tk.models import contract
-from tk.models.artifact import ArtifactError  # noqa: F401  (raised by backends; re-exported for them)
+from tk.models.artifact import ArtifactError
 from tk.models.dtypes import DTYPES
-from tk.models.errors import TkError
+from tk.runtimes.cache_layouts import layout_for
+from tk.runtimes.errors import BackendUnavailable, InputError, RuntimeProblem
+from tk.runtimes.session import Session, StepOutput
 
+# the interface's own names, and what backends raise (ArtifactError from the artifact's checks)
+__all__ = ["ArtifactError", "BackendUnavailable", "InputError", "PrefillVia", "Runtime", "RuntimeProblem",
+           "Session", "StepOutput", "check_inputs", "check_token_ids"]
 
-class RuntimeProblem(TkError):
-    """Base of the errors runtimes raise for the CLI to report."""
-
-
-class BackendUnavailable(RuntimeProblem):
-    """An optional library or device this backend needs is missing; the message says how to get it."""
-
-
-class InputError(RuntimeProblem, ValueError):
-    """Inputs do not fit the contract or the backend's limits."""
+PrefillVia = Literal["decode", "prefill"]  # which graph a static cache's prompts run through
 
 
 def check_inputs(graph: str, dims: contract.GraphDims, feeds: dict[str, tuple[tuple, str]]) -> None:
@@ -74,78 +70,32 @@ def shape_and_dtype(array: np.ndarray) -> tuple[tuple, str]:
     return array.shape, str(array.dtype)
 
 
-@dataclass
-class StepOutput:
-    logits: np.ndarray  # float32 (B, S or 1, V)
-    hidden: list[np.ndarray] | None = None  # per layer (B, S, C) float32: debug exports only
-
-
-class Session:
-    """One left-padded batch being decoded on one runtime.
-
-    `rows` are the caller's ids of the rows still in the session (0..B-1 at start); `positions`
-    (B, 1) each row's last position id; `length` the cache positions written (the same for every
-    row of one prefill: left padding fills the gap). `cache` and `state` belong to the layout and
-    the backend. Close it (or use `with`) to release device buffers.
-    """
-
-    def __init__(self, runtime: "Runtime", cache: list, mask: np.ndarray, room: int):
-        B, T = mask.shape
-        self.runtime, self.cache = runtime, cache
-        self.rows = list(range(B))
-        self.length = T
-        self.positions = mask.sum(-1, keepdims=True) - 1  # (B, 1): the last token's, a real one
-        self.mask = np.ones((B, T + max(room, 1)), dtype=np.int64)  # grows as a view (no array per step)
-        self.mask[:, :T] = mask
-        self.state: dict[str, Any] = {}  # the backend's own (an ORT binding, say)
-
-    @property
-    def batch(self) -> int:
-        return len(self.rows)
-
-    def keep(self, rows: list[int]) -> None:
-        """Keep only these rows (indices into `rows`, in order): finished rows stop being computed."""
-        if list(rows) == list(range(self.batch)):
-            return
-        idx = np.asarray(rows, dtype=np.int64)
-        self.rows = [self.rows[i] for i in rows]
-        self.positions = self.positions[idx]
-        self.mask = self.mask[idx]
-        self.runtime.layout.keep(self.runtime, self, idx)
-
-    def close(self) -> None:
-        if self.cache is not None:
-            self.runtime.layout.release(self.runtime, self)
-            self.cache = None
-        self.runtime._release_session(self)
-        self.state.clear()
-
-    def __enter__(self) -> "Session":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
 class Runtime(ABC):
-    """One backend. Subclasses implement `_load`, `_run` and, for caches they keep off the host,
-    the buffer hooks below (the defaults are numpy's)."""
+    """One backend. Subclasses implement `_load`, `_unload`, `_run` and, for caches they keep off
+    the host, the buffer hooks below (the defaults are numpy's)."""
 
     name = "base"
+    # A static cache's prompts run through prefill.onnx; a backend whose decode graph can also
+    # prefill them (dims.decode_prefills) may say "decode" (ORT on the CPU: one session).
+    prefill_via: PrefillVia = "prefill"
 
     def __init__(self, dims: contract.GraphDims, max_context: int):
-        from tk.runtimes.cache_layouts import layout_for
-
         self.dims = dims  # the graphs this runtime runs, always
         self.layout = layout_for(dims)
         self.past_names = contract.past_names(dims.num_layers)
         self.present_names = contract.present_names(dims.num_layers)
         self.max_context = min(max_context, dims.kv_capacity or max_context)
+        self.max_batch: int | None = None  # the most rows one run may take (TensorRT: its engines' profiles)
+        self.max_prompt: int | None = None  # the longest prefill (the same)
         self.active = False
 
     def activate(self) -> "Runtime":
         if not self.active:
-            self._load()
+            try:
+                self._load()
+            except BaseException:  # what a load that failed half way had set goes back too
+                self._unload()
+                raise
             self.active = True
         return self
 
@@ -181,38 +131,6 @@ class Runtime(ABC):
         check_token_ids(tokens, self.dims.vocab_size)
         return self.layout.step(self, session, tokens)
 
-    # --- slots (a static-capacity cache only): continuous batching, runtimes/batching.py ---
-
-    def open_slots(self, count: int) -> Session:
-        """A session of `count` empty slots, which requests take (`admit`) and leave (`free`)."""
-        from tk.runtimes.batching import slots_problem
-
-        self._require_active()
-        problem = slots_problem(self.dims)
-        if problem:
-            raise InputError(problem)
-        if self.max_batch is not None and count > self.max_batch:
-            raise InputError(f"the {self.name} backend runs batches of at most {self.max_batch}: use --slots "
-                             f"{self.max_batch}, or rebuild with tk build-engine --max-batch {count}")
-        return self.layout.open_slots(self, count)
-
-    def admit(self, session: Session, slot: int, prompt: list[int]) -> StepOutput:
-        """Prefill `prompt` alone into `slot` (which must be free) -> its logits."""
-        ids = np.asarray(prompt, dtype=np.int64).reshape(1, -1)
-        check_token_ids(ids, self.dims.vocab_size)
-        return self.layout.admit(self, session, slot, ids)
-
-    def free(self, session: Session, slot: int) -> None:
-        self.layout.free(session, slot)
-
-    def step_slots(self, session: Session, tokens: np.ndarray, active: list[int]) -> StepOutput:
-        """One decode step of the `active` slots; `tokens` (max(active) + 1,) holds each active
-        slot's last token (the others' are ignored) -> logits (max(active) + 1, 1, V)."""
-        n = max(active) + 1 if self.row_views else session.batch
-        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1, 1)
-        check_token_ids(tokens, self.dims.vocab_size)
-        return self.layout.step_slots(self, session, tokens, active, n)
-
     def cache_arrays(self, session: Session) -> list[np.ndarray]:
         """The session's cache as float32 (B, Hkv, length, D) arrays in contract order (copies; for
         parity and probes, not the loop)."""
@@ -224,7 +142,8 @@ class Runtime(ABC):
     def _load(self) -> None: ...
 
     def _unload(self) -> None:
-        pass
+        """Undo `_load`: every attribute it set goes back to what it was before (Polygraphy's
+        runners are checked for this; tests/test_runtime_state.py checks tk's)."""
 
     @abstractmethod
     def _run(self, graph: str, feeds: dict[str, np.ndarray], past: list | None, session: Session | None,
@@ -243,10 +162,7 @@ class Runtime(ABC):
         rows = slice(None) if row is None else slice(row, row + 1)
         dst[rows, :, :length] = self._to_numpy(src)
 
-    prefills_in_decode = False  # a static cache's prompts run through the decode graph (dims.decode_prefills)
     row_views = True  # `_leading` views a buffer's first rows without a copy (else slots run every row)
-    max_batch: int | None = None  # the most rows one run may take (TensorRT: its engines' profiles)
-    max_prompt: int | None = None  # the longest prefill
 
     def _leading(self, buf, n: int):
         """The first `n` batch rows of a cache buffer, sharing its memory."""
@@ -262,7 +178,8 @@ class Runtime(ABC):
         pass
 
     def _release_session(self, session: Session) -> None:
-        """Free what the backend keeps in `session.state` (called on close and when rows leave)."""
+        """Free what the backend keeps in `session.backend` (on close and when rows leave; the
+        session then sets it to None)."""
 
     def _take(self, buffers: list, rows: np.ndarray) -> list:
         """The cache of the given batch rows (a session's rows leaving)."""

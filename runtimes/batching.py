@@ -1,19 +1,20 @@
 """Continuous batching over a static-capacity cache's slots, written once for every backend.
 
-`Engine` runs a loop on a thread of its own. Between decode steps it lets cancelled requests
+`Batcher` runs a loop on a thread of its own. Between decode steps it lets cancelled requests
 leave and admits waiting ones, each prefilled alone into a free slot (the lowest: the step
 computes only up to the last busy slot), exactly as `tk generate` of that prompt alone would
 prefill it; every step then decodes all running requests together, each at its own length and
-write index (runtimes/cache_layouts.StaticLayout's slots). A request that finishes (EOS, its
-token budget, its front end's stop) or is cancelled leaves at once and frees its slot. Each
-request samples with a `Sampler` of its own (its seed, temperature, top-k/p, repetition
-penalty), so its tokens do not depend on what else shares its steps.
+write index (runtimes/slots.py). Each request samples with a `Sampler` of its own (its seed,
+temperature, top-k/p, repetition penalty), so its tokens do not depend on what else shares its
+steps, and ends by the same `RowPolicy` as its solo run (runtimes/rows.py: EOS, its token budget,
+its front end's stop); or it is cancelled, or fails alone. Either way it leaves at once and frees
+its slot.
 
-Front ends (toolkit/serving/openai_server.py's HTTP server, the Triton model that toolkit/serving/triton_repo.py
-writes) submit `Request`s and hear of each token through the request's `on_event`, called on the
-engine's thread: keep it short (hand the event to another thread or an event loop). Stop strings
-belong to the front end, which has the text: its `stop(tokens)` is asked after each token.
-Limits: `slots` requests run at once and `max_queue` wait; beyond that `submit` raises
+Front ends (toolkit/serving/frontend.py, under the HTTP server and the Triton model) submit
+`Request`s and hear of each token through the request's `on_event`, called on the batcher's
+thread, never under its lock: keep it short (hand the event to another thread or an event loop).
+Stop strings belong to the front end, which has the text: its `stop(tokens)` is asked after each
+token. Limits: `slots` requests run at once and `max_queue` wait; beyond that `submit` raises
 `QueueFull`, never drops a request. Imports nothing heavy.
 """
 
@@ -30,35 +31,26 @@ from typing import Callable, Sequence
 import numpy as np
 
 from tk.runtimes.base import InputError, Runtime, RuntimeProblem, check_token_ids
-from tk.runtimes.generate import TokenEvent
+from tk.runtimes.rows import FinishReason, RowPolicy, TokenEvent, seen_matrix
 from tk.runtimes.sampling import Sampler, SamplingConfig
+from tk.runtimes.slots import Slots
 
-log = logging.getLogger("tk.engine")
-
-FINISH_REASONS = ("eos", "stop", "length", "cancelled", "error")
-
-
-def slots_problem(dims) -> str | None:
-    """Why an artifact's graphs cannot hold slots (None: they can)."""
-    if dims.kv_capacity is None:
-        return ("continuous batching needs a static-capacity cache: re-export with "
-                "--kv-cache static --max-seq-len N")
-    return None
+log = logging.getLogger("tk.batcher")
 
 
 class QueueFull(RuntimeProblem):
     """Every slot is busy and the queue is full: retry later (HTTP 429)."""
 
 
-class EngineClosed(RuntimeProblem):
-    """The engine is shutting down and takes no new requests (HTTP 503)."""
+class BatcherClosed(RuntimeProblem):
+    """The batcher is shutting down (or not started) and takes no new requests (HTTP 503)."""
 
 
 @dataclass(eq=False)
 class Request:
     """One prompt's generation. `on_event(TokenEvent)` hears each new token and, last, the finish
-    (token None, finish_reason set), on the engine's thread; `stop(tokens)` is asked after each
-    token. The engine fills `tokens`, `finish_reason` and `error`; `done` is set at the end."""
+    (token None, finish_reason set), on the batcher's thread; `stop(tokens)` is asked after each
+    kept token. The batcher fills `tokens`, `finish_reason` and `error`; `done` is set at the end."""
 
     prompt: Sequence[int]
     max_new_tokens: int
@@ -68,23 +60,24 @@ class Request:
     stop: Callable[[list[int]], bool] | None = None
     id: int = -1
     tokens: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     error: str | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
 
 class _Running:
-    """A request in its slot: its sampler and the tokens it has seen (repetition penalty)."""
+    """A request in its slot: its sampler and its row's policy (whose tokens are the request's)."""
 
-    def __init__(self, request: Request, vocab_size: int):
+    __slots__ = ("request", "sampler", "policy")
+
+    def __init__(self, request: Request, eos_ids: frozenset, vocab_size: int):
         self.request, self.sampler = request, Sampler(request.sampling)
-        self.seen = None
-        if request.sampling.repetition_penalty != 1.0:
-            self.seen = np.zeros((1, vocab_size), dtype=bool)
-            self.seen[0, list(request.prompt)] = True
+        self.policy = RowPolicy(request.prompt, request.max_new_tokens, eos_ids, request.ignore_eos,
+                                seen_matrix(request.sampling, vocab_size, 1), request.stop)
+        request.tokens = self.policy.tokens
 
 
-class Engine:
+class Batcher:
     """Start it (or use `with`), `submit` requests, `cancel` them, `close` it. Counters for
     metrics: `running`, `waiting`, `finished[reason]`, `steps`."""
 
@@ -102,8 +95,9 @@ class Engine:
         self._admitting = 0  # taken from the queue, not yet in a slot
         self._last = np.zeros(slots, dtype=np.int64)  # each slot's last token: the next step's input
         self._ids = itertools.count()
+        self._rows: Slots | None = None  # the runtime's slots, open while the batcher runs
         self._thread: threading.Thread | None = None
-        self.finished = {reason: 0 for reason in FINISH_REASONS}
+        self.finished = {reason: 0 for reason in FinishReason}
         self.steps = 0
 
     # --- the front end's side ---
@@ -120,18 +114,20 @@ class Engine:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def start(self) -> "Engine":
+    def start(self) -> "Batcher":
+        if self._rows is not None or self._closing:
+            raise RuntimeError("a batcher starts once")
         self.runtime.activate()
         try:
-            self.session = self.runtime.open_slots(self.slots)
+            self._rows = Slots(self.runtime, self.slots)
         except BaseException:
             self.runtime.deactivate()  # what it loaded (device buffers, sessions) goes back
             raise
-        self._thread = threading.Thread(target=self._loop, name="tk-engine", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="tk-batcher", daemon=True)
         self._thread.start()
         return self
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> "Batcher":
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -139,24 +135,17 @@ class Engine:
 
     def check(self, prompt: Sequence[int], max_new_tokens: int) -> None:
         """Refuse what no slot can hold (InputError, a one-line message for a 400)."""
-        if not prompt:
-            raise InputError("empty prompt: give at least one token")
-        if max_new_tokens <= 0:
-            raise InputError(f"max new tokens must be positive, got {max_new_tokens}")
+        RowPolicy.check(len(prompt), max_new_tokens, self.runtime.max_context)
         check_token_ids(np.asarray(prompt, dtype=np.int64), self.runtime.dims.vocab_size)
         if self.runtime.max_prompt is not None and len(prompt) > self.runtime.max_prompt:
             raise InputError(f"a prompt of {len(prompt)} tokens is longer than the {self.runtime.name} backend's "
                              f"{self.runtime.max_prompt}; shorten it (or rebuild with a larger --max-input-len)")
-        if len(prompt) + max_new_tokens > self.runtime.max_context:
-            raise InputError(f"a prompt of {len(prompt)} tokens plus {max_new_tokens} new tokens exceeds the "
-                             f"model's context of {self.runtime.max_context}; shorten the prompt or ask for "
-                             "fewer new tokens")
 
     def submit(self, request: Request) -> Request:
         self.check(request.prompt, request.max_new_tokens)
         with self._cv:
             if self._closing or not self.alive:
-                raise EngineClosed("the engine is shutting down and takes no new requests")
+                raise BatcherClosed("the batcher is shutting down and takes no new requests")
             if len(self._running) + self._admitting + len(self._waiting) >= self.slots + self.max_queue:
                 raise QueueFull(f"all {self.slots} slots are busy and the queue of {self.max_queue} is full; "
                                 "retry later")
@@ -170,12 +159,14 @@ class Engine:
         with self._cv:
             if request.done.is_set():
                 return
-            if request in self._waiting:
+            queued = request in self._waiting
+            if queued:
                 self._waiting.remove(request)
-                self._finish(request, "cancelled")
-                return
-            self._cancel.add(request)
-            self._cv.notify()
+            else:
+                self._cancel.add(request)
+                self._cv.notify()
+        if queued:  # outside the lock: the front end's callback runs
+            self._finish(request, FinishReason.CANCELLED)
 
     def close(self, timeout: float = 0.0) -> None:
         """Take no new requests; let the running and waiting ones finish for up to `timeout`
@@ -190,32 +181,32 @@ class Engine:
                 self._cv.notify()
             self._thread.join()
             self._thread = None
-            self.session.close()
+            self._rows.close()
             self.runtime.deactivate()
 
     # --- the loop ---
 
     def _loop(self) -> None:
         while True:
+            dropped: list[Request] = []
             with self._cv:
                 while not (self._waiting or self._running or self._cancel or self._closing):
                     self._cv.wait()
                 if self._abort:
                     self._cancel.update(r.request for r in self._running.values())
-                    while self._waiting:
-                        self._finish(self._waiting.popleft(), "cancelled")
-                if self._closing and not (self._waiting or self._running):
+                    dropped, self._waiting = list(self._waiting), deque()
+                if self._closing and not (self._waiting or self._running) and not dropped:
                     return
                 cancel, self._cancel = self._cancel, set()
                 admit = [self._waiting.popleft() for _ in range(min(len(self._waiting), self.slots - len(self._running)))]
                 self._admitting = len(admit)
+            for request in dropped:
+                self._finish(request, FinishReason.CANCELLED)
             try:
                 for slot in [s for s, r in self._running.items() if r.request in cancel]:
-                    self._leave(slot, "cancelled")
+                    self._leave(slot, FinishReason.CANCELLED)
                 for request in admit:
                     self._admit(request)
-                    with self._cv:
-                        self._admitting -= 1
                 if self._running:
                     self._step()
             except Exception as e:  # noqa: BLE001: a bug here must not strand the requests (they would hang)
@@ -226,26 +217,30 @@ class Engine:
                 self._fail(list(self._running), e)
                 for request in stranded:
                     request.error = f"{type(e).__name__}: {e}"
-                    self._finish(request, "error")
+                    self._finish(request, FinishReason.ERROR)
 
     def _admit(self, request: Request) -> None:
         slot = min(set(range(self.slots)) - set(self._running))
         try:
-            self._running[slot] = _Running(request, self.runtime.dims.vocab_size)
-            out = self.runtime.admit(self.session, slot, list(request.prompt))
-        except Exception as e:  # noqa: BLE001: this request fails; the engine and the others go on
-            if slot in self._running:
-                self._fail([slot], e)
-            else:
-                request.error = f"{type(e).__name__}: {e}"
-                self._finish(request, "error")
-            return
+            running = _Running(request, self.eos, self.runtime.dims.vocab_size)
+        except Exception as e:  # noqa: BLE001: this request fails; the batcher and the others go on
+            with self._cv:
+                self._admitting -= 1
+            request.error = f"{type(e).__name__}: {e}"
+            return self._finish(request, FinishReason.ERROR)
+        with self._cv:  # from the queue's count to the slots', at once (submit counts both)
+            self._admitting -= 1
+            self._running[slot] = running
+        try:
+            out = self._rows.admit(slot, request.prompt)
+        except Exception as e:  # noqa: BLE001
+            return self._fail([slot], e)
         self._next(slot, out.logits[:, -1])
 
     def _step(self) -> None:
         active = sorted(self._running)
         try:
-            out = self.runtime.step_slots(self.session, self._last[: active[-1] + 1], active)
+            out = self._rows.step(self._last[: active[-1] + 1], active)
         except Exception as e:  # noqa: BLE001
             self._fail(active, e)
             return
@@ -263,36 +258,31 @@ class Engine:
     def _sample(self, slot: int, logits: np.ndarray) -> None:
         """Sample the slot's next token from its logits (1, V); tell the front end; maybe leave."""
         r = self._running[slot]
-        request = r.request
-        token = int(r.sampler(logits, r.seen, [0], 1)[0])
-        if token in self.eos and not request.ignore_eos:
-            return self._leave(slot, "eos")
-        request.tokens.append(token)
-        if r.seen is not None:
-            r.seen[0, token] = True
+        policy = r.policy
+        token = int(r.sampler(logits, policy.seen, [0], 1)[0])
+        if not policy.add(token):
+            return self._leave(slot, policy.finish_reason)
         self._last[slot] = token
-        self._tell(request, TokenEvent(request.id, token))
-        if request.stop is not None and request.stop(request.tokens):
-            self._leave(slot, "stop")
-        elif len(request.tokens) >= request.max_new_tokens:
-            self._leave(slot, "length")
+        self._tell(r.request, TokenEvent(0, token))
+        if policy.finished():
+            self._leave(slot, policy.finish_reason)
 
-    def _leave(self, slot: int, reason: str) -> None:
+    def _leave(self, slot: int, reason: FinishReason) -> None:
         request = self._running.pop(slot).request
-        self.runtime.free(self.session, slot)
+        self._rows.free(slot)
         self._finish(request, reason)
 
     def _fail(self, slots: list[int], error: Exception) -> None:
-        log.error("the engine failed a step of %d request(s)", len(slots), exc_info=error)
+        log.error("the batcher failed a step of %d request(s)", len(slots), exc_info=error)
         for slot in slots:
             self._running[slot].request.error = f"{type(error).__name__}: {error}"
-            self._leave(slot, "error")
+            self._leave(slot, FinishReason.ERROR)
 
-    def _finish(self, request: Request, reason: str) -> None:
+    def _finish(self, request: Request, reason: FinishReason) -> None:
         request.finish_reason = reason
         with self._cv:  # cancel() finishes a queued request on its caller's thread
             self.finished[reason] += 1
-        self._tell(request, TokenEvent(request.id, None, reason))
+        self._tell(request, TokenEvent(0, None, reason))
         request.done.set()
 
     @staticmethod
@@ -300,7 +290,7 @@ class Engine:
         if request.on_event is not None:
             try:
                 request.on_event(event)
-            except Exception:  # a front end's callback must not stop the engine
+            except Exception:  # a front end's callback must not stop the batcher
                 log.exception("a request's on_event raised")
 
 

@@ -4,14 +4,15 @@
   position longer; the mask grows by one real position per step.
 - `StaticLayout` (`--kv-cache static --max-seq-len N`): the cache is N-position buffers that the
   decode graph writes in place at per-row `write_indices`; the prefill's present is copied into
-  them once (or, where the decode graph also prefills, each row's prompt runs through it into its
-  row, unpadded), and the mask covers the whole buffer (0 beyond what is written). The same feed
-  arrays are rewritten in place every step, so a backend may bind them once per session. Its
-  slots (`open_slots`, `admit`, `step_slots`, `free`) are one session whose rows requests take
-  and leave, each at its own length: the continuous batching of runtimes/batching.py.
+  them once (or, where the runtime prefills through the decode graph, each row's prompt runs
+  through it into its row), and the mask covers the whole buffer (0 beyond what is written). The
+  same feed arrays are rewritten in place every step, so a backend may bind them once per
+  session. Its rows can also be slots, one session whose rows requests take and leave, each at
+  its own length (`open_slots`, `admit`, `step_slots`, `free`; serving's runtimes/slots.py).
 
-Backends supply the buffers (`Runtime._alloc_cache`, `_write_prefix`, `_take`, `_release`,
-`_to_numpy`); the layouts own the masks, positions, capacity guards and write indices.
+The layouts' `rt` is the session's runtime (tk.runtimes.base.Runtime, which imports this
+module): backends supply the buffers (`_alloc_cache`, `_write_prefix`, `_take`, `_release`,
+`_to_numpy`, `_leading`); the layouts own the masks, positions, capacity guards and write indices.
 """
 
 from __future__ import annotations
@@ -19,35 +20,50 @@ from __future__ import annotations
 import numpy as np
 
 from tk.models import contract
-from tk.runtimes.base import InputError, Runtime, Session, StepOutput
+from tk.runtimes.errors import InputError
+from tk.runtimes.session import Session, StaticState, StepOutput
 
 
-def _prefill(rt: Runtime, ids: np.ndarray, mask: np.ndarray) -> tuple[StepOutput, list]:
+def slots_problem(dims: contract.GraphDims) -> str | None:
+    """Why an artifact's graphs cannot hold serving's slots (None: they can)."""
+    if dims.kv_capacity is None:
+        return ("continuous batching needs a static-capacity cache: re-export with "
+                "tk export MODEL -o OUT --for serve (or --for ort-cpu)")
+    return None
+
+
+def _prefill(rt, ids: np.ndarray, mask: np.ndarray) -> tuple[StepOutput, list]:
     feeds = {"input_ids": ids, "attention_mask": mask, "position_ids": contract.position_ids_from_mask(mask)}
     return rt._run(contract.PREFILL, feeds, None, None)
+
+
+def _last_positions(mask: np.ndarray) -> np.ndarray:
+    return mask.sum(-1, keepdims=True) - 1  # (B, 1): the last token's, a real one
 
 
 class _Layout:
     """What both layouts do alike: the cache as arrays, rows leaving, release."""
 
-    def arrays(self, rt: Runtime, s: Session) -> list[np.ndarray]:
+    def arrays(self, rt, s: Session) -> list[np.ndarray]:
         return [rt._to_numpy(b)[:, :, : s.length].astype(np.float32) for b in s.cache]
 
-    def keep(self, rt: Runtime, s: Session, rows: np.ndarray) -> None:
+    def keep(self, rt, s: Session, rows: np.ndarray) -> None:
         s.cache = rt._take(s.cache, rows)
-        rt._release_session(s)
-        s.state.clear()  # whatever the backend bound points at the old buffers
+        s.release_backend_state()  # whatever the backend bound points at the old buffers
 
-    def release(self, rt: Runtime, s: Session) -> None:
+    def release(self, rt, s: Session) -> None:
         rt._release(s.cache)
 
 
 class DynamicLayout(_Layout):
-    def start(self, rt: Runtime, ids: np.ndarray, mask: np.ndarray, room: int) -> tuple[StepOutput, Session]:
+    def start(self, rt, ids: np.ndarray, mask: np.ndarray, room: int) -> tuple[StepOutput, Session]:
         out, present = _prefill(rt, ids, mask)
-        return out, Session(rt, present, mask, room)
+        B, T = mask.shape
+        grown = np.ones((B, T + max(room, 1)), dtype=np.int64)  # grows as a view (no array per step)
+        grown[:, :T] = mask
+        return out, Session(rt, present, grown, _last_positions(mask), T)
 
-    def step(self, rt: Runtime, s: Session, tokens: np.ndarray) -> StepOutput:
+    def step(self, rt, s: Session, tokens: np.ndarray) -> StepOutput:
         if s.length == s.mask.shape[1]:  # past the room reserved at start
             s.mask = np.concatenate([s.mask, np.ones_like(s.mask)], axis=1)
         s.length += 1
@@ -58,53 +74,65 @@ class DynamicLayout(_Layout):
 
 
 class StaticLayout(_Layout):
-    """`unpadded` (a decode graph that also prefills, dims.decode_prefills): every row's tokens sit
-    from cache index 0, each row at its own length, never behind left padding (the graph reads
-    no mask: contract.inputs); `arrays` still shows the left-padded batch the caller gave."""
+    """`decode_prefills` (the export's, dims.decode_prefills: a decode graph that also prefills):
+    every row's tokens sit from cache index 0, each row at its own length, never behind left
+    padding (the graph reads no mask: contract.inputs), whichever graph prefilled them; `arrays`
+    still shows the left-padded batch the caller gave."""
 
-    def __init__(self, capacity: int, unpadded: bool = False):
-        self.capacity, self.unpadded = capacity, unpadded
+    def __init__(self, capacity: int, decode_prefills: bool = False):
+        self.capacity, self.decode_prefills = capacity, decode_prefills
 
-    def start(self, rt: Runtime, ids: np.ndarray, mask: np.ndarray, room: int) -> tuple[StepOutput, Session]:
+    def start(self, rt, ids: np.ndarray, mask: np.ndarray, room: int) -> tuple[StepOutput, Session]:
         B, T = ids.shape
         self._check_prompt(T)
-        d = rt.dims
-        buffers = [rt._alloc_cache((B, d.num_kv_heads, self.capacity, d.head_dim), d.kv_dtype)
-                   for _ in range(2 * d.num_layers)]
-        s = Session(rt, buffers, mask, 0)
-        s.mask = np.zeros((B, self.capacity), dtype=np.int64)
         pads = (T - mask.sum(-1)).tolist()
-        if self.unpadded:  # row b's tokens at 0 .. its length - 1
+        full = np.zeros((B, self.capacity), dtype=np.int64)
+        if self.decode_prefills:  # row b's tokens at 0 .. its length - 1
             if not (mask == (np.arange(T) >= np.array(pads)[:, None])).all():
                 raise InputError("prefill: the attention mask must be left padding (0s, then 1s) in every row")
-            s.write = mask.sum(-1)  # per row: the cache index its next token goes to
-            s.mask[np.arange(self.capacity) < s.write[:, None]] = 1
+            write = mask.sum(-1)
+            full[np.arange(self.capacity) < write[:, None]] = 1
         else:
-            s.write = np.full((B,), T, dtype=np.int64)
-            s.mask[:, :T] = mask
-        if rt.prefills_in_decode:  # each row's tokens alone, through the decode graph
-            out = StepOutput(np.concatenate([self._prefill_row(rt, s, b, ids[b:b + 1, p:]).logits
-                                             for b, p in enumerate(pads)]))
-        else:
-            out, present = _prefill(rt, ids, mask)
-            for buf, src in zip(buffers, present):
-                if self.unpadded:  # each row moves to the front of its cache row
+            write = np.full((B,), T, dtype=np.int64)
+            full[:, :T] = mask
+        positions = _last_positions(mask)
+        s = Session(rt, self._buffers(rt, B), full, positions, T, StaticState.over(full, positions, write))
+        try:
+            return self._prefill_batch(rt, s, ids, mask, pads), s
+        except BaseException:  # a failed prefill (a prompt beyond a TensorRT engine's profile) keeps no buffer
+            s.close()
+            raise
+
+    def _buffers(self, rt, batch: int) -> list:
+        d = rt.dims
+        return [rt._alloc_cache((batch, d.num_kv_heads, self.capacity, d.head_dim), d.kv_dtype)
+                for _ in range(2 * d.num_layers)]
+
+    def _prefill_batch(self, rt, s: Session, ids: np.ndarray, mask: np.ndarray, pads: list[int]) -> StepOutput:
+        if rt.prefill_via == "decode":  # each row's tokens alone, through the decode graph
+            return StepOutput(np.concatenate([self._prefill_row(rt, s, b, ids[b:b + 1, p:]).logits
+                                              for b, p in enumerate(pads)]))
+        T = ids.shape[1]
+        out, present = _prefill(rt, ids, mask)
+        try:
+            for buf, src in zip(s.cache, present):
+                if self.decode_prefills:  # each row moves to the front of its cache row
                     host = rt._to_numpy(src)
                     for b, p in enumerate(pads):
                         rt._write_prefix(buf, host[b:b + 1, :, p:], T - p, row=b)
                 else:
                     rt._write_prefix(buf, src, T)
+        finally:
             rt._release(present)
-        self._feeds(s)
-        return out, s
+        return out
 
-    def arrays(self, rt: Runtime, s: Session) -> list[np.ndarray]:
-        if not self.unpadded:
+    def arrays(self, rt, s: Session) -> list[np.ndarray]:
+        if not self.decode_prefills:
             return super().arrays(rt, s)
         out = []
         for buf in s.cache:
             host, a = rt._to_numpy(buf), np.zeros((s.batch, rt.dims.num_kv_heads, s.length, rt.dims.head_dim), np.float32)
-            for b, w in enumerate(s.write.tolist()):  # row b's tokens, back where its left padding put them
+            for b, w in enumerate(s.static.write.tolist()):  # row b's tokens, back where its left padding put them
                 a[b, :, s.length - w:] = host[b, :, :w]
             out.append(a)
         return out
@@ -115,7 +143,7 @@ class StaticLayout(_Layout):
                              "export with a larger --max-seq-len")
 
     @staticmethod
-    def _prefill_row(rt: Runtime, s: Session, row: int, ids: np.ndarray) -> StepOutput:
+    def _prefill_row(rt, s: Session, row: int, ids: np.ndarray) -> StepOutput:
         """Prefill one row's tokens (1, L) through the decode graph (it takes a run of new tokens:
         contract.inputs' decode_prefills) into row `row` of the cache, from index 0 (the row's
         mask is already 1 on 0 .. L - 1)."""
@@ -125,16 +153,7 @@ class StaticLayout(_Layout):
         out, _ = rt._run(contract.DECODE, feeds, [b[row:row + 1] for b in s.cache], None, in_place=True)
         return out
 
-    @staticmethod
-    def _feeds(s: Session) -> None:
-        s.feeds = {"input_ids": np.zeros((s.batch, 1), np.int64), "attention_mask": s.mask,
-                   "position_ids": s.positions, "write_indices": s.write}
-        # flat int64 views of the same arrays: a step where every row advances updates them one
-        # element at a time, ~18 us cheaper than numpy calls right after a step (whose weights
-        # have just left the CPU's caches) on the 55M model
-        s.views = tuple(memoryview(a).cast("B").cast("q") for a in (s.feeds["input_ids"], s.positions, s.mask, s.write))
-
-    def step(self, rt: Runtime, s: Session, tokens: np.ndarray) -> StepOutput:
+    def step(self, rt, s: Session, tokens: np.ndarray) -> StepOutput:
         if s.length >= self.capacity:  # (the longest row's length)
             raise InputError(f"decode: the static cache holds {self.capacity} positions and is full; "
                              "export with a larger --max-seq-len")
@@ -143,65 +162,64 @@ class StaticLayout(_Layout):
         return out
 
     @staticmethod
-    def _decode(rt: Runtime, s: Session, tokens: np.ndarray, rows: np.ndarray | None, n: int) -> StepOutput:
+    def _decode(rt, s: Session, tokens: np.ndarray, rows: np.ndarray | None, n: int) -> StepOutput:
         """Decode the first `n` rows; of them, `rows` (None: all) advance (each at its own write
         index) and the others sit out: an empty slot writes its throwaway position 0 again and
         moves nothing. The feed arrays are written in place: they are the ones a backend bound."""
+        st = s.static
         if rows is None:
-            ids, positions, mask, write = s.views
+            ids, positions, mask, write = st.views
             width = s.mask.shape[1]
             for b, token in enumerate(tokens.ravel().tolist()):
                 ids[b] = token
                 positions[b] += 1
                 mask[b * width + write[b]] = 1
         else:
-            s.feeds["input_ids"][: len(tokens)] = tokens
+            st.feeds["input_ids"][: len(tokens)] = tokens
             s.positions[rows] += 1
-            s.mask[rows, s.write[rows]] = 1
-        feeds = s.feeds if n == s.batch else {k: v[:n] for k, v in s.feeds.items()}
+            s.mask[rows, st.write[rows]] = 1
+        feeds = st.feeds if n == s.batch else {k: v[:n] for k, v in st.feeds.items()}
         past = s.cache if n == s.batch else [rt._leading(b, n) for b in s.cache]
         out, _ = rt._run(contract.DECODE, feeds, past, s, in_place=True)
         if rows is None:
             for b in range(len(tokens)):
                 write[b] += 1
         else:
-            s.write[rows] += 1
+            st.write[rows] += 1
         return out
 
-    def keep(self, rt: Runtime, s: Session, rows: np.ndarray) -> None:
+    def keep(self, rt, s: Session, rows: np.ndarray) -> None:
         super().keep(rt, s, rows)
-        s.write = s.write[rows]
-        self._feeds(s)
+        s.static = StaticState.over(s.mask, s.positions, s.static.write[rows])
 
-    # --- slots: one session whose rows requests take and leave (runtimes/batching.py) ---
+    # --- slots: one session whose rows requests take and leave (runtimes/slots.py) ---
 
-    def open_slots(self, rt: Runtime, count: int) -> Session:
-        """An empty session of `count` slots, each a row of the capacity buffers."""
-        d = rt.dims
-        buffers = [rt._alloc_cache((count, d.num_kv_heads, self.capacity, d.head_dim), d.kv_dtype)
-                   for _ in range(2 * d.num_layers)]
-        s = Session(rt, buffers, np.ones((count, 1), np.int64), 0)
-        s.mask = np.zeros((count, self.capacity), dtype=np.int64)
-        s.write = np.zeros((count,), dtype=np.int64)
+    def open_slots(self, rt, count: int) -> Session:
+        """An empty session of `count` slots, each a row of the capacity buffers (the session's
+        `length` means nothing here: each row's is its write index)."""
+        mask = np.zeros((count, self.capacity), dtype=np.int64)
+        positions, write = np.zeros((count, 1), dtype=np.int64), np.zeros((count,), dtype=np.int64)
+        s = Session(rt, self._buffers(rt, count), mask, positions, 0, StaticState.over(mask, positions, write))
         for slot in range(count):
             self.free(s, slot)
-        self._feeds(s)
         return s
 
-    def admit(self, rt: Runtime, s: Session, slot: int, ids: np.ndarray) -> StepOutput:
+    def admit(self, rt, s: Session, slot: int, ids: np.ndarray) -> StepOutput:
         """Prefill one prompt (1, T) alone, as `tk generate` of it would, into row `slot`."""
         T = ids.shape[1]
         self._check_prompt(T)
         s.mask[slot] = 0
         s.mask[slot, :T] = 1
         s.positions[slot] = T - 1
-        s.write[slot] = T
-        if rt.prefills_in_decode:
+        s.static.write[slot] = T
+        if rt.prefill_via == "decode":
             return self._prefill_row(rt, s, slot, ids)
         out, present = _prefill(rt, ids, np.ones_like(ids))
-        for buf, src in zip(s.cache, present):
-            rt._write_prefix(buf, src, T, row=slot)
-        rt._release(present)
+        try:
+            for buf, src in zip(s.cache, present):
+                rt._write_prefix(buf, src, T, row=slot)
+        finally:
+            rt._release(present)
         return out
 
     @staticmethod
@@ -210,13 +228,13 @@ class StaticLayout(_Layout):
         s.mask[slot] = 0
         s.mask[slot, 0] = 1
         s.positions[slot] = 0
-        s.write[slot] = 0
+        s.static.write[slot] = 0
 
-    def step_slots(self, rt: Runtime, s: Session, tokens: np.ndarray, active: list[int], n: int) -> StepOutput:
+    def step_slots(self, rt, s: Session, tokens: np.ndarray, active: list[int], n: int) -> StepOutput:
         """One decode step of the `active` slots (each at its own length) over the first `n` rows
         (the rows past the last active one are not computed where the backend can view rows)."""
         rows = np.asarray(active, dtype=np.int64)
-        if s.write[rows].max() >= self.capacity:
+        if s.static.write[rows].max() >= self.capacity:
             raise InputError(f"decode: a slot's static cache of {self.capacity} positions is full")
         return self._decode(rt, s, tokens, rows, n)
 

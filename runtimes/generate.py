@@ -1,11 +1,12 @@
 """The generation loop, written once for every backend, as a stream of token events.
 
 `Generation` left-pads a batch of prompts, starts a session on the runtime, samples with the
-shared `Sampler`, and yields one `TokenEvent` per new token (and one when a row finishes on EOS).
-A row finishes on EOS, the token budget, or when its consumer calls `stop(row)` (stop strings
-live with the text, in toolkit/textgen.py); a finished row leaves the session at once, so it is
-no longer computed. `generate()` collects the events. It knows nothing about tokenization and
-nothing about which backend runs.
+shared `Sampler`, and yields one `TokenEvent` per new token (and one when a row finishes). Each
+row's end is its `RowPolicy` (runtimes/rows.py, the batcher's too): EOS, the token budget, or a
+stop its consumer asks for with `stop(row)` (stop strings live with the text, in
+toolkit/textgen.py); a finished row leaves the session at once, so it is no longer computed.
+`generate()` collects the events. It knows nothing about tokenization and nothing about which
+backend runs.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from tk.runtimes.base import InputError, Runtime
+from tk.runtimes.rows import FinishReason, RowPolicy, TokenEvent, seen_matrix
 from tk.runtimes.sampling import Sampler, SamplingConfig
 
 
@@ -24,7 +26,7 @@ from tk.runtimes.sampling import Sampler, SamplingConfig
 class RowResult:
     prompt_tokens: int
     tokens: list[int] = field(default_factory=list)
-    finish_reason: str = "length"  # "eos" | "stop" | "length"
+    finish_reason: FinishReason = FinishReason.LENGTH  # EOS, STOP or LENGTH
 
 
 @dataclass
@@ -47,17 +49,10 @@ class GenerationResult:
                 "tokens_per_s": self.tokens_per_s, "decode_steps": len(self.decode_s)}
 
 
-@dataclass(frozen=True)
-class TokenEvent:
-    row: int  # the prompt's index
-    token: int | None  # the new token; None when the row ended on EOS (which is not kept)
-    finish_reason: str | None = None  # set on a row's last event: "eos" | "stop" | "length"
-
-
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """-> (input_ids, attention_mask), both (B, max_len) int64, padding on the left."""
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise InputError("empty prompt: give at least one token per prompt")
+    if not prompts:
+        raise InputError("no prompts: give at least one")
     width = max(len(p) for p in prompts)
     ids = np.full((len(prompts), width), pad_id, dtype=np.int64)
     mask = np.zeros((len(prompts), width), dtype=np.int64)
@@ -73,52 +68,41 @@ class Generation:
 
     def __init__(self, runtime: Runtime, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                  sampling: SamplingConfig = SamplingConfig(), eos_ids: Sequence[int] = (), ignore_eos: bool = False):
-        if max_new_tokens <= 0:
-            raise InputError(f"max new tokens must be positive, got {max_new_tokens}")
+        lengths = [len(p) for p in prompts]
+        if lengths:  # the shortest (an empty prompt is refused) and the longest (the padded batch must fit)
+            RowPolicy.check(min(lengths), max_new_tokens, runtime.max_context)
+            RowPolicy.check(max(lengths), max_new_tokens, runtime.max_context)
         self.ids, self.mask = left_pad(prompts)
-        if self.ids.shape[1] + max_new_tokens > runtime.max_context:
-            raise InputError(f"a prompt of {self.ids.shape[1]} tokens plus {max_new_tokens} new tokens exceeds the "
-                             f"model's context of {runtime.max_context}; shorten the prompt or ask for fewer new tokens")
         self.runtime, self.max_new_tokens, self.sampling = runtime, max_new_tokens, sampling
-        self.eos = set() if ignore_eos else set(eos_ids)
-        self.result = GenerationResult([RowResult(prompt_tokens=len(p)) for p in prompts], 0.0, [])
-        self._stopped: set[int] = set()
+        self.seen = seen = seen_matrix(sampling, runtime.dims.vocab_size, len(prompts))  # each row marks its line
+        self.rows = [RowPolicy(p, max_new_tokens, eos_ids, ignore_eos, None if seen is None else seen[b:b + 1])
+                     for b, p in enumerate(prompts)]
+        self.result = GenerationResult([RowResult(len(p), row.tokens) for p, row in zip(prompts, self.rows)], 0.0, [])
 
     def stop(self, row: int) -> None:
-        self._stopped.add(row)
+        self.rows[row].stop()
 
     def __iter__(self) -> Iterator[TokenEvent]:
-        rt, ids, mask, rows = self.runtime, self.ids, self.mask, self.result.rows
+        rt, ids, mask, seen, results = self.runtime, self.ids, self.mask, self.seen, self.result.rows
         B = ids.shape[0]
         sampler = Sampler(self.sampling)
-        seen = None
-        if self.sampling.repetition_penalty != 1.0:
-            seen = np.zeros((B, rt.dims.vocab_size), dtype=bool)
-            r, c = np.nonzero(mask)
-            seen[r, ids[r, c]] = True
         start = time.perf_counter()
         out, session = rt.start(ids, mask, room=self.max_new_tokens)
         with session:
             token = sampler(out.logits[:, -1], seen, session.rows, B)
             self.result.ttft_s = time.perf_counter() - start
-            for step in range(self.max_new_tokens):
+            while True:
                 keep = []
                 for i, (b, t) in enumerate(zip(session.rows, token.tolist())):  # plain Python: B is small
-                    row = rows[b]
-                    if t in self.eos:
-                        row.finish_reason = "eos"
-                        yield TokenEvent(b, None, "eos")
+                    row = self.rows[b]
+                    if not row.add(t):  # EOS
+                        results[b].finish_reason = row.finish_reason
+                        yield TokenEvent(b, None, row.finish_reason)
                         continue
-                    row.tokens.append(t)
-                    if seen is not None:
-                        seen[b, t] = True
-                    last = step == self.max_new_tokens - 1
                     yield TokenEvent(b, t, None)  # the consumer may stop(b) here
-                    if b in self._stopped:
-                        row.finish_reason = "stop"
-                        yield TokenEvent(b, None, "stop")
-                    elif last:
-                        yield TokenEvent(b, None, "length")
+                    if row.finished():
+                        results[b].finish_reason = row.finish_reason
+                        yield TokenEvent(b, None, row.finish_reason)
                     else:
                         keep.append(i)
                 if not keep:

@@ -6,8 +6,8 @@ straight into the next decode step, so the loop never copies the cache through n
 static-capacity artifact the cache buffers are bound as both past input and present output
 once per session, so TensorScatter writes each new position in place (on the CPU provider the
 buffers are tk's own numpy arrays; on CUDA, device OrtValues). Where the decode graph also
-prefills (dims.decode_prefills) the CPU provider loads decode.onnx alone: one session, one packed
-copy of the weights, prompts run through it row by row.
+prefills (dims.decode_prefills) the CPU provider loads decode.onnx alone (`prefill_via` "decode"):
+one session, one packed copy of the weights, prompts run through it row by row.
 """
 
 from __future__ import annotations
@@ -22,13 +22,14 @@ from tk.models import contract
 from tk.models.artifact import Manifest
 from tk.models.dtypes import DTYPES
 from tk.runtimes import hugepages
-from tk.runtimes.base import BackendUnavailable, Runtime, StepOutput
+from tk.runtimes.base import BackendUnavailable, PrefillVia, Runtime, StepOutput
 
 _SHARED_POOL: dict = {"wanted": False, "threads": None}  # ORT's own process-wide state, mirrored
 
 
 QUANT_COMPUTE = {"int8": "4", "float": "1"}  # MatMulNBits accuracy level of each
 QUANTIZED_SUFFIXES = (".quant", ".scale")  # a quantized weight's initializers (exporters/weights.py)
+BINDINGS_PER_BATCH = 4  # logits arrays a static session's steps rotate through (_run_in_place)
 
 
 def session_options(ort, threads: int | None = None, spin: bool = False):
@@ -67,32 +68,53 @@ class OrtRuntime(Runtime):
     name = "ort"
 
     def __init__(self, artifact: str | Path, threads: int | None = None, provider: str = "auto",
-                 profile: bool = False, huge_pages: bool = True, prepack: bool = False, one_graph: bool = False,
-                 quant_compute: str = "int8", prefill_graph: bool = False):
+                 profile: bool = False, huge_pages: bool = True, prepack: bool = False, swap_sessions: bool = False,
+                 quant_compute: str = "int8", prefill_via: PrefillVia | None = None):
         """prepack: let each session repack its MatMul weights for the CPU's kernels (faster decode,
         a private copy per session); without it both sessions read the artifact's one weights file,
         which ONNX Runtime memory-maps: one copy in memory (each session maps it, so RSS, which counts
         a page once per mapping, shows it twice once both graphs ran; PSS shows it once).
-        one_graph: hold one graph's session at a time, loaded when it runs (cheap over the mapped
-        file): export validation, whose teacher-forced decode steps need no prefill in between, then
-        peaks at one mapping of the weights.
+        swap_sessions: the two graphs' sessions take turns: one at a time, created when its graph runs
+        (cheap over the mapped file) in place of the other, and the present cache handed back as
+        numpy (an output OrtValue would keep its session's map of the weights): export validation,
+        whose teacher-forced decode steps need no prefill in between, then peaks at one mapping.
         quant_compute (quantized artifacts, whose MatMuls ONNX Runtime fuses into MatMulNBits, always
         prepacked: the packed int4/int8 copy is what its kernels read): "int8" quantizes each block
         of activations to int8 (accuracy level 4, the fast path), "float" dequantizes the weights
         to float and multiplies in float (level 1, several times slower): what the quantized
         reference computes, so the graphs can be judged with float tolerances.
-        prefill_graph: run prompts through prefill.onnx even where the decode graph also prefills
-        (an artifact whose variant has decode_prefills, on the CPU provider, otherwise loads only
-        decode.onnx: one session, so one packed copy of the weights; export validation checks both)."""
+        prefill_via: which graph a static cache's prompts run through. None: the decode graph where
+        the export lets it (dims.decode_prefills) and the provider is the CPU's, which then loads
+        only decode.onnx (one session, so one packed copy of the weights), else prefill.onnx;
+        "prefill": prefill.onnx always; "decode": insist (export validation judges both ways)."""
         if quant_compute not in QUANT_COMPUTE:
             raise ValueError(f"quant_compute must be one of {', '.join(QUANT_COMPUTE)}, not {quant_compute!r}")
+        if prefill_via not in (None, "decode", "prefill"):
+            raise ValueError(f"prefill_via must be None, 'decode' or 'prefill', not {prefill_via!r}")
         self.artifact = Path(artifact)
         self.manifest = Manifest.read(self.artifact)
         super().__init__(self.manifest.dims, self.manifest.max_context)
         self.threads, self.provider, self.profile, self.huge_pages = threads, provider, profile, huge_pages
         self.prepack = prepack or self.manifest.precision.quantized
-        self.one_graph, self.quant_compute, self.prefill_graph = one_graph, quant_compute, prefill_graph
+        self.swap_sessions, self.quant_compute, self._prefill_via = swap_sessions, quant_compute, prefill_via
+        self._at_rest()
+
+    def _at_rest(self) -> None:
+        """What `_load` sets, as it is before loading and after unloading."""
+        self._ort = self._map = self.device = None
+        self.sessions, self.output_names, self._shared, self._paths, self._providers = {}, {}, {}, {}, []
         self.huge_page_bytes = 0  # how much of what the sessions allocated now sits on huge pages
+
+    @property
+    def row_views(self) -> bool:
+        return self.device != "cuda"  # a device OrtValue has no view of its first rows
+
+    @property
+    def prefill_via(self) -> PrefillVia:
+        """"decode" (each row through the decode graph, into its row of the cache: needs row views)
+        where the export and the provider allow it and it was not declined; else "prefill"."""
+        can = self.dims.decode_prefills and self.row_views
+        return "decode" if can and self._prefill_via != "prefill" else "prefill"
 
     def _load(self) -> None:
         try:
@@ -108,25 +130,23 @@ class OrtRuntime(Runtime):
         use_cuda = self.provider != "cpu" and "CUDAExecutionProvider" in available
         providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if use_cuda else ["CPUExecutionProvider"]
         self.device = "cuda" if use_cuda else "cpu"
-        self.row_views = not use_cuda  # a device OrtValue has no view of its first rows
-        # prompts through the decode graph, one row at a time into its row of the cache (needs row views)
-        self.prefills_in_decode = self.dims.decode_prefills and self.row_views and not self.prefill_graph
+        if self._prefill_via == "decode" and self.prefill_via != "decode":
+            raise BackendUnavailable("prompts run through the decode graph only where it also prefills (tk export "
+                                     "--target ort --kv-cache static --prefill-logits last) on the CPU provider")
         self._ort = ort
-        self.output_names: dict[str, list[str]] = {}
         self._shared = self._shared_initializers()
         self._paths, self._providers = paths, providers
-        self.sessions = {}
-        if self.one_graph:
+        if self.swap_sessions:
             return
         before = hugepages.anonymous_regions() if self.huge_pages and not use_cuda else None
-        for graph in (contract.DECODE,) if self.prefills_in_decode else contract.GRAPHS:
+        for graph in (contract.DECODE,) if self.prefill_via == "decode" else contract.GRAPHS:
             self._session(graph)
         if before is not None:  # the prepacked weights: a decode step streams them all (runtimes/hugepages.py)
             new = hugepages.mapped_since(before, hugepages.anonymous_regions())
             self.huge_page_bytes = hugepages.back_with_huge_pages(new)
 
     def _options(self, graph: str):
-        opts = session_options(self._ort, self.threads, spin=self.prefills_in_decode)
+        opts = session_options(self._ort, self.threads, spin=self.prefill_via == "decode")
         if not self.prepack:  # both sessions use the memory-mapped weights file as it is
             opts.add_session_config_entry("session.disable_prepacking", "1")
         if self.manifest.precision.quantized:
@@ -154,9 +174,9 @@ class OrtRuntime(Runtime):
                 for name, (o, n, d, shape, _) in table.items()}
 
     def _session(self, graph: str):
-        """The graph's session, created on first use (with one_graph, in place of the other's)."""
+        """The graph's session, created on first use (with swap_sessions, in place of the other's)."""
         if graph not in self.sessions:
-            if self.one_graph:
+            if self.swap_sessions:
                 self.sessions.clear()  # unmaps the other graph's view of the weights
             try:
                 self.sessions[graph] = self._ort.InferenceSession(str(self._paths[graph]), self._options(graph),
@@ -174,8 +194,7 @@ class OrtRuntime(Runtime):
         return {g: Path(s.end_profiling()) for g, s in self.sessions.items()}
 
     def _unload(self) -> None:
-        self.sessions = {}
-        self._shared, self._map = {}, None
+        self._at_rest()
 
     def _value(self, array: np.ndarray):
         """An OrtValue over `array`'s own memory on the CPU provider, a device copy on CUDA."""
@@ -202,7 +221,7 @@ class OrtRuntime(Runtime):
         n_kv = 2 * self.dims.num_layers
         hidden = [h.numpy() for h in outs[1 + n_kv:]] or None  # debug exports only
         present = list(outs[1 : 1 + n_kv])
-        if self.one_graph:  # an output OrtValue keeps its session, and so that session's map of the weights
+        if self.swap_sessions:  # an output OrtValue keeps its session, and so that session's map of the weights
             present = [v.numpy() for v in present]
         return StepOutput(outs[0].numpy(), hidden), present
 
@@ -215,19 +234,41 @@ class OrtRuntime(Runtime):
         ORT writes the logits into an array the step then hands out as it is (copying 128 KB of
         logits out of a just-run step cost ~20 us of a 1.2 ms step on the 55M model): each batch
         size keeps a few bindings that differ only in that array, and a step takes the first
-        whose array nobody holds any more (its reference count is back to the pool's own), so
-        what a caller keeps is never overwritten."""
+        whose array nobody holds any more (its reference count, a CPython fact, is back to the
+        pool's own), so what a caller keeps is never overwritten. A caller that keeps every step's
+        logits (a parity trace) finds none free once there are BINDINGS_PER_BATCH: the oldest then
+        writes into a new array (the caller keeps the old one), so the pool stays that size."""
         B = feeds["input_ids"].shape[0]
-        pool = session.state.setdefault("bindings", {}).setdefault(B, []) if session is not None else []
+        if session is None:
+            pool = []
+        else:
+            pools = session.backend if session.backend is not None else self._new_pools(session)
+            pool = pools.get(B) or pools.setdefault(B, [])
         for entry in pool:
             if sys.getrefcount(entry[1]) <= entry[2]:
                 break
         else:
-            entry = self._bind_in_place(feeds, past)
-            pool.append(entry)
+            if len(pool) < BINDINGS_PER_BATCH:
+                entry = self._bind_in_place(feeds, past)
+                pool.append(entry)
+            else:
+                entry = pool.pop(0)
+                self._new_logits(entry)
+                pool.append(entry)
             entry[2] = sys.getrefcount(entry[1])  # what the pool itself holds (+1: this call's argument)
         self._session(contract.DECODE).run_with_iobinding(entry[0])
         return StepOutput(entry[1]), past
+
+    @staticmethod
+    def _new_pools(session) -> dict:
+        session.backend = {}  # batch size -> its bindings (Session.backend: ORT's)
+        return session.backend
+
+    def _new_logits(self, entry: list) -> None:
+        """Bind the entry's logits output to a new array (the old one stays its holder's)."""
+        entry[1] = np.empty_like(entry[1])
+        entry[3][0]["logits"] = value = self._ort.OrtValue.ortvalue_from_numpy(entry[1])
+        entry[0].bind_ortvalue_output("logits", value)
 
     def _bind_in_place(self, feeds, past) -> list:
         """[binding, logits array, its free reference count (set by the caller), the OrtValues kept alive]"""

@@ -33,33 +33,33 @@ class TorchRuntime(Runtime):
             kv_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
             dims, max_context = dims_of(model.config, kv_dtype), model.config.max_position_embeddings
         super().__init__(dims, max_context)
-        self.device, self.debug = device, debug  # debug: return per-layer hidden states
+        self.device, self.debug = device, debug  # "auto" | "cpu" | "cuda..."; debug: per-layer hidden states
+        self._torch = self._device = None  # set by _load: torch, and the device it runs on
 
     def _load(self) -> None:
         import torch
 
-        if self.device == "auto":
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
+        device = ("cuda" if torch.cuda.is_available() else "cpu") if self.device == "auto" else self.device
+        if device.startswith("cuda") and not torch.cuda.is_available():
             raise BackendUnavailable("the torch backend was asked for CUDA but torch sees no CUDA device; "
                                      "use --device cpu or install a CUDA build of torch on a GPU machine")
-        self._torch = torch
+        self._torch, self._device = torch, device
         if self.model is None:
             self.model = self._loader()
-        self.model = self.model.to(self.device).eval()
+        self.model.to(device).eval()  # in place: a module's .to() returns itself
 
     def _unload(self) -> None:
         if self._loader is not None:
             self.model = None  # loads again on the next activation
             _return_freed_memory()
-
+        self._torch = self._device = None
 
     def _run(self, graph, feeds, past, session, in_place=False):
         t = self._torch
-        ids, mask, pos = (t.from_numpy(np.ascontiguousarray(feeds[k])).to(self.device)
+        ids, mask, pos = (t.from_numpy(np.ascontiguousarray(feeds[k])).to(self._device)
                           for k in ("input_ids", "attention_mask", "position_ids"))
         write = feeds.get("write_indices")  # a static-capacity cache (dims.kv_capacity)
-        write = None if write is None else t.from_numpy(np.ascontiguousarray(write)).to(self.device)
+        write = None if write is None else t.from_numpy(np.ascontiguousarray(write)).to(self._device)
         pairs = None if past is None else list(zip(past[0::2], past[1::2]))
         with t.inference_mode():
             out = self.model(ids, mask, pos, pairs, write, output_hidden=self.debug)
@@ -73,7 +73,7 @@ class TorchRuntime(Runtime):
 
     # A static cache's buffers are tensors on the device (the numpy defaults would copy every step).
     def _alloc_cache(self, shape, dtype):
-        return self._torch.zeros(shape, dtype=getattr(self._torch, dtype), device=self.device)
+        return self._torch.zeros(shape, dtype=getattr(self._torch, dtype), device=self._device)
 
     def _write_prefix(self, dst, src, length, row=None):
         rows = slice(None) if row is None else slice(row, row + 1)
@@ -83,7 +83,7 @@ class TorchRuntime(Runtime):
         return buf.float().cpu().numpy()
 
     def _take(self, buffers, rows):
-        index = self._torch.as_tensor(rows, device=self.device)
+        index = self._torch.as_tensor(rows, device=self._device)
         return [b.index_select(0, index) for b in buffers]
 
 

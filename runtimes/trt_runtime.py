@@ -15,7 +15,6 @@ tested without a GPU.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -143,11 +142,19 @@ class TrtRuntime(Runtime):
         if self.meta:  # the limits the engines were built for bound what serving's slots may run
             self.max_batch = self.meta["limits"]["max_batch"]
             self.max_prompt = self.meta["limits"]["max_input_len"]
+        self._at_rest()
+
+    def _at_rest(self) -> None:
+        """What `_load` sets, as it is before loading and after unloading."""
+        self._cuda = self._dt = self._logger = self.stream = self.logits = None
+        self.engines, self.contexts, self.inputs = {}, {}, {}
 
     def _load(self) -> None:
         env = trt_environment()  # first: on a machine without TensorRT, that is what the user must fix
-        if self.meta is None:
-            self.meta = read_engine_meta(self.artifact)
+        if self.meta is None:  # no engines when this runtime was made (its limits come from them)
+            read_engine_meta(self.artifact)  # EnginesMissing, while they still are
+            raise ArtifactError(f"the engines of {self.artifact} were built after this runtime was opened; "
+                                "open it again")
         problems = engine_problems(self.meta, self.artifact, env)
         if problems:
             raise ArtifactError(problems[0])
@@ -158,7 +165,6 @@ class TrtRuntime(Runtime):
         self._cuda, self._dt = cuda, DataType
         self._logger = trt.Logger(trt.Logger.WARNING)
         runtime = trt.Runtime(self._logger)
-        self.engines, self.contexts = {}, {}
         for graph in contract.GRAPHS:
             engine = runtime.deserialize_cuda_engine((self.artifact / contract.ENGINE_FILES[graph]).read_bytes())
             if engine is None:
@@ -172,9 +178,11 @@ class TrtRuntime(Runtime):
 
     def _unload(self) -> None:
         for buf in [*self.inputs.values(), self.logits]:
-            buf.free()
-        self.stream.free()
-        self.contexts, self.engines = {}, {}
+            if buf is not None:
+                buf.free()
+        if self.stream is not None:
+            self.stream.free()
+        self._at_rest()
 
     # --- device buffers (the layouts' hooks) ---
 
@@ -229,7 +237,7 @@ class TrtRuntime(Runtime):
         return out
 
     def _release_session(self, session) -> None:
-        self._release(session.state.pop("spare", None))
+        self._release(session.backend)  # the spare set of a dynamic session's ping-pong (Session.backend)
 
     # --- running an engine ---
 
@@ -241,7 +249,7 @@ class TrtRuntime(Runtime):
         elif in_place:
             present, past_len = past, self.dims.kv_capacity
         else:
-            present = session.state.pop("spare", None) or self._seq_buffers(B)
+            present, session.backend = session.backend or self._seq_buffers(B), None
             past_len = session.length - 1
         try:
             logits = self._execute(graph, feeds, past, present, past_len)
@@ -254,7 +262,7 @@ class TrtRuntime(Runtime):
             for buf in present:
                 buf.shape = (B, self.dims.num_kv_heads, T, self.dims.head_dim)
         if graph == contract.DECODE and not in_place:
-            session.state["spare"] = past  # ping-pong: the next step writes where this past was
+            session.backend = past  # ping-pong: the next step writes where this past was
         return StepOutput(logits), present
 
     def _execute(self, graph: str, arrays: dict[str, np.ndarray], past: list | None, present: list,

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from tk.models import contract
 from tk.models.artifact import Manifest
 from tk.runtimes.base import Runtime, StepOutput
 from tk.toolkit import backends

@@ -1,5 +1,5 @@
-"""The continuous-batching engine (runtimes/batching.py): requests join and leave a running batch
-of slots at different lengths, and each one's tokens equal `tk generate` of its prompt alone."""
+"""The continuous batcher (runtimes/batching.py): requests join and leave a running batch of slots
+at different lengths, and each one's tokens equal `tk generate` of its prompt alone."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import pytest
 
 from tk.models.artifact import Manifest
 from tk.runtimes.base import InputError
-from tk.runtimes.batching import EngineClosed, Engine, QueueFull, Request, wait_all
+from tk.runtimes.batching import Batcher, BatcherClosed, QueueFull, Request, wait_all
 from tk.runtimes.generate import generate
+from tk.runtimes.slots import Slots
 from tk.runtimes.sampling import SamplingConfig
 from tk.toolkit.backends import BackendOptions, open_runtime
 
@@ -51,18 +52,18 @@ def test_each_request_equals_its_solo_run_whatever_shares_its_steps(serve_artifa
     m = Manifest.read(artifact)
     prompts, budgets, sampling = _mix(m.dims.vocab_size, 14)
     solo = _solo(artifact, backend, prompts, budgets, sampling, m.eos_token_ids)
-    with Engine(open_runtime(artifact, backend, SLOTS), slots=4, max_queue=16, eos_ids=m.eos_token_ids) as engine:
+    with Batcher(open_runtime(artifact, backend, SLOTS), slots=4, max_queue=16, eos_ids=m.eos_token_ids) as batcher:
         requests = []
         for i, (p, n, s) in enumerate(zip(prompts, budgets, sampling)):
-            requests.append(engine.submit(Request(p, n, s)))
+            requests.append(batcher.submit(Request(p, n, s)))
             if i % 4 == 3:  # later ones arrive while earlier ones decode
                 requests[-2].done.wait(5)
         assert wait_all(requests, 120)
-        assert engine.running == 0 and engine.waiting == 0
+        assert batcher.running == 0 and batcher.waiting == 0
     for i, (r, s) in enumerate(zip(requests, solo)):
         assert r.tokens == s.tokens, f"request {i}: {r.tokens} != solo {s.tokens}"
         assert r.finish_reason == s.finish_reason
-    assert max(budgets) < engine.steps < sum(budgets)  # they shared steps
+    assert max(budgets) < batcher.steps < sum(budgets)  # they shared steps
 
 
 def test_a_cancelled_request_leaves_at_once_and_frees_its_slot(serve_artifact):
@@ -70,93 +71,93 @@ def test_a_cancelled_request_leaves_at_once_and_frees_its_slot(serve_artifact):
     prompts, budgets, sampling = _mix(m.dims.vocab_size, 3, seed=1)
     solo = _solo(serve_artifact, "ort", prompts, [60] * 3, [SamplingConfig()] * 3, ())
     seen = threading.Event()
-    with Engine(open_runtime(serve_artifact, "ort", SLOTS), slots=2, max_queue=4) as engine:
+    with Batcher(open_runtime(serve_artifact, "ort", SLOTS), slots=2, max_queue=4) as batcher:
         def on_event(event):
             if event.token is not None and len(long.tokens) == 5:
                 seen.set()
 
         long = Request(prompts[0], 60, ignore_eos=True, on_event=on_event)
-        engine.submit(long)
-        others = [engine.submit(Request(p, 60, ignore_eos=True)) for p in prompts[1:]]  # the second waits
+        batcher.submit(long)
+        others = [batcher.submit(Request(p, 60, ignore_eos=True)) for p in prompts[1:]]  # the second waits
         assert seen.wait(30)
-        engine.cancel(long)
+        batcher.cancel(long)
         assert wait_all([long, *others], 60)
         assert long.finish_reason == "cancelled" and 5 <= len(long.tokens) < 60
         assert long.tokens == solo[0].tokens[: len(long.tokens)]
         assert [r.tokens for r in others] == [s.tokens for s in solo[1:]]  # the waiting one took the freed slot
-        assert engine.running == 0 and engine.finished["cancelled"] == 1
+        assert batcher.running == 0 and batcher.finished["cancelled"] == 1
 
 
 def test_limits_are_refusals_not_crashes(serve_artifact):
     m = Manifest.read(serve_artifact)
-    engine = Engine(open_runtime(serve_artifact, "ort", SLOTS), slots=1, max_queue=1, eos_ids=m.eos_token_ids)
-    with pytest.raises(EngineClosed):  # not started
-        engine.submit(Request([5], 4))
-    with engine:
+    batcher = Batcher(open_runtime(serve_artifact, "ort", SLOTS), slots=1, max_queue=1, eos_ids=m.eos_token_ids)
+    with pytest.raises(BatcherClosed):  # not started
+        batcher.submit(Request([5], 4))
+    with batcher:
         with pytest.raises(InputError, match="exceeds the model's context of 128"):
-            engine.submit(Request([5] * 100, 29))
+            batcher.submit(Request([5] * 100, 29))
         with pytest.raises(InputError, match="positive"):
-            engine.submit(Request([5], 0))
-        first = engine.submit(Request([5, 6], 100, ignore_eos=True))
-        queued = engine.submit(Request([7, 8], 4, ignore_eos=True))
+            batcher.submit(Request([5], 0))
+        first = batcher.submit(Request([5, 6], 100, ignore_eos=True))
+        queued = batcher.submit(Request([7, 8], 4, ignore_eos=True))
         with pytest.raises(QueueFull, match="retry later"):
-            engine.submit(Request([9], 4))
-        engine.cancel(queued)  # a waiting request leaves the queue at once
+            batcher.submit(Request([9], 4))
+        batcher.cancel(queued)  # a waiting request leaves the queue at once
         assert queued.done.is_set() and queued.finish_reason == "cancelled" and not queued.tokens
-        engine.cancel(first)
+        batcher.cancel(first)
         assert wait_all([first], 30) and first.finish_reason == "cancelled"
-    with pytest.raises(EngineClosed):
-        engine.submit(Request([5], 4))
+    with pytest.raises(BatcherClosed):
+        batcher.submit(Request([5], 4))
+    with pytest.raises(RuntimeError, match="a batcher starts once"):
+        batcher.start()
 
 
 def test_close_lets_requests_finish_then_cancels_the_rest(serve_artifact):
-    engine = Engine(open_runtime(serve_artifact, "ort", SLOTS), slots=2, max_queue=4).start()
-    short = engine.submit(Request([5, 6, 7], 3, ignore_eos=True))
-    endless = engine.submit(Request([8, 9], 125, ignore_eos=True))
+    batcher = Batcher(open_runtime(serve_artifact, "ort", SLOTS), slots=2, max_queue=4).start()
+    short = batcher.submit(Request([5, 6, 7], 3, ignore_eos=True))
+    endless = batcher.submit(Request([8, 9], 125, ignore_eos=True))
     short.done.wait(30)
-    engine.close(timeout=0)  # the endless one (125 positions) is still decoding
+    batcher.close(timeout=0)  # the endless one (125 positions) is still decoding
     assert short.finish_reason == "length" and len(short.tokens) == 3
     assert endless.finish_reason == "cancelled" and endless.done.is_set()
-    assert not engine.alive
+    assert not batcher.alive
 
 
 def test_slots_compute_only_up_to_the_last_busy_one(serve_artifact):
-    with open_runtime(serve_artifact, "ort", SLOTS) as rt:
-        session = rt.open_slots(6)
-        rt.admit(session, 0, [4, 5, 6])
-        rt.admit(session, 2, [7])
-        out = rt.step_slots(session, np.array([11, 0, 12]), [0, 2])
+    with open_runtime(serve_artifact, "ort", SLOTS) as rt, Slots(rt, 6) as slots:
+        slots.admit(0, [4, 5, 6])
+        slots.admit(2, [7])
+        out = slots.step(np.array([11, 0, 12]), [0, 2])
         assert out.logits.shape[0] == 3
-        assert session.write.tolist() == [4, 0, 2, 0, 0, 0]  # each slot at its own length; empty ones stay
-        session.close()
+        assert slots.session.static.write.tolist() == [4, 0, 2, 0, 0, 0]  # each slot at its own length; empty ones stay
 
 
-def test_a_dynamic_cache_artifact_is_refused_with_the_export_flags(tiny_artifact):
-    with open_runtime(tiny_artifact, "ort") as rt, pytest.raises(InputError, match="--kv-cache static"):
-        rt.open_slots(2)
+def test_a_dynamic_cache_artifact_is_refused_with_the_export_profile(tiny_artifact):
+    with open_runtime(tiny_artifact, "ort") as rt, pytest.raises(InputError, match=r"--for serve \(or --for ort-cpu\)"):
+        Slots(rt, 2)
 
 
-def test_a_failing_request_fails_alone_and_the_engine_goes_on(serve_artifact):
+def test_a_failing_request_fails_alone_and_the_batcher_goes_on(serve_artifact):
     def stop(tokens):  # a front end's bug, at the third token
         if len(tokens) == 3:
             raise ZeroDivisionError("division by zero")
         return False
 
-    with Engine(open_runtime(serve_artifact, "ort", SLOTS), slots=2, max_queue=4) as engine:
-        bad = engine.submit(Request([5, 6], 10, ignore_eos=True, stop=stop))
-        good = engine.submit(Request([7, 8, 9], 6, ignore_eos=True))
+    with Batcher(open_runtime(serve_artifact, "ort", SLOTS), slots=2, max_queue=4) as batcher:
+        bad = batcher.submit(Request([5, 6], 10, ignore_eos=True, stop=stop))
+        good = batcher.submit(Request([7, 8, 9], 6, ignore_eos=True))
         assert wait_all([bad, good], 30)
         assert bad.finish_reason == "error" and "ZeroDivisionError" in bad.error and len(bad.tokens) == 3
         assert good.finish_reason == "length" and len(good.tokens) == 6
-        after = engine.submit(Request([7, 8, 9], 6, ignore_eos=True))
-        assert wait_all([after], 30) and after.tokens == good.tokens and engine.running == 0
+        after = batcher.submit(Request([7, 8, 9], 6, ignore_eos=True))
+        assert wait_all([after], 30) and after.tokens == good.tokens and batcher.running == 0
 
 
 def test_the_backends_batch_and_prompt_limits_are_refusals(serve_artifact):
     runtime = open_runtime(serve_artifact, "ort", SLOTS)
     runtime.max_batch, runtime.max_prompt = 2, 8  # what TensorRT's profiles set
     with pytest.raises(InputError, match="--slots 2"):
-        Engine(runtime, slots=4).start()
+        Batcher(runtime, slots=4).start()
     runtime.deactivate()
-    with Engine(runtime, slots=2) as engine, pytest.raises(InputError, match="longer than the ort backend's 8"):
-        engine.submit(Request(list(range(5, 14)), 4))
+    with Batcher(runtime, slots=2) as batcher, pytest.raises(InputError, match="longer than the ort backend's 8"):
+        batcher.submit(Request(list(range(5, 14)), 4))

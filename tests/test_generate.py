@@ -258,17 +258,17 @@ def test_a_finished_row_leaves_the_batch_and_the_others_are_unchanged(tiny_artif
 
 def test_ort_weight_modes_give_the_same_tokens(tiny_artifact):
     """Default: both sessions read the memory-mapped weights file; --prepack: each repacks its own copy;
-    one_graph (export validation): one session at a time, the cache handed back as numpy so the other
-    session's map of the weights is gone."""
+    swap_sessions (export validation): one session at a time, the cache handed back as numpy so the
+    other session's map of the weights is gone."""
     from tk.runtimes.ort_runtime import OrtRuntime
 
     runs = {}
-    for name, kw in (("shared", {}), ("prepack", {"prepack": True}), ("one_graph", {"one_graph": True})):
+    for name, kw in (("shared", {}), ("prepack", {"prepack": True}), ("swap", {"swap_sessions": True})):
         with OrtRuntime(tiny_artifact, **kw) as rt:
             runs[name] = [r.tokens for r in generate(rt, PROMPTS, 8, ignore_eos=True).rows]
-            if name == "one_graph":
+            if name == "swap":
                 assert list(rt.sessions) == ["decode"]  # the prefill session was dropped for the decode one
-    assert runs["shared"] == runs["prepack"] == runs["one_graph"]
+    assert runs["shared"] == runs["prepack"] == runs["swap"]
     cli = run("generate", tiny_artifact, "--prepack", "--prompt-ids", "5,17,99,3", "--max-new-tokens", "8",
               "--ignore-eos", "--json")
     assert cli.exit_code == 0 and json.loads(cli.stdout)["rows"][0]["tokens"] == runs["shared"][0]

@@ -1,4 +1,4 @@
-"""tk serve: the OpenAI API over the engine, driven by the official `openai` client on 127.0.0.1."""
+"""tk serve: the OpenAI API over the batcher, driven by the official `openai` client on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def server(serve_artifact):
     sock.close()  # in_thread binds its own
     with srv.in_thread() as url:
         yield srv, url
-    srv.engine.close()
+    srv.batcher.close()
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +126,7 @@ def test_sixteen_concurrent_clients_each_get_their_solo_tokens(server, solo):
         results = list(pool.map(lambda i: _one(url, solo, i, 100 + i), range(16)))
     for i, (got, want) in enumerate(results):
         assert got == want, f"request {i}"
-    assert srv.engine.running == 0 and _metric(url, "tk_active_slots") == 0
+    assert srv.batcher.running == 0 and _metric(url, "tk_active_slots") == 0
     assert _metric(url, "tk_generation_tokens_total") >= sum(len(w[0]) for _, w in results)
     assert _metric(url, "tk_time_to_first_token_seconds_count") >= 16 and _metric(url, "tk_inter_token_latency_seconds_count")
 
@@ -179,7 +179,7 @@ def _stream_and_hang_up(url, max_tokens: int) -> None:
 
 def test_two_hundred_requests_with_hangups_and_garbage_leak_no_slot(server, solo):
     srv, url = server
-    cancelled = srv.engine.finished["cancelled"]
+    cancelled = srv.batcher.finished["cancelled"]
 
     def job(i):
         if i % 10 == 3:
@@ -196,10 +196,10 @@ def test_two_hundred_requests_with_hangups_and_garbage_leak_no_slot(server, solo
         if kind == "ok":
             assert r[0] == r[1], f"request {i}"
     deadline = time.monotonic() + 30
-    while srv.engine.running and time.monotonic() < deadline:
+    while srv.batcher.running and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _metric(url, "tk_active_slots") == 0 and _metric(url, "tk_queue_depth") == 0
-    assert srv.engine.finished["cancelled"] - cancelled == 20  # every hang-up cancelled its request
+    assert srv.batcher.finished["cancelled"] - cancelled == 20  # every hang-up cancelled its request
     assert json.loads(urllib.request.urlopen(url + "/health", timeout=10).read())["status"] == "ok"
 
 
@@ -222,7 +222,7 @@ def test_a_full_queue_gets_429(serve_artifact):
             if status == 429:
                 break
         assert status == 429 and reply["error"]["code"] == "rate_limit_exceeded", reply
-    srv.engine.close()
+    srv.batcher.close()
 
 
 def test_tk_serve_starts_answers_and_shuts_down_on_sigterm(serve_artifact, tmp_path):
@@ -247,7 +247,7 @@ def solo_text(artifact, prompt: str, n: int) -> str:
 
 def test_tk_serve_refuses_what_it_cannot_serve(tiny_artifact, serve_artifact):
     out = CliRunner().invoke(main, ["serve", str(tiny_artifact), "--port", "0"])
-    assert out.exit_code == 2 and "--kv-cache static" in out.output and "Traceback" not in out.output
+    assert out.exit_code == 2 and "tk export MODEL -o OUT --for serve" in out.output and "Traceback" not in out.output
     out = CliRunner().invoke(main, ["serve", str(serve_artifact), "--slots", "0"])
     assert out.exit_code == 2 and "--slots" in out.output
 

@@ -71,7 +71,7 @@ def test_static_cache_is_updated_in_place_and_guards_capacity(static_llama):
 
 def test_static_parity_passes(static_llama):
     report = parity(static_llama, ["ort"], steps=12)
-    assert report["passed"], report["backends"]["ort"]["first_divergence"]
+    assert report.passed, report.backends["ort"].first_divergence
 
 
 @pytest.mark.parametrize("args, message", [

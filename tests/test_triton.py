@@ -57,7 +57,7 @@ def test_every_config_is_valid_for_triton_and_limits_are_recorded(serve_artifact
 
 def test_a_dynamic_cache_artifact_is_refused(tiny_artifact, tmp_path):
     result = CliRunner().invoke(main, ["triton", str(tiny_artifact), "-o", str(tmp_path / "repo")])
-    assert result.exit_code == 2 and "--kv-cache static" in result.output and not (tmp_path / "repo").exists()
+    assert result.exit_code == 2 and "--for serve" in result.output and not (tmp_path / "repo").exists()
 
 
 def _free_ports(n: int) -> list[int]:

@@ -141,17 +141,28 @@ def test_sessions_give_back_every_device_buffer(fake_trt):
 @pytest.mark.parametrize("fake_trt", ["static"], indirect=True)  # slots live in a static cache
 def test_serving_slots_copy_inside_their_buffers_and_give_them_back(fake_trt):
     from tk.runtimes.base import InputError
-    from tk.runtimes.batching import Engine, Request, wait_all
+    from tk.runtimes.batching import Batcher, Request, wait_all
 
     art, device = fake_trt
     with pytest.raises(InputError, match="--slots 4"):
-        Engine(trt_runtime.TrtRuntime(art), slots=5).start()
+        Batcher(trt_runtime.TrtRuntime(art), slots=5).start()
     assert device.live == {}
     rt = trt_runtime.TrtRuntime(art)
-    with Engine(rt, slots=3) as engine:
+    with Batcher(rt, slots=3) as batcher:
         with pytest.raises(InputError, match="longer than the trt backend's 32"):
-            engine.submit(Request(list(range(1, 34)), 2))
-        requests = [engine.submit(Request(list(range(1, 2 + i * 5)), 3 + i, ignore_eos=True)) for i in range(5)]
+            batcher.submit(Request(list(range(1, 34)), 2))
+        requests = [batcher.submit(Request(list(range(1, 2 + i * 5)), 3 + i, ignore_eos=True)) for i in range(5)]
         assert wait_all(requests, 30)
         assert [len(r.tokens) for r in requests] == [3, 4, 5, 6, 7]
     assert device.live == {}  # the slots' buffers and the runtime's own, all given back
+
+
+def test_deactivation_puts_back_what_activation_set(fake_trt):
+    from test_runtime_state import unchanged_by_activation
+
+    art, device = fake_trt
+    rt = trt_runtime.TrtRuntime(art)
+    loaded = unchanged_by_activation(rt)
+    assert loaded["engines"] and loaded["stream"] is not None and device.live == {}
+    with rt:  # and it runs again
+        assert len(generate(rt, [[1, 2, 3]], 3, ignore_eos=True).rows[0].tokens) == 3

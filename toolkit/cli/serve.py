@@ -11,8 +11,8 @@ from tk.toolkit.backends import BackendOptions
 from tk.toolkit.cli.options import BackendName, backend_options
 
 
-def engine_options(f):
-    """--slots, --max-queue: the continuous-batching engine's limits."""
+def batcher_options(f):
+    """--slots, --max-queue: the continuous batcher's limits."""
     f = click.option("--max-queue", default=64, show_default=True, type=click.IntRange(min=0),
                      help="Requests that may wait for a slot; beyond it requests are refused (HTTP 429).")(f)
     return click.option("--slots", default=8, show_default=True, type=click.IntRange(min=1),
@@ -24,7 +24,7 @@ def engine_options(f):
 @click.option("--backend", default="ort", show_default=True, type=BackendName())
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="0: any free port.")
-@engine_options
+@batcher_options
 @click.option("--model-name", help="The `model` clients send [default: the artifact folder's name].")
 @click.option("--drain", default=10.0, show_default=True, type=click.FloatRange(min=0),
               help="Seconds in-flight requests get to finish at shutdown before they are cancelled.")
@@ -45,8 +45,8 @@ def serve(artifact: Path, backend: str, host: str, port: int, slots: int, max_qu
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.option("-o", "--out", required=True, type=click.Path(path_type=Path), help="The model repository to write.")
 @click.option("--model-name", help="Triton's name for the model [default: the artifact folder's name].")
-@click.option("--backend", default="ort", show_default=True, type=BackendName(), help="What the engine runs on.")
-@engine_options
+@click.option("--backend", default="ort", show_default=True, type=BackendName(), help="What the batcher runs on.")
+@batcher_options
 @click.option("--threads", type=click.IntRange(min=1), help="ONNX Runtime intra-op threads.")
 @click.option("--prepack/--no-prepack", default=True, show_default=True,
               help="ONNX Runtime: repack the weights in each session (batched decode needs it to be fast).")
@@ -59,7 +59,7 @@ def serve(artifact: Path, backend: str, host: str, port: int, slots: int, max_qu
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 def triton(artifact: Path, out: Path, model_name: str | None, backend: str, slots: int, max_queue: int,
            threads: int | None, prepack: bool, copy_artifact: bool, native: bool, sys_path: bool, force: bool) -> None:
-    """Write a Triton model repository that serves ARTIFACT (static cache) with tk's engine."""
+    """Write a Triton model repository that serves ARTIFACT (static cache) with tk's batcher."""
     from tk.toolkit.serving.triton_repo import write_repository
 
     click.echo(str(write_repository(artifact, out, model_name, backend, slots, max_queue, threads, prepack,

@@ -12,8 +12,9 @@ import time
 from typing import Literal, Union
 
 from tk.runtimes.base import InputError
+from tk.runtimes.rows import FinishReason
 
-FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # the engine's finish reasons as OpenAI's
+FINISH = {FinishReason.EOS: "stop", FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}  # as OpenAI's
 UNSUPPORTED = {"n": "tk serve returns one choice per request (n=1)",
                "presence_penalty": "not supported; use repetition_penalty",
                "frequency_penalty": "not supported; use repetition_penalty",

@@ -1,19 +1,17 @@
-"""`tk serve`: the OpenAI API over the continuous-batching engine, on FastAPI and uvicorn.
+"""`tk serve`: the OpenAI API over the continuous batcher, on FastAPI and uvicorn.
 
 `POST /v1/completions` and `/v1/chat/completions` (the artifact's chat template), `stream: true`
 as server-sent events, `GET /v1/models`, `/health` and Prometheus `/metrics`. Each HTTP request
-becomes one `tk.runtimes.batching.Request`; the engine's thread detokenizes its tokens as they come
-(`TextStream`: stop strings end the request right after the token that completes one, as
-`tk generate --stop` does) and hands them to the event loop. Errors are OpenAI's JSON shape:
-400 naming the field, 429 when the queue is full, 503 while shutting down. A client that goes
-away cancels its request, which frees its slot before the next step. The API's shapes are
-toolkit/serving/openai_api.py's.
+becomes one job (toolkit/serving/frontend.py: its batcher `Request`, its text and stop strings,
+its metrics), whose pieces of text the batcher's thread hands to the event loop. Errors are
+OpenAI's JSON shape: 400 naming the field, 429 when the queue is full, 503 while shutting down.
+A client that goes away cancels its request, which frees its slot before the next step. The
+API's shapes are toolkit/serving/openai_api.py's.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 import time
 import uuid
@@ -21,11 +19,13 @@ from contextlib import contextmanager
 
 from tk.models.errors import TkError, UsageProblem
 from tk.runtimes.base import InputError
-from tk.runtimes.batching import EngineClosed, Engine, QueueFull, Request, slots_problem
-from tk.runtimes.sampling import SamplingConfig
-from tk.toolkit.serving import openai_api
+from tk.runtimes.batching import Batcher, BatcherClosed, QueueFull
+from tk.runtimes.cache_layouts import slots_problem
+from tk.runtimes.rows import FinishReason
+from tk.toolkit.serving import frontend, openai_api
+from tk.toolkit.serving.frontend import METRICS
 from tk.toolkit.serving.openai_api import ApiError
-from tk.toolkit.textgen import TextStream, Tokenizer
+from tk.toolkit.textgen import Tokenizer
 
 MISSING = "the serving stack is not installed; pip install 'tk[serve]' (fastapi, uvicorn, prometheus-client)"
 
@@ -39,66 +39,68 @@ def _require():
         raise UsageProblem(MISSING) from None
 
 
-class _Job:
-    """One HTTP request's generation: the engine thread feeds its text stream and the event loop's queue."""
+class _HttpJob(frontend.Job):
+    """One HTTP request's generation: its pieces of text go to the event loop's queue."""
 
-    def __init__(self, server: "Server", prompt: list[int], body, loop: asyncio.AbstractEventLoop):
-        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        self.server, self.loop, self.prompt = server, loop, prompt
-        self.text = TextStream(server.tokenizer, stops)
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.last = time.perf_counter()  # the last token's time (at first: submission)
-        budget = body.max_completion_tokens or body.max_tokens or server.default_max_tokens(body, len(prompt))
-        seed = body.seed if body.seed is not None else int.from_bytes(os.urandom(4), "little")
-        sampling = SamplingConfig(temperature=body.temperature, top_k=max(body.top_k, 0), top_p=body.top_p,
-                                  repetition_penalty=body.repetition_penalty, seed=seed)
-        self.request = Request(prompt, budget, sampling, body.ignore_eos, self._on_event, lambda _: self.text.stopped)
+    def __init__(self, server: "Server", prompt: list[int], params: frontend.Params, loop: asyncio.AbstractEventLoop):
+        super().__init__(server.batcher, prompt, params, server.tokenizer, server.metrics)
+        self.loop, self.queue = loop, asyncio.Queue()
 
-    def _on_event(self, event) -> None:  # the engine's thread
-        now, m = time.perf_counter(), self.server.metrics
-        if event.token is not None:
-            piece = self.text.add(event.token)
-            (m["ttft"] if len(self.request.tokens) == 1 else m["itl"]).observe(now - self.last)
-            m["generated"].inc()
-            self.last = now
-        else:
-            piece = self.text.finish() if event.finish_reason in openai_api.FINISH else ""
-            m["finished"].labels(event.finish_reason).inc()
+    def deliver(self, piece, event) -> None:  # the batcher's thread
         self.loop.call_soon_threadsafe(self.queue.put_nowait, (piece, event.token, event.finish_reason))
 
 
-class Server:
-    """The FastAPI app over one engine: `app`; `run(host, port)` serves until interrupted."""
+class _Prometheus(frontend.Metrics):
+    """The server's metrics (frontend.METRICS' names) in a registry of its own."""
 
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, model_name: str, drain_s: float = 10.0):
-        _require()
-        self.engine, self.tokenizer, self.model_name, self.drain_s = engine, tokenizer, model_name, drain_s
-        self.created = int(time.time())
-        self.Completion, self.Chat = openai_api.schemas()
-        self.metrics = self._metrics()
-        self.app = self._app()
-
-    def _metrics(self) -> dict:
+    def __init__(self, batcher: Batcher):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = reg = CollectorRegistry()
-        buckets = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
-        Gauge("tk_queue_depth", "Requests waiting for a slot", registry=reg).set_function(lambda: self.engine.waiting)
-        Gauge("tk_active_slots", "Slots running a request", registry=reg).set_function(lambda: self.engine.running)
-        Gauge("tk_slots", "Slots of the engine", registry=reg).set(self.engine.slots)
-        return {
-            "requests": Counter("tk_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=reg),
-            "finished": Counter("tk_requests_finished", "Generations by finish reason", ["reason"], registry=reg),
-            "prompt": Counter("tk_prompt_tokens", "Prompt tokens admitted", registry=reg),
-            "generated": Counter("tk_generation_tokens", "Tokens generated", registry=reg),
-            "ttft": Histogram("tk_time_to_first_token_seconds", "Submit to first token", buckets=buckets, registry=reg),
-            "itl": Histogram("tk_inter_token_latency_seconds", "Between a request's tokens", buckets=buckets,
-                             registry=reg),
-        }
+        Gauge("tk_queue_depth", METRICS["tk_queue_depth"], registry=reg).set_function(lambda: batcher.waiting)
+        Gauge("tk_active_slots", METRICS["tk_active_slots"], registry=reg).set_function(lambda: batcher.running)
+        Gauge("tk_slots", METRICS["tk_slots"], registry=reg).set(batcher.slots)
+        counter = lambda name, *labels: Counter(name, METRICS[name], labels, registry=reg)  # noqa: E731
+        buckets = frontend.LATENCY_BUCKETS
+        histogram = lambda name: Histogram(name, METRICS[name], buckets=buckets, registry=reg)  # noqa: E731
+        self.requests = counter("tk_requests", "endpoint", "status")
+        self.reasons = counter("tk_requests_finished", "reason")
+        self.prompt, self.generated = counter("tk_prompt_tokens"), counter("tk_generation_tokens")
+        self.ttft, self.itl = histogram("tk_time_to_first_token_seconds"), histogram("tk_inter_token_latency_seconds")
+
+    def submitted(self, prompt_tokens: int) -> None:
+        self.prompt.inc(prompt_tokens)
+
+    def token(self, first: bool, seconds: float) -> None:
+        (self.ttft if first else self.itl).observe(seconds)
+        self.generated.inc()
+
+    def finished(self, reason: FinishReason, tokens: int) -> None:
+        self.reasons.labels(reason.value).inc()
+
+
+class Server:
+    """The FastAPI app over one batcher: `app`; `run(host, port)` serves until interrupted."""
+
+    def __init__(self, batcher: Batcher, tokenizer: Tokenizer, model_name: str, drain_s: float = 10.0):
+        _require()
+        self.batcher, self.tokenizer, self.model_name, self.drain_s = batcher, tokenizer, model_name, drain_s
+        self.created = int(time.time())
+        self.Completion, self.Chat = openai_api.schemas()
+        self.metrics = _Prometheus(batcher)
+        self.app = self._app()
 
     def default_max_tokens(self, body, prompt_len: int) -> int:
         """OpenAI's defaults: 16 for completions, the rest of the context for chat."""
-        return 16 if isinstance(body, self.Completion) else max(1, self.engine.runtime.max_context - prompt_len)
+        return 16 if isinstance(body, self.Completion) else max(1, self.batcher.runtime.max_context - prompt_len)
+
+    def params(self, body, prompt_len: int) -> frontend.Params:
+        """The body's generation parameters, OpenAI's defaults where it gives none."""
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        budget = body.max_completion_tokens or body.max_tokens or self.default_max_tokens(body, prompt_len)
+        return frontend.Params(max_tokens=budget, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
+                               repetition_penalty=body.repetition_penalty, seed=body.seed,
+                               ignore_eos=body.ignore_eos, stop=stops)
 
     # --- the app ---
 
@@ -118,21 +120,21 @@ class Server:
         async def http_error(request, exc: HTTPException):
             return JSONResponse(ApiError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
 
-        app.add_middleware(_CountRequests, counter=self.metrics["requests"])
+        app.add_middleware(_CountRequests, counter=self.metrics.requests)
 
         @app.get("/health")
         async def health():
-            ok = self.engine.alive
+            ok = self.batcher.alive
             return JSONResponse({"status": "ok" if ok else "stopped"}, status_code=200 if ok else 503)
 
         @app.get("/metrics")
         async def metrics():
-            return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+            return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
         @app.get("/v1/models")
         async def models():
             return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
-                                                "owned_by": "tk", "max_model_len": self.engine.runtime.max_context}]}
+                                                "owned_by": "tk", "max_model_len": self.batcher.runtime.max_context}]}
 
         async def completions(request):  # Starlette routes: the body is parsed here, errors are 400s
             return await self._generate(request, self.Completion, False, StreamingResponse, JSONResponse)
@@ -149,18 +151,17 @@ class Server:
         body = openai_api.parse(await request.body(), schema, self.model_name)
         prompt = openai_api.prompt_ids(body, chat, self.tokenizer)
         try:
-            job = _Job(self, prompt, body, asyncio.get_running_loop())
+            job = _HttpJob(self, prompt, self.params(body, len(prompt)), asyncio.get_running_loop())
         except TkError as e:  # a sampling value the schema let through
             raise ApiError(400, str(e)) from None
         try:
-            self.engine.submit(job.request)
+            job.submit()
         except QueueFull as e:
             raise ApiError(429, str(e), kind="requests", code="rate_limit_exceeded") from None
-        except EngineClosed as e:
+        except BatcherClosed as e:
             raise ApiError(503, str(e), kind="server_error") from None
         except InputError as e:  # the prompt (and max_tokens) do not fit, or a token id is out of range
             raise ApiError(400, str(e), "messages" if chat else "prompt") from None
-        self.metrics["prompt"].inc(len(prompt))
         reply = openai_api.Reply(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", self.model_name, chat,
                                  body.return_token_ids)
         if body.stream:
@@ -169,10 +170,10 @@ class Server:
             return stream_cls(self._events(job, reply, usage, watch), media_type="text/event-stream")
         return json_cls(await self._complete(request, job, reply))
 
-    def _usage(self, job: _Job) -> dict:
+    def _usage(self, job: _HttpJob) -> dict:
         return openai_api.Reply.usage(len(job.prompt), len(job.request.tokens))
 
-    async def _complete(self, http, job: _Job, reply: openai_api.Reply):
+    async def _complete(self, http, job: _HttpJob, reply: openai_api.Reply):
         gone = asyncio.ensure_future(_disconnected(http))
         try:
             while True:
@@ -180,28 +181,28 @@ class Server:
                 await asyncio.wait({getter, gone}, return_when=asyncio.FIRST_COMPLETED)
                 if not getter.done():  # the client went away: nobody to answer
                     getter.cancel()
-                    self.engine.cancel(job.request)
+                    job.cancel()
                     return None
                 reason = getter.result()[2]
                 if reason is not None:
                     break
         finally:
             gone.cancel()
-        if reason == "error":
-            raise ApiError(500, f"the engine failed this request: {job.request.error}", kind="server_error")
+        if reason == FinishReason.ERROR:
+            raise ApiError(500, f"the batcher failed this request: {job.request.error}", kind="server_error")
         return reply.complete(job.text.text, reason, list(job.request.tokens), self._usage(job))
 
-    async def _cancel_when_gone(self, http, job: _Job) -> None:
+    async def _cancel_when_gone(self, http, job: _HttpJob) -> None:
         await _disconnected(http)
-        self.engine.cancel(job.request)
+        job.cancel()
 
-    async def _events(self, job: _Job, reply: openai_api.Reply, usage: bool, watch):
+    async def _events(self, job: _HttpJob, reply: openai_api.Reply, usage: bool, watch):
         try:
             if reply.chat:
                 yield reply.role()
             while True:
                 text, token, reason = await job.queue.get()
-                if reason == "error":
+                if reason == FinishReason.ERROR:
                     yield openai_api.sse(ApiError(500, job.request.error or "error", kind="server_error").body())
                     break
                 if reason is not None:
@@ -214,7 +215,7 @@ class Server:
             yield "data: [DONE]\n\n"
         finally:  # the client went away mid-stream (or the stream ended): its slot is freed
             watch.cancel()
-            self.engine.cancel(job.request)
+            job.cancel()
 
     # --- running ---
 
@@ -242,7 +243,7 @@ class Server:
         finally:
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
-            self.engine.close(timeout=self.drain_s)
+            self.batcher.close(timeout=self.drain_s)
 
     @contextmanager
     def in_thread(self, host: str = "127.0.0.1", port: int = 0):
@@ -309,7 +310,7 @@ def bind(host: str, port: int):
 
 def open_server(artifact, backend: str, options, host: str, port: int, slots: int, max_queue: int,
                 model_name: str | None, drain_s: float):
-    """Load the artifact on the backend, start its engine and bind the socket: (Server, socket).
+    """Load the artifact on the backend, start its batcher and bind the socket: (Server, socket).
     Everything that can fail (a missing package, a dynamic-cache artifact, a busy port) fails here,
     before the server says it listens."""
     import dataclasses
@@ -327,8 +328,8 @@ def open_server(artifact, backend: str, options, host: str, port: int, slots: in
     runtime = open_runtime(artifact, backend, dataclasses.replace(options, static_cache=True))
     sock = bind(host, port)
     try:
-        engine = Engine(runtime, slots, max_queue, manifest.eos_token_ids).start()
+        batcher = Batcher(runtime, slots, max_queue, manifest.eos_token_ids).start()
     except BaseException:
         sock.close()
         raise
-    return Server(engine, tokenizer, model_name or artifact.resolve().name, drain_s), sock
+    return Server(batcher, tokenizer, model_name or artifact.resolve().name, drain_s), sock

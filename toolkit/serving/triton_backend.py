@@ -1,25 +1,24 @@
-"""Inside Triton: the decoupled python model's work, over the same engine as `tk serve`.
+"""Inside Triton: the decoupled python model's work, over the same batcher as `tk serve`.
 
-`execute()` only turns each Triton request into a `tk.runtimes.batching.Request` and submits it;
-the engine's thread runs continuous batching (the pattern of Triton's vLLM backend, which
-FACTS.md measured at 3x Triton's own iterative sequence batching) and sends each token as a
-response through the request's response sender (`stream` true), or one response at the end.
-The last response carries `finish_reason` and the FINAL flag. A request Triton reports
-cancelled (a client that went away) is cancelled in the engine, which frees its slot. A bad
-request gets one error response with a one-line message.
+`execute()` only turns each Triton request into a job (toolkit/serving/frontend.py: its batcher
+`Request`, its text and stop strings) and submits it; the batcher's thread runs continuous
+batching (the pattern of Triton's vLLM backend, which FACTS.md measured at 3x Triton's own
+iterative sequence batching) and sends each token as a response through the request's response
+sender (`stream` true), or one response at the end. The last response carries `finish_reason`
+and the FINAL flag. A request Triton reports cancelled (a client that went away) is cancelled in
+the batcher, which frees its slot. A bad request gets one error response with a one-line message.
 
 Inputs (all optional but one of `text_input`, `prompt_ids`): text_input (string), prompt_ids
 (int64[-1]), max_tokens (int32, default 32 as `tk generate`), temperature, top_p,
 repetition_penalty (fp32), top_k (int32), seed (int64), stop (string[-1]), ignore_eos, stream
 (bool). Outputs: text_output (string), token_ids (int64[-1]), finish_reason (string, "" until the
 last response). `pb` is triton_python_backend_utils, passed in: this module imports no Triton.
-The engine's gauges and counters (tk_active_slots, tk_queue_depth, tk_generation_tokens,
+The batcher's gauges and counters (tk_active_slots, tk_queue_depth, tk_generation_tokens,
 tk_requests_finished by reason) appear on Triton's own metrics endpoint.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from pathlib import Path
 
@@ -27,13 +26,14 @@ import numpy as np
 
 from tk.models.artifact import Manifest
 from tk.models.errors import TkError
-from tk.runtimes.batching import FINISH_REASONS, Engine, Request
-from tk.runtimes.sampling import SamplingConfig
+from tk.runtimes.batching import Batcher
+from tk.runtimes.rows import FinishReason
 from tk.toolkit.backends import BackendOptions, open_runtime
-from tk.toolkit.textgen import TextStream, Tokenizer
+from tk.toolkit.serving import frontend
+from tk.toolkit.serving.frontend import METRICS
+from tk.toolkit.textgen import Tokenizer
 
 log = logging.getLogger("tk.triton")
-FINISHED = ("eos", "stop", "length")
 DEFAULTS = {"max_tokens": 32, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0, "seed": 0,
             "ignore_eos": False, "stream": False}
 
@@ -48,9 +48,9 @@ class TkModel:
         threads = int(params["threads"]) if params.get("threads") else None
         options = BackendOptions(threads=threads, prepack=params.get("prepack", "1") == "1", static_cache=True)
         runtime = open_runtime(artifact, params.get("backend", "ort"), options)
-        self.engine = Engine(runtime, int(params["slots"]), int(params["max_queue"]), manifest.eos_token_ids).start()
+        self.batcher = Batcher(runtime, int(params["slots"]), int(params["max_queue"]), manifest.eos_token_ids).start()
         self.drain_s = float(params.get("drain", "10"))
-        self.metrics = _Metrics(pb, name)
+        self.metrics = _TritonMetrics(pb, name, self.batcher)
 
     def execute(self, requests):
         for request in requests:
@@ -60,11 +60,11 @@ class TkModel:
             except (TkError, ValueError, UnicodeDecodeError) as e:  # the client's mistake: one line, to it
                 sender.send(self.pb.InferenceResponse(error=self.pb.TritonError(str(e).splitlines()[0])),
                             flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        self.metrics.update(self.engine)
+        self.metrics.update()
         return None
 
     def finalize(self) -> None:
-        self.engine.close(timeout=self.drain_s)
+        self.batcher.close(timeout=self.drain_s)
         self.metrics.close()
 
     def _value(self, request, name: str):
@@ -89,93 +89,78 @@ class TkModel:
                 raise ValueError("this artifact has no tokenizer; send prompt_ids")
             ids = self.tokenizer.encode(text[0])
         get = lambda name: self._value(request, name)  # noqa: E731
-        stops = get("stop") or []
-        if stops and self.tokenizer is None:
-            raise ValueError("stop needs the artifact's tokenizer")
-        sampling = SamplingConfig(temperature=float(get("temperature")), top_k=int(get("top_k")),
-                                  top_p=float(get("top_p")), repetition_penalty=float(get("repetition_penalty")),
-                                  seed=int(get("seed")))
-        job = _Job(self, sender, stops, bool(get("stream")))
-        job.request = Request(ids, int(get("max_tokens")), sampling, bool(get("ignore_eos")), job.on_event,
-                              lambda _: job.text is not None and job.text.stopped)
-        self.engine.submit(job.request)
+        params = frontend.Params(max_tokens=int(get("max_tokens")), temperature=float(get("temperature")),
+                                 top_k=int(get("top_k")), top_p=float(get("top_p")),
+                                 repetition_penalty=float(get("repetition_penalty")), seed=int(get("seed")),
+                                 ignore_eos=bool(get("ignore_eos")), stop=get("stop") or [])
+        _TritonJob(self, sender, ids, params, bool(get("stream"))).submit()
 
 
-@dataclasses.dataclass(eq=False)
-class _Job:
-    model: TkModel
-    sender: object
-    stops: list[str]
-    stream: bool
-    request: Request | None = None
+class _TritonJob(frontend.Job):
+    """One Triton request's generation: its pieces of text leave as responses through its sender."""
 
-    def __post_init__(self):
-        tok = self.model.tokenizer
-        self.text = TextStream(tok, self.stops) if tok is not None else None
+    def __init__(self, model: TkModel, sender, prompt: list[int], params: frontend.Params, stream: bool):
+        super().__init__(model.batcher, prompt, params, model.tokenizer, model.metrics)
+        self.pb, self.sender, self.stream = model.pb, sender, stream
 
-    def on_event(self, event) -> None:  # the engine's thread
-        pb, final = self.model.pb, event.token is None
-        if final:
-            self.model.metrics.finished(self.model.engine, event.finish_reason, len(self.request.tokens))
-        if not final and self.sender.is_cancelled():
-            self.model.engine.cancel(self.request)
-            return
-        if final and event.finish_reason not in FINISHED:
-            message = self.request.error or f"the request was {event.finish_reason}"
-            return self._send(pb.InferenceResponse(error=pb.TritonError(message)), True)
-        if not final:
-            piece = self.text.add(event.token) if self.text else ""
+    def listening(self) -> bool:
+        return not self.sender.is_cancelled()
+
+    def deliver(self, piece: str, event) -> None:  # the batcher's thread
+        pb, reason = self.pb, event.finish_reason
+        if event.token is not None:
             if self.stream:
                 self._send(self._response(piece, [event.token], ""), False)
-            return
-        rest = self.text.finish() if self.text else ""
-        if self.stream:
-            self._send(self._response(rest, [], event.finish_reason), True)
+        elif not reason.completed:
+            self._send(pb.InferenceResponse(error=pb.TritonError(self.request.error or f"the request was {reason}")),
+                       True)
+        elif self.stream:
+            self._send(self._response(piece, [], reason), True)
         else:
-            self._send(self._response(self.text.text if self.text else "", self.request.tokens,
-                                      event.finish_reason), True)
+            self._send(self._response(self.text.text if self.text else "", self.request.tokens, reason), True)
 
     def _response(self, text: str, tokens: list[int], reason: str):
-        pb = self.model.pb
+        pb = self.pb
         return pb.InferenceResponse(output_tensors=[
             pb.Tensor("text_output", np.array([text.encode()], dtype=object)),
             pb.Tensor("token_ids", np.array(tokens, dtype=np.int64)),
             pb.Tensor("finish_reason", np.array([reason.encode()], dtype=object))])
 
     def _send(self, response, final: bool) -> None:
-        flags = self.model.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
+        flags = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
         try:
             self.sender.send(response, flags=flags)
         except Exception:  # noqa: BLE001: the client is gone; its request ends with the next event
             log.warning("could not send a response for request %s", self.request.id, exc_info=True)
             if not final:
-                self.model.engine.cancel(self.request)
+                self.cancel()
 
 
-class _Metrics:
-    """The engine's gauges and counters on Triton's metrics endpoint (the python backend's custom
-    metrics), labelled with the model's name; updated when requests arrive and finish."""
+class _TritonMetrics(frontend.Metrics):
+    """The batcher's gauges and counters on Triton's metrics endpoint (the python backend's custom
+    metrics; frontend.METRICS' names), labelled with the model's name; updated when requests
+    arrive and finish (each update is a message to Triton's process: not one per token)."""
 
-    def __init__(self, pb, model: str):
+    def __init__(self, pb, model: str, batcher: Batcher):
+        self.batcher = batcher
         family = getattr(pb, "MetricFamily", None)  # Triton 23.05+
         self.on = family is not None
         if not self.on:
             return
         labels = {"model": model}
         gauge, counter = family.GAUGE, family.COUNTER
-        self.families = {name: family(name=name, description=what, kind=kind) for name, what, kind in [
-            ("tk_active_slots", "Slots running a request", gauge), ("tk_queue_depth", "Requests waiting for a slot", gauge),
-            ("tk_generation_tokens", "Tokens generated", counter),
-            ("tk_requests_finished", "Generations by finish reason", counter)]}  # kept: a metric outlives no family
+        self.families = {name: family(name=name, description=METRICS[name], kind=kind) for name, kind in [
+            ("tk_active_slots", gauge), ("tk_queue_depth", gauge), ("tk_generation_tokens", counter),
+            ("tk_requests_finished", counter)]}  # kept: a metric outlives no family
         metric = lambda name, **extra: self.families[name].Metric(labels={**labels, **extra})  # noqa: E731
         self.active, self.queue, self.tokens = metric("tk_active_slots"), metric("tk_queue_depth"), metric(
             "tk_generation_tokens")
-        self.reasons = {r: metric("tk_requests_finished", reason=r) for r in FINISH_REASONS}
+        self.reasons = {r: metric("tk_requests_finished", reason=r.value) for r in FinishReason}
 
-    def update(self, engine: Engine) -> None:
+    def update(self) -> None:
         if self.on:
-            self.active.set(engine.running)
-            self.queue.set(engine.waiting)
+            self.active.set(self.batcher.running)
+            self.queue.set(self.batcher.waiting)
 
     def close(self) -> None:
         """Metrics first, then their families (Triton refuses the other order)."""
@@ -185,8 +170,8 @@ class _Metrics:
             self.families.clear()
             self.on = False
 
-    def finished(self, engine: Engine, reason: str, tokens: int) -> None:
+    def finished(self, reason: FinishReason, tokens: int) -> None:
         if self.on:
             self.reasons[reason].increment(1)
             self.tokens.increment(tokens)
-            self.update(engine)
+            self.update()

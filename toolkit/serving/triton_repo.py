@@ -23,7 +23,7 @@ from pathlib import Path
 from tk.models import contract
 from tk.models.artifact import Manifest
 from tk.models.errors import UsageProblem
-from tk.runtimes.batching import slots_problem
+from tk.runtimes.cache_layouts import slots_problem
 
 INPUTS = [  # (name, Triton type, dims): every one optional; toolkit/serving/triton_backend.py says what each does
     ("text_input", "TYPE_STRING", [1]), ("prompt_ids", "TYPE_INT64", [-1]), ("max_tokens", "TYPE_INT32", [1]),

@@ -1,0 +1,69 @@
+"""Serving's slots: the rows of a static-capacity cache as places that requests take and leave.
+
+`Slots(runtime, count)` opens one session of `count` empty rows on an active runtime whose export
+has a static cache (`slots_problem` says why one cannot hold them). `admit(slot, prompt)`
+prefills one prompt alone (batch 1, no padding: what `tk generate` of it computes) into a free
+row and returns its logits; `step(tokens, active)` decodes the busy rows together, each at its
+own length and write index, and computes only up to the last busy one where the backend views a
+buffer's leading rows (`Runtime.row_views`; ORT on CUDA runs every row); `free(slot)` empties a
+row, which keeps one visible position (0) and rewrites it: its throwaway row computes no NaN and
+touches no live row. The rows' mechanics are the static layout's
+(runtimes/cache_layouts.StaticLayout); which request sits where is the batcher's
+(runtimes/batching.py).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from tk.runtimes.base import Runtime, StepOutput, check_token_ids
+from tk.runtimes.cache_layouts import slots_problem
+from tk.runtimes.errors import InputError
+
+
+class Slots:
+    """`count` slots over an active runtime's static cache; close it (or use `with`) to release them."""
+
+    def __init__(self, runtime: Runtime, count: int):
+        runtime._require_active()
+        problem = slots_problem(runtime.dims)
+        if problem:
+            raise InputError(problem)
+        if runtime.max_batch is not None and count > runtime.max_batch:
+            raise InputError(f"the {runtime.name} backend runs batches of at most {runtime.max_batch}: use --slots "
+                             f"{runtime.max_batch}, or rebuild with tk build-engine --max-batch {count}")
+        self.runtime, self.layout = runtime, runtime.layout
+        self.session = self.layout.open_slots(runtime, count)
+
+    @property
+    def count(self) -> int:
+        return self.session.batch
+
+    def admit(self, slot: int, prompt: Sequence[int]) -> StepOutput:
+        """Prefill `prompt` alone into `slot` (which must be free) -> its logits."""
+        ids = np.asarray(prompt, dtype=np.int64).reshape(1, -1)
+        check_token_ids(ids, self.runtime.dims.vocab_size)
+        return self.layout.admit(self.runtime, self.session, slot, ids)
+
+    def free(self, slot: int) -> None:
+        self.layout.free(self.session, slot)
+
+    def step(self, tokens, active: list[int]) -> StepOutput:
+        """One decode step of the `active` slots; `tokens` (max(active) + 1,) holds each active
+        slot's last token (the others' are ignored) -> logits (max(active) + 1 rows, or every
+        slot's where the backend cannot view leading rows, 1, V)."""
+        n = max(active) + 1 if self.runtime.row_views else self.session.batch
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1, 1)
+        check_token_ids(tokens, self.runtime.dims.vocab_size)
+        return self.layout.step_slots(self.runtime, self.session, tokens, active, n)
+
+    def close(self) -> None:
+        self.session.close()
+
+    def __enter__(self) -> "Slots":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

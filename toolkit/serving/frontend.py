@@ -1,0 +1,121 @@
+"""What both serving front ends do alike, written once: a client's generation parameters made a
+batcher `Request`, its text as the tokens arrive, when it stops, and what is counted under which
+metric names. toolkit/serving/openai_server.py (HTTP) and triton_backend.py (inside Triton) keep
+only their transport: how a request arrives, how each piece of text leaves, and the metrics
+library they count with.
+
+A `Job` is one client request. Its tokens are detokenized on the batcher's thread as they come
+(`TextStream`, vLLM's incremental detokenization): a stop string ends the request right after
+the token that completes one, as `tk generate --stop` does, because the batcher asks the job's
+stop hook only once `on_event` has heard that token. That costs the batcher's thread two short
+decodes and a scan of the stop strings per token and request.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from tk.runtimes.base import InputError
+from tk.runtimes.batching import Batcher, Request
+from tk.runtimes.rows import FinishReason, TokenEvent
+from tk.runtimes.sampling import SamplingConfig
+from tk.toolkit.textgen import TextStream, Tokenizer
+
+METRICS = {  # every tk metric's name and help; tk serve exports them all, Triton's model the ones it updates
+    "tk_queue_depth": "Requests waiting for a slot",
+    "tk_active_slots": "Slots running a request",
+    "tk_slots": "Slots of the batcher",
+    "tk_requests": "HTTP requests by endpoint and status",
+    "tk_requests_finished": "Generations by finish reason",
+    "tk_prompt_tokens": "Prompt tokens admitted",
+    "tk_generation_tokens": "Tokens generated",
+    "tk_time_to_first_token_seconds": "Submit to first token",
+    "tk_inter_token_latency_seconds": "Between a request's tokens",
+}
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)  # seconds
+
+
+@dataclass(frozen=True)
+class Params:
+    """What a client asks of one generation, as its front end parsed it (with that API's defaults)."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_k: int = 0  # 0 (or vLLM's -1): off
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None  # None: a fresh random seed
+    ignore_eos: bool = False
+    stop: Sequence[str] = ()
+
+    def sampling(self) -> SamplingConfig:
+        """The request's sampling (UsageProblem names a value no API schema caught)."""
+        seed = self.seed if self.seed is not None else int.from_bytes(os.urandom(4), "little")
+        return SamplingConfig(temperature=self.temperature, top_k=0 if self.top_k == -1 else self.top_k,
+                              top_p=self.top_p, repetition_penalty=self.repetition_penalty, seed=seed)
+
+
+class Metrics:
+    """What a front end counts, each hook told on the batcher's thread (`submitted` on the
+    submitter's). The base counts nothing; each front end counts with its own library."""
+
+    def submitted(self, prompt_tokens: int) -> None:
+        pass
+
+    def token(self, first: bool, seconds: float) -> None:
+        """A new token, `seconds` after the request's previous one (the first: after submission)."""
+
+    def finished(self, reason: FinishReason, tokens: int) -> None:
+        pass
+
+
+class Job:
+    """One client request over the batcher: its `request`, its `text` (None without a tokenizer:
+    token ids only), its metrics. A front end subclasses it with its transport: `deliver(piece,
+    event)` hands out each event with the new text it makes safe to show (the rest of the text
+    on a completed finish), and `listening()` may say the client is gone (the job then cancels)."""
+
+    def __init__(self, batcher: Batcher, prompt: Sequence[int], params: Params, tokenizer: Tokenizer | None,
+                 metrics: Metrics):
+        if params.stop and tokenizer is None:
+            raise InputError("stop needs the artifact's tokenizer")
+        self.batcher, self.prompt, self.metrics = batcher, list(prompt), metrics
+        self.text = TextStream(tokenizer, params.stop) if tokenizer is not None else None
+        self.last = time.perf_counter()  # the last token's time (at first: submission)
+        self.request = Request(self.prompt, params.max_tokens, params.sampling(), params.ignore_eos,
+                               self._on_event, self._stopped)
+
+    def submit(self) -> Request:
+        """Hand the request to the batcher (QueueFull, BatcherClosed, InputError as it raises them)."""
+        self.batcher.submit(self.request)
+        self.metrics.submitted(len(self.prompt))
+        return self.request
+
+    def cancel(self) -> None:
+        self.batcher.cancel(self.request)
+
+    def listening(self) -> bool:
+        return True
+
+    def deliver(self, piece: str, event: TokenEvent) -> None:
+        raise NotImplementedError
+
+    def _stopped(self, tokens: list[int]) -> bool:  # asked by the batcher right after on_event heard a token
+        return self.text is not None and self.text.stopped
+
+    def _on_event(self, event: TokenEvent) -> None:  # the batcher's thread
+        now = time.perf_counter()
+        if event.token is None:
+            done = self.text is not None and event.finish_reason.completed
+            piece = self.text.finish() if done else ""
+            self.metrics.finished(event.finish_reason, len(self.request.tokens))
+        else:
+            if not self.listening():
+                return self.cancel()
+            piece = self.text.add(event.token) if self.text is not None else ""
+            self.metrics.token(len(self.request.tokens) == 1, now - self.last)
+            self.last = now
+        self.deliver(piece, event)
