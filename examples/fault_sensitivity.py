@@ -50,10 +50,9 @@ def tolerance(model):
 
 def caught(folder: Path, reference: TorchRuntime, cases: dict, kind: str, eps: float) -> bool:
     mutant = TorchRuntime(mutate(load_decoder(folder), kind, eps))
-    mutant.name = "mutant"
     with mutant:
         report = compare_backends(reference, {"mutant": mutant}, cases, tolerance(reference.model), steps=3)
-    return report["backends"]["mutant"]["status"] == "failed"
+    return report.backends["mutant"].failed
 
 
 def smallest_caught(folder: Path, kind: str, lo: float = 1e-9, hi: float = 1.0, iters: int = 14) -> float:

@@ -21,6 +21,7 @@ from tk.models.loading import load_decoder
 from tk.runtimes.generate import generate, left_pad
 from tk.runtimes.base import InputError
 from tk.runtimes.ort_runtime import OrtRuntime, open_ort
+from tk.runtimes.slots import Slots
 from tk.runtimes.torch_runtime import TorchRuntime
 from tk.toolkit.pipeline.export import export_artifact
 from tk.toolkit.cli.main import main
@@ -98,7 +99,7 @@ def test_fused_decode_step_prefills_a_row_as_the_reference_does(checkpoints, fam
             row_mask[0, :n] = 1
             past = [tuple(torch.zeros(1, c.num_kv_heads, capacity, c.head_dim) for _ in range(2))] * c.num_layers
             logits, cache = ort_kernels.forward(model, ids[b:b + 1, T - n:], row_mask, torch.arange(n)[None], past,
-                                                torch.tensor([0]), last_only=True, unpadded=True)
+                                                torch.tensor([0]), last_only=True, decode_prefills=True)
             assert (logits[0, -1] - ref[b, -1]).abs().max() < 1e-5 * ref.abs().max()
             for (k, v), (rk, rv) in zip(cache, ref_cache):
                 assert (k[0, :, :n] - rk[b, :, T - n:]).abs().max() < 1e-5
@@ -106,7 +107,7 @@ def test_fused_decode_step_prefills_a_row_as_the_reference_does(checkpoints, fam
                 assert not k[0, :, n:].any()  # nothing written past the row's tokens
             row_mask[0, n] = 1
             logits, _ = ort_kernels.forward(model, token[b:b + 1], row_mask, torch.tensor([[n]]), cache,
-                                            torch.tensor([n]), last_only=True, unpadded=True)
+                                            torch.tensor([n]), last_only=True, decode_prefills=True)
             assert (logits[0, -1] - ref2[b, -1]).abs().max() < 1e-5 * ref2.abs().max()
 
 
@@ -149,9 +150,9 @@ def test_fused_graphs_use_ort_kernels_and_keep_the_contract(fused_llama):
 def test_one_session_prefills_through_the_decode_graph(fused_llama):
     """On the CPU, ORT holds only the decode graph's session (one packed copy of the weights) and
     prefills each row through it; its logits, caches and tokens equal prefill.onnx's."""
-    with OrtRuntime(fused_llama) as one, OrtRuntime(fused_llama, prefill_graph=True) as two:
-        assert one.prefills_in_decode and set(one.sessions) == {"decode"}
-        assert not two.prefills_in_decode and set(two.sessions) == {"prefill", "decode"}
+    with OrtRuntime(fused_llama) as one, OrtRuntime(fused_llama, prefill_via="prefill") as two:
+        assert one.prefill_via == "decode" and set(one.sessions) == {"decode"}
+        assert two.prefill_via == "prefill" and set(two.sessions) == {"prefill", "decode"}
         ids, mask = left_pad(PROMPTS)
         (a, sa), (b, sb) = one.start(ids, mask, room=4), two.start(ids, mask, room=4)
         with sa, sb:
@@ -163,8 +164,8 @@ def test_one_session_prefills_through_the_decode_graph(fused_llama):
                 np.testing.assert_allclose(one.step(sa, token).logits, two.step(sb, token).logits, atol=1e-4)
         assert ([r.tokens for r in generate(one, PROMPTS, 16, ignore_eos=True).rows]
                 == [r.tokens for r in generate(two, PROMPTS, 16, ignore_eos=True).rows])
-        slots = one.open_slots(3)
-        first = one.admit(slots, 2, PROMPTS[1])
+        with Slots(one, 3) as slots:
+            first = slots.admit(2, PROMPTS[1])
         np.testing.assert_allclose(first.logits[0, -1], b.logits[1, -1], atol=1e-4)
         with pytest.raises(InputError, match="left padding"):
             one.start(np.array([[5, 6, 7]]), np.array([[1, 0, 1]]))
@@ -188,9 +189,9 @@ def test_fused_tokens_equal_portable_and_transformers(checkpoints, artifacts, fu
 
 def test_fused_parity_and_probes_pass(fused_llama):
     report = parity(fused_llama, ["ort"], steps=12)
-    assert report["passed"], report["backends"]["ort"]["first_divergence"]
-    probes = {p["name"]: p for p in report["backends"]["ort"]["probes"]}
-    assert "the cache at 0..5 compared" in probes["future_leak"]["detail"]
+    assert report.passed, report.backends["ort"].first_divergence
+    probes = {p.name: p for p in report.backends["ort"].probes}
+    assert "the cache at 0..5 compared" in probes["future_leak"].detail
 
 
 @pytest.mark.parametrize("family, static", [("mistral", False), ("gemma", False), ("qwen2", False),
@@ -205,7 +206,7 @@ def test_fused_graphs_on_other_families(checkpoints, tmp_path, family, static):
     manifest = export_artifact(checkpoints(family), out, target="ort", **options)
     assert manifest.validation["passed"] and manifest.variant.decode_prefills == static
     report = parity(out, ["ort"], steps=16)
-    assert report["passed"], report["backends"]["ort"]["first_divergence"]
+    assert report.passed, report.backends["ort"].first_divergence
 
 
 @pytest.mark.parametrize("family, why", [("qwen3", "per-head q/k norms"), ("phi3", "partial rotary embeddings")])

@@ -8,6 +8,7 @@ import shutil
 import xml.etree.ElementTree as ET
 
 import jsonschema
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
@@ -18,9 +19,11 @@ from tk.models.decoder import RMSNorm, rope_inv_freq
 from tk.models.loading import load_decoder
 from tk.runtimes.torch_runtime import TorchRuntime
 from tk.toolkit.cli.main import main
-from tk.toolkit.verify.metrics import random_cases, tolerance_for
-from tk.toolkit.verify.compare import SCHEMA_PATH, compare_backends, parity, verdict
-from tk.toolkit.verify.probes import PROBES
+from tk.toolkit.verify.compare import BackendReport, CaseReport, ParityReport, compare_backends, parity
+from tk.toolkit.verify.metrics import (Comparison, Divergence, StepResult, Trace, compare_traces, measure_traces,
+                                       random_cases, tolerance_for)
+from tk.toolkit.verify.probes import PROBES, ProbeResult
+from tk.toolkit.verify.report import SCHEMA_PATH, to_dict, verdict
 
 PROBE_NAMES = [p.__name__ for p in PROBES]
 
@@ -34,18 +37,19 @@ def run(*args):
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_fp32_ort_passes_on_every_family(artifacts, family):
     report = parity(artifacts(family), ["ort"], steps=8)
-    assert report["passed"] and report["backends"]["ort"]["status"] == "passed"
-    assert all(p["passed"] for p in report["backends"]["ort"]["probes"])
-    assert all(m == 8 for c in report["backends"]["ort"]["cases"] for m in c["greedy_match"])
+    ort = report.backends["ort"]
+    assert report.passed and ort.passed
+    assert len(ort.probes) == len(PROBES) and all(p.passed for p in ort.probes)
+    assert all(m == 8 for c in ort.cases for m in c.greedy_match)
 
 
 def test_fp16_passes_its_table_and_fails_the_fp32_table(artifacts):
     art = artifacts("llama", "fp16")
-    assert parity(art, ["ort"], steps=6)["passed"]
+    assert parity(art, ["ort"], steps=6).passed
     strict = tolerance_for("float32", json.loads((art / "manifest.json").read_text())["config"])
     report = parity(art, ["ort"], steps=6, overrides={"atol": strict.atol, "rtol": strict.rtol})
-    assert not report["passed"]
-    assert report["backends"]["ort"]["first_divergence"]["step"] == 0
+    assert not report.passed and report.backends["ort"].failed
+    assert report.backends["ort"].first_divergence.step == 0
 
 
 def test_report_schema_and_stability(tiny_artifact, tmp_path):
@@ -182,16 +186,14 @@ def test_injected_bug_fails_and_is_localized(mutation_checkpoints, model, kind, 
     cases = random_cases(reference.dims.vocab_size, seed=1)
     tol = tolerance_for("float32", reference.model.config)
     healthy = TorchRuntime(load_decoder(folder), debug=hidden)
-    healthy.name = "healthy"
     mutant = TorchRuntime(_mutate(load_decoder(folder), kind), debug=hidden)
-    mutant.name = "mutant"
-    with reference, healthy, mutant:
+    with reference, healthy, mutant:  # the labels name the two torch runtimes in the report
         report = compare_backends(reference, {"healthy": healthy, "mutant": mutant}, cases, tol, steps=3)
-    assert report["backends"]["healthy"]["status"] == "passed"
-    assert report["backends"]["mutant"]["status"] == "failed"
+    assert report.backends["healthy"].passed and report.backends["mutant"].failed and not report.passed
+    assert {c.comparison.backend for c in report.backends["mutant"].cases} == {"mutant"}
     where, layer = MUTATIONS[kind][hidden]
-    div = report["backends"]["mutant"]["first_divergence"]
-    assert (div["step"], div["where"], div["layer"]) == (0, where, layer), div
+    div = report.backends["mutant"].first_divergence
+    assert (div.step, div.where, div.layer) == (0, where, layer), div
     # the line tk parity exits 3 with names the step and the layer
     line = verdict(report)
     assert line.startswith("parity failed: mutant first leaves its tolerance at step 0, row ")
@@ -255,10 +257,69 @@ def test_debug_export_localizes_to_the_layer_output(tiny, tmp_path):
     art = tmp_path / "art"
     manifest = export_artifact(ckpt, art, debug_outputs=True)
     assert manifest.dims.hidden_size == 64 and manifest.validation["passed"]
-    assert parity(art, ["ort"], steps=3)["passed"]
+    assert parity(art, ["ort"], steps=3).passed
     sd = load_file(ckpt / "model.safetensors")
     sd["model.layers.0.mlp.down_proj.weight"] *= 1.1  # the reference's layer-0 FFN changes, the graphs do not
     save_file(sd, ckpt / "model.safetensors")
     result = run("parity", art, "--backends", "ort", "--steps", "3")
     assert result.exit_code == 3
     assert "in hidden.0 (layer 0)" in result.stderr.strip().splitlines()[-1]
+
+
+# --- the report tree: the leaves decide, the tree aggregates, the edge writes --------------
+
+
+def _case(name: str, *passed: bool, divergence: Divergence | None = None) -> CaseReport:
+    steps = [StepResult(i, 0.0, 0.0, 0.0, 0.5 if ok else 2.0, 1.0, 1.0, 1.0, 0.0, 0.0, [], 0.0, ok)
+             for i, ok in enumerate(passed)]
+    return CaseReport(Comparison(name.split("/")[0], "torch", name, steps, divergence))
+
+
+def test_passed_is_decided_by_the_leaves():
+    tol = tolerance_for("float32", {"num_layers": 2, "hidden_size": 64, "intermediate_size": 128})
+    ok, bad = ProbeResult("finite", True, 0.0, 0.0, "all finite"), ProbeResult("finite", False, 0.0, 0.0, "NaN")
+    good = BackendReport("good", "float32", [_case("good/a", True, True)], [ok])
+    skipped = BackendReport("trt", skipped="pip install tensorrt")
+    report = ParityReport(BackendReport("torch", "float32", probes=[ok]), {"good": good, "trt": skipped}, tol, 1, 0,
+                          "art", "float32")
+    assert report.passed and good.passed and not skipped.passed and not skipped.failed
+    assert verdict(report) is None
+    assert verdict(report, ("trt",)) == "parity failed: required backend trt was skipped"
+    assert verdict(report, ("numpy",)) == "parity failed: required backend numpy was skipped"  # not even listed
+    d = to_dict(report)
+    jsonschema.validate(d, json.loads(SCHEMA_PATH.read_text()))
+    assert d["passed"] and d["backends"]["good"]["status"] == "passed" and d["backends"]["trt"] == {
+        "status": "skipped", "reason": "pip install tensorrt"}
+
+    report.backends["probe"] = BackendReport("probe", "float32", [_case("probe/a", True, True)], [bad])
+    assert report.backends["probe"].failed and not report.passed
+    assert verdict(report) == "parity failed: probe failed the probe(s) finite"
+    div = Divergence("drift/a", 1, 0, 8, "present.1.key", 1, 0.5, 0.1)
+    report.backends = {"drift": BackendReport("drift", "float32", [_case("drift/a", True, False, divergence=div)])}
+    assert report.backends["drift"].first_divergence is div and not report.passed
+    assert verdict(report) == ("parity failed: drift first leaves its tolerance at step 1, row 0, position 8, in "
+                               "present.1.key (layer 1) of case drift/a: max_abs 0.5 > bound 0.1")
+    d = to_dict(report)
+    jsonschema.validate(d, json.loads(SCHEMA_PATH.read_text()))
+    assert d["backends"]["drift"]["first_divergence"] == d["backends"]["drift"]["cases"][0]["first_divergence"] == {
+        "case": "drift/a", "step": 1, "row": 0, "position": 8, "where": "present.1.key", "layer": 1, "max_abs": 0.5,
+        "bound": 0.1}
+    report.backends, report.reference.probes = {}, [bad]
+    assert verdict(report) == "parity failed: the reference backend failed a probe"
+
+
+def test_measure_traces_gives_the_gates_metrics_without_the_gate():
+    rng = np.random.default_rng(0)
+    mask = np.array([[0, 1, 1, 1], [1, 1, 1, 1]])
+    logits = [rng.normal(size=(2, 4, 50)), rng.normal(size=(2, 1, 50)), rng.normal(size=(2, 1, 50))]
+    ref = Trace("torch", np.zeros((2, 2), np.int64), logits)
+    test = Trace("ort", ref.tokens, [x + rng.normal(scale=0.3, size=x.shape) for x in logits])
+    tol = tolerance_for("float32", {"num_layers": 2, "hidden_size": 64, "intermediate_size": 128})
+    judged = compare_traces(ref, test, mask, tol, "c")
+    assert not judged.passed and (judged.first_divergence.step, judged.first_divergence.where) == (0, "logits")
+    measured = measure_traces(ref, test, mask)
+    assert len(measured) == len(judged.steps) == 3
+    for j, m in zip(judged.steps, measured):
+        for name in ("step", "max_abs", "mean_abs", "max_rel", "cosine_min", "top5", "kl_max"):
+            assert getattr(j, name) == getattr(m, name), name
+        assert m.top1 <= j.top1  # the gate counts the reference's near-ties as agreeing; a measurement does not

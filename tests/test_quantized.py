@@ -86,7 +86,7 @@ def test_quantized_reference_is_what_the_graphs_compute(quantized, checkpoints):
 
 def test_int4_weights_file_is_an_eighth(quantized, artifacts):
     from tk.models.artifact import Manifest
-    from tk.toolkit.verify.quant import weight_bytes_by_dtype
+    from tk.toolkit.tools.describe import weight_bytes_by_dtype
 
     fp = weight_bytes_by_dtype(artifacts("llama"), Manifest.read(artifacts("llama")))
     q = weight_bytes_by_dtype(quantized("llama", "int4"), Manifest.read(quantized("llama", "int4")))
@@ -140,7 +140,7 @@ def test_int4_fast_export_runs_one_session_and_benches(quantized):
     assert m.validation["fused_matmulnbits"] == {"prefill": 4 * layers + 1, "decode": 4 * layers + 1}
     assert {c["backend"] for c in m.validation["comparisons"]} == {"ort", "ort/pre"}
     prompts = [[5, 17, 99, 3, 8], [42, 8, 300, 12, 77, 150, 9]]
-    with OrtRuntime(art) as one, OrtRuntime(art, prefill_graph=True) as two:
+    with OrtRuntime(art) as one, OrtRuntime(art, prefill_via="prefill") as two:
         assert set(one.sessions) == {"decode"} and set(two.sessions) == {"prefill", "decode"}
         a, b = generate(one, prompts, 12, ignore_eos=True), generate(two, prompts, 12, ignore_eos=True)
         assert [r.tokens for r in a.rows] == [r.tokens for r in b.rows]

@@ -38,24 +38,24 @@ def parity(artifact: Path, backends: list[str], steps: int, seed: int, prompts_f
 
     A tensor that went through d layers may differ by atol + rtol * d * its own magnitude (the
     logits: per position); float32's rtol follows from the model's accumulation length."""
-    from tk.toolkit.verify import compare as pr
+    from tk.toolkit.verify import compare, report as parity_report
 
-    names = backends
     if plot is not None:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
             raise click.ClickException("--plot needs matplotlib: pip install 'tk[plot]'") from None
-    result = pr.parity(artifact, names, steps, seed, prompts_file, {"atol": atol, "rtol": rtol, "min_top1": min_top1},
-                       BackendOptions(threads, device, provider, prepack))
-    click.echo(pr.summary(result), err=True)
+    result = compare.parity(artifact, backends, steps, seed, prompts_file,
+                            {"atol": atol, "rtol": rtol, "min_top1": min_top1},
+                            BackendOptions(threads, device, provider, prepack))
+    click.echo(parity_report.summary(result), err=True)
     if report is not None:
-        report.write_text(json.dumps(result, indent=2))
+        report.write_text(json.dumps(parity_report.to_dict(result), indent=2))
     if junit is not None:
-        pr.write_junit(result, junit, required)
+        parity_report.write_junit(result, junit, required)
     if plot is not None:
-        pr.plot(result, plot)
-    failure = pr.verdict(result, required)
+        parity_report.plot(result, plot)
+    failure = parity_report.verdict(result, required)
     if failure:
         raise CheckFailed(failure)
     click.echo("parity passed")

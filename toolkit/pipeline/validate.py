@@ -17,8 +17,9 @@ from tk.models.artifact import ExportOptions, Manifest
 from tk.models.errors import CheckFailed
 from tk.toolkit.backends import reference_runtime, torch_reference
 from tk.toolkit.pipeline.background import Background
-from tk.toolkit.verify.compare import ReferenceRun, compare_backends, describe_divergence, run_reference
-from tk.toolkit.verify.metrics import Comparison, format_table, random_cases, tolerance_for
+from tk.toolkit.verify.compare import ParityReport, ReferenceRun, compare_backends, run_reference
+from tk.toolkit.verify.metrics import random_cases, tolerance_for
+from tk.toolkit.verify.report import case_dict, describe_divergence, divergence_dict, format_table
 
 VALIDATION_STEPS = 8
 
@@ -40,24 +41,25 @@ def validate(artifact: Path, manifest: Manifest, steps: int = VALIDATION_STEPS,
             artifact, manifest, debug=manifest.variant.debug_outputs, quantized=quantized), manifest.precision,
             cases, steps, tol)
     graphs_ref, full_ref = reference
-    # Where the decode graph also prefills, ORT runs prompts through it; TensorRT and prefill_graph
-    # runs take prefill.onnx: both are judged ("ort/pre" in the table).
-    runs = {"ort": False, **({"ort/pre": True} if manifest.dims.decode_prefills else {})}
-    passed, cases_run, first, where = True, [], None, None
-    for name, prefill_graph in runs.items():  # one runtime, so one mapping of the weights, at a time
-        with OrtRuntime(artifact, one_graph=True, quant_compute="float", prefill_graph=prefill_graph) as ort:
-            ort.name = name
-            report = compare_backends(graphs_ref, {name: ort}, cases, tol, steps, probes=False, free_running=False)
-        entry = report["backends"][name]
-        passed, cases_run = passed and report["passed"], cases_run + entry["cases"]
-        if first is None and entry["first_divergence"]:
-            first = entry["first_divergence"]
-            where = describe_divergence(name, first)
+    # Where the decode graph also prefills, ORT runs prompts through it; TensorRT and
+    # prefill_via="prefill" runs take prefill.onnx: both are judged ("ort/pre" in the table).
+    runs = {"ort": None, **({"ort/pre": "prefill"} if manifest.dims.decode_prefills else {})}
+    reports: list[ParityReport] = []
+    for label, prefill_via in runs.items():  # one runtime, so one mapping of the weights, at a time
+        with OrtRuntime(artifact, swap_sessions=True, quant_compute="float", prefill_via=prefill_via) as ort:
+            reports.append(compare_backends(graphs_ref, {label: ort}, cases, tol, steps, probes=False,
+                                            free_running=False))
+    passed = all(r.passed for r in reports)
+    judged = [b for r in reports for b in r.backends.values()]
+    failing = next((b for b in judged if b.first_divergence is not None), None)
+    first = failing.first_divergence if failing else None
+    where = describe_divergence(failing.name, first) if failing else None
+    cases_run = [c for b in judged for c in b.cases]
     quantized = manifest.precision.quantized
     record = {"passed": passed, "reference": "torch float32" + (", quantized weights" if quantized else ""),
-              "steps": steps, "tolerance": dataclasses.asdict(tol), "comparisons": cases_run,
-              "first_divergence": first}
-    table = format_table([Comparison.from_dict(c) for c in cases_run])
+              "steps": steps, "tolerance": dataclasses.asdict(tol), "comparisons": [case_dict(c) for c in cases_run],
+              "first_divergence": divergence_dict(first)}
+    table = format_table([c.comparison for c in cases_run])
     if quantized and passed:
         from tk.toolkit.verify.quant import check_fused, quantization_error
 

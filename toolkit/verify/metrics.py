@@ -4,7 +4,8 @@
 and the slice of every present tensor that step wrote. The reference backend picks its greedy
 tokens; every other backend is teacher-forced with those tokens, so one divergent sample does
 not derail the rest. `compare_traces` turns two traces into per-step metrics judged against the
-model's tolerance, and `first_divergence` localizes where a backend first leaves it. Bounds
+model's tolerance, and localizes, from the same diffs, where a backend first leaves it;
+`measure_traces` gives the metrics alone, judged by no tolerance (quantization error). Bounds
 scale with the model: each tensor is judged relative to the reference's own magnitude, at the
 depth it was computed, with float32's relative bound derived from the model's accumulation
 length. `tk export` validation and `tk parity` are both this code (toolkit/verify/compare.py).
@@ -12,7 +13,7 @@ length. `tk export` validation and `tk parity` are both this code (toolkit/verif
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -123,35 +124,61 @@ class StepResult:
     kl_ratio: float  # largest KL / the KL its position's logit bound allows
     present_max_abs: list[float]  # per present tensor, contract order
     present_ratio: float  # largest |cache difference| / its layer's bound
-    passed: bool
+    passed: bool  # the step's gate: logits and cache within their bounds, top-1, top-5 and KL too
+
+
+@dataclass
+class Divergence:
+    """Where a backend first leaves its tolerance (compare_traces says in which order it looks)."""
+
+    case: str
+    step: int  # 0 = prefill
+    row: int
+    position: int  # cache index of the token
+    where: str  # present.{i}.key|value, hidden.{i} (debug exports) or logits
+    layer: int
+    max_abs: float
+    bound: float  # what that tensor or position may differ by
 
 
 @dataclass
 class Comparison:
+    """One backend against the reference on one case, teacher-forced: each step judged, and where
+    the backend first left its tolerance (None: nowhere)."""
+
     backend: str
     reference: str
     case: str
     steps: list[StepResult]
+    first_divergence: Divergence | None = None
 
     @property
     def passed(self) -> bool:
         return all(s.passed for s in self.steps)
 
-    def to_dict(self) -> dict:
-        return {"backend": self.backend, "reference": self.reference, "case": self.case,
-                "passed": self.passed, "steps": [asdict(s) for s in self.steps]}
 
-    @classmethod
-    def from_dict(cls, d: dict) -> "Comparison":
-        return cls(d["backend"], d["reference"], d["case"], [StepResult(**s) for s in d["steps"]])
+@dataclass
+class StepMetrics:
+    """What a backend's logits differ by from the reference's at one step, judged by no tolerance:
+    for changes meant to move them (quantization, toolkit/verify/quant.py)."""
+
+    step: int  # 0 = prefill
+    max_abs: float
+    mean_abs: float
+    max_rel: float  # max_abs / max |reference logit|
+    cosine_min: float
+    top1: float  # fraction of compared positions whose argmax agrees
+    top5: float  # mean overlap of the top-5 sets, 0..1
+    kl_max: float  # largest KL(softmax(reference) || softmax(backend)) over positions
 
 
 def run_trace(runtime: Runtime, ids: np.ndarray, mask: np.ndarray, steps: int,
-              forced: np.ndarray | None = None, keep_present: bool = True) -> Trace:
-    """Prefill then `steps` decode steps; greedy tokens unless `forced` (B, steps) is given."""
+              forced: np.ndarray | None = None, keep_present: bool = True, backend: str | None = None) -> Trace:
+    """Prefill then `steps` decode steps; greedy tokens unless `forced` (B, steps) is given. The
+    trace is labelled `backend` (default: the runtime's name)."""
     out, session = runtime.start(ids, mask, room=steps)
     with session:
-        trace = Trace(runtime.name, np.zeros((ids.shape[0], steps), dtype=np.int64), [out.logits])
+        trace = Trace(backend or runtime.name, np.zeros((ids.shape[0], steps), dtype=np.int64), [out.logits])
         if keep_present:
             trace.present.append(runtime.cache_arrays(session))
         if out.hidden is not None:
@@ -174,45 +201,69 @@ def _softmax(x: np.ndarray) -> np.ndarray:
 
 
 @dataclass
-class LogitDiff:
-    """Reference and backend logits at the compared positions, and what the tolerance makes of them."""
+class LogitMetrics:
+    """Reference and backend logits at the compared positions, measured, before any tolerance."""
 
+    ref: np.ndarray  # (N, V) float64
+    test: np.ndarray  # (N, V) float64, NaN and Inf replaced by finite stand-ins
     abs_diff: np.ndarray  # (N,) largest |difference| per position (inf where the backend is not finite)
-    bound: np.ndarray  # (N,) what each position may differ by
-    result: StepResult
+    scale: np.ndarray  # (N,) max |reference logit| per position
+    kl: np.ndarray  # (N,) KL(softmax(reference) || softmax(backend)) (inf where the backend is not finite)
+    mean_abs: float
+    top5: float
+    cosine_min: float
+
+    @property
+    def max_abs(self) -> float:
+        return float(self.abs_diff.max())
+
+    @property
+    def max_rel(self) -> float:
+        return self.max_abs / max(float(self.scale.max()), 1e-12)
 
 
-def compare_logits(ref: np.ndarray, test: np.ndarray, keep: np.ndarray, tol: Tolerance, step: int,
-                   present: tuple[list[float], float] = ([], 0.0)) -> LogitDiff:
-    """Metrics over the positions where `keep` (B, S) is true; `present` is (per tensor max
-    |difference|, worst ratio to its bound) of the step's cache."""
+def measure_logits(ref: np.ndarray, test: np.ndarray, keep: np.ndarray) -> LogitMetrics:
+    """The metrics over the positions where `keep` (B, S) is true."""
     r, t = ref[keep].astype(np.float64), test[keep].astype(np.float64)  # (N, V)
     finite = np.isfinite(t).all(-1)  # (N,)
     t = np.nan_to_num(t, nan=0.0, posinf=1e30, neginf=-1e30)
     d = np.abs(r - t)
-    abs_diff = np.where(finite, d.max(-1), np.inf)  # (N,)
-    scale = np.abs(r).max(-1)  # (N,)
-    bound = tol.bound(scale)
-    top2 = -np.partition(-r, 1, axis=-1)[:, :2]  # (N, 2): best and second-best reference logits
-    decided = (top2[:, 0] - top2[:, 1]) >= tol.tie * bound
-    top1 = float(((r.argmax(-1) == t.argmax(-1)) | ~decided).mean())  # near-ties may go either way
     k = min(5, r.shape[-1])
     top5_r, top5_t = np.argpartition(-r, k - 1, -1)[:, :k], np.argpartition(-t, k - 1, -1)[:, :k]
     top5 = float(np.mean([len(set(a) & set(b)) / k for a, b in zip(top5_r, top5_t)]))
     cos = (r * t).sum(-1) / np.maximum(np.linalg.norm(r, axis=-1) * np.linalg.norm(t, axis=-1), 1e-30)
     p, q = _softmax(r), _softmax(t)
     kl = (p * (np.log(np.maximum(p, 1e-300)) - np.log(np.maximum(q, 1e-300)))).sum(-1)
-    kl = np.where(finite, kl, np.inf)
-    ratio = float((abs_diff / bound).max())
-    kl_ratio = float((kl / tol.max_kl(bound)).max())
+    return LogitMetrics(r, t, np.where(finite, d.max(-1), np.inf), np.abs(r).max(-1), np.where(finite, kl, np.inf),
+                        float(d.mean()) if finite.all() else float("inf"), top5, float(cos.min()))
+
+
+@dataclass
+class LogitDiff:
+    """One step's logits judged: what each position may differ by, and the step's result."""
+
+    abs_diff: np.ndarray  # (N,) largest |difference| per position (inf where the backend is not finite)
+    bound: np.ndarray  # (N,) what each position may differ by
+    passed: bool  # the logits' own gate (bound, top-1, top-5, KL), whatever the cache did
+    result: StepResult
+
+
+def compare_logits(ref: np.ndarray, test: np.ndarray, keep: np.ndarray, tol: Tolerance, step: int,
+                   present: tuple[list[float], float] = ([], 0.0)) -> LogitDiff:
+    """Metrics over the positions where `keep` (B, S) is true, judged by `tol`; `present` is (per
+    tensor max |difference|, worst ratio to its bound) of the step's cache."""
+    m = measure_logits(ref, test, keep)
+    bound = tol.bound(m.scale)
+    top2 = -np.partition(-m.ref, 1, axis=-1)[:, :2]  # (N, 2): best and second-best reference logits
+    decided = (top2[:, 0] - top2[:, 1]) >= tol.tie * bound
+    top1 = float(((m.ref.argmax(-1) == m.test.argmax(-1)) | ~decided).mean())  # near-ties may go either way
+    ratio = float((m.abs_diff / bound).max())
+    kl_ratio = float((m.kl / tol.max_kl(bound)).max())
     pmax, pratio = present
-    passed = bool(ratio <= 1.0 and kl_ratio <= 1.0 and top1 >= tol.min_top1 and top5 >= tol.min_top5
-                  and pratio <= 1.0)
-    max_abs = float(abs_diff.max())
-    result = StepResult(step, max_abs, float(d.mean()) if finite.all() else float("inf"),
-                        max_abs / max(float(scale.max()), 1e-12), ratio, float(cos.min()), top1, top5,
-                        float(kl.max()), kl_ratio, pmax, pratio, passed)
-    return LogitDiff(abs_diff, bound, result)
+    logits_passed = bool(ratio <= 1.0 and kl_ratio <= 1.0 and top1 >= tol.min_top1 and m.top5 >= tol.min_top5)
+    result = StepResult(step, m.max_abs, m.mean_abs, m.max_rel, ratio, m.cosine_min, top1, m.top5,
+                        float(m.kl.max()), kl_ratio, pmax, pratio, bool(logits_passed and pratio <= 1.0))
+    return LogitDiff(m.abs_diff, bound, logits_passed, result)
 
 
 @dataclass
@@ -269,19 +320,8 @@ def _step_keep(mask: np.ndarray, step: int) -> np.ndarray:
 
 
 def compare_traces(ref: Trace, test: Trace, mask: np.ndarray, tol: Tolerance, case: str) -> Comparison:
-    results = []
-    num_layers = tol.depth - 1
-    for step, (r, t) in enumerate(zip(ref.logits, test.logits)):
-        keep = _step_keep(mask, step)
-        kv = [c for c in tensor_checks(ref, test, step, keep, tol, num_layers) if c.where.startswith("present")]
-        present = ([float(c.diff.max()) for c in kv], max((c.ratio for c in kv), default=0.0))
-        r, t, logits_keep, _ = _common_positions(r, t, keep)
-        results.append(compare_logits(r, t, logits_keep, tol, step, present).result)
-    return Comparison(test.backend, ref.backend, case, results)
-
-
-def first_divergence(ref: Trace, test: Trace, mask: np.ndarray, tol: Tolerance) -> dict | None:
-    """The first (step, position, layer) where `test` leaves its tolerance, or None.
+    """Every step of `test` judged against `ref`, and, from the same diffs, the first (step,
+    position, layer) where `test` leaves its tolerance.
 
     Within a step, tensors are checked in the order the model computes them: for each layer its
     cache (present.{i}: K/V of the layer's input), then its output (hidden.{i}, when both
@@ -290,24 +330,47 @@ def first_divergence(ref: Trace, test: Trace, mask: np.ndarray, tol: Tolerance) 
     layer i's own K/V path; logits diverging after every cache agreed put it in the last layer,
     the final norm or the head.
     """
+    results, first = [], None
     num_layers = tol.depth - 1
     for step, (r, t) in enumerate(zip(ref.logits, test.logits)):
         keep = _step_keep(mask, step)
-        offset = 0 if step == 0 else mask.shape[1] + step - 1  # cache index of the step's position
-        for c in tensor_checks(ref, test, step, keep, tol, num_layers):
-            if c.ratio > 1.0:
-                b, s = np.unravel_index(int(c.diff.argmax()), c.diff.shape)
-                return {"step": step, "row": int(b), "position": int(s) + offset, "where": c.where, "layer": c.layer,
-                        "max_abs": float(c.diff.max()), "bound": c.bound}
-        r, t, keep, first = _common_positions(r, t, keep)
-        logits = compare_logits(r, t, keep, tol, step)
-        if not logits.result.passed:
-            worst = int(np.argmax(logits.abs_diff / logits.bound))
-            b, s = np.argwhere(keep)[worst]
-            return {"step": step, "row": int(b), "position": int(s) + offset + first, "where": "logits",
-                    "layer": num_layers - 1, "max_abs": float(logits.abs_diff[worst]),
-                    "bound": float(logits.bound[worst])}
-    return None
+        checks = tensor_checks(ref, test, step, keep, tol, num_layers)
+        kv = [c for c in checks if c.where.startswith("present")]
+        present = ([float(c.diff.max()) for c in kv], max((c.ratio for c in kv), default=0.0))
+        r, t, logits_keep, first_kept = _common_positions(r, t, keep)
+        logits = compare_logits(r, t, logits_keep, tol, step, present)
+        results.append(logits.result)
+        if first is None:
+            offset = 0 if step == 0 else mask.shape[1] + step - 1  # cache index of the step's position
+            first = _divergence(case, step, offset, checks, logits, logits_keep, first_kept, num_layers)
+    return Comparison(test.backend, ref.backend, case, results, first)
+
+
+def _divergence(case: str, step: int, offset: int, checks: list[TensorCheck], logits: LogitDiff, keep: np.ndarray,
+                first_kept: int, num_layers: int) -> Divergence | None:
+    """The step's first tensor out of its bound; else its logits, when they fail their own gate."""
+    for c in checks:
+        if c.ratio > 1.0:
+            b, s = np.unravel_index(int(c.diff.argmax()), c.diff.shape)
+            return Divergence(case, step, int(b), int(s) + offset, c.where, c.layer, float(c.diff.max()), c.bound)
+    if logits.passed:
+        return None
+    worst = int(np.argmax(logits.abs_diff / logits.bound))
+    b, s = np.argwhere(keep)[worst]
+    return Divergence(case, step, int(b), int(s) + offset + first_kept, "logits", num_layers - 1,
+                      float(logits.abs_diff[worst]), float(logits.bound[worst]))
+
+
+def measure_traces(ref: Trace, test: Trace, mask: np.ndarray) -> list[StepMetrics]:
+    """Each step's logits of `test` (teacher-forced with `ref`'s tokens) against `ref`'s, measured
+    and not judged; the cache is not compared."""
+    out = []
+    for step, (r, t) in enumerate(zip(ref.logits, test.logits)):
+        r, t, keep, _ = _common_positions(r, t, _step_keep(mask, step))
+        m = measure_logits(r, t, keep)
+        top1 = float((m.ref.argmax(-1) == m.test.argmax(-1)).mean())
+        out.append(StepMetrics(step, m.max_abs, m.mean_abs, m.max_rel, m.cosine_min, top1, m.top5, float(m.kl.max())))
+    return out
 
 
 def random_cases(vocab_size: int, seed: int = 0, lengths: tuple[tuple[int, ...], ...] = ((7,), (5, 9, 12))):
@@ -318,22 +381,3 @@ def random_cases(vocab_size: int, seed: int = 0, lengths: tuple[tuple[int, ...],
         prompts = [rng.integers(0, vocab_size, n).tolist() for n in lens]
         cases[f"batch{len(lens)}-len{'/'.join(map(str, lens))}"] = left_pad(prompts)
     return cases
-
-
-def format_table(results: list[Comparison]) -> str:
-    """One row per backend and case: the worst of each metric over its steps, and which steps failed.
-    err/bound and kv/bound are the largest logit and cache differences over their bounds (<= 1 passes)."""
-    lines = [f"{'backend':8} {'case':20} {'steps':>5} {'max_abs':>9} {'mean_abs':>9} {'max_rel':>9} {'err/bound':>9} "
-             f"{'cos_min':>9} {'top1':>5} {'top5':>5} {'kl_max':>8} {'kv_abs':>9} {'kv/bound':>8}  result"]
-    for c in results:
-        s = c.steps
-        kv = max((max(x.present_max_abs) for x in s if x.present_max_abs), default=float("nan"))
-        failed = [x.step for x in s if not x.passed]
-        verdict = "ok" if not failed else "FAIL at step " + ",".join(map(str, failed[:8])) + (
-            "..." if len(failed) > 8 else "")
-        lines.append(f"{c.backend:8} {c.case:20} {len(s):>5} {max(x.max_abs for x in s):9.3g} "
-                     f"{max(x.mean_abs for x in s):9.3g} {max(x.max_rel for x in s):9.3g} "
-                     f"{max(x.error_ratio for x in s):9.3g} {min(x.cosine_min for x in s):9.6f} "
-                     f"{min(x.top1 for x in s):5.2f} {min(x.top5 for x in s):5.2f} {max(x.kl_max for x in s):8.2g} "
-                     f"{kv:9.3g} {max(x.present_ratio for x in s):8.3g}  {verdict}")
-    return "\n".join(lines)

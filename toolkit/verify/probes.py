@@ -19,7 +19,7 @@ model's cache-vs-recompute gap is rounding, and PyTorch has it too.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -35,9 +35,6 @@ class ProbeResult:
     max_abs: float
     bound: float  # what the probe allowed: the tolerance at the values' size, or the reference's own noise
     detail: str
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 class Diff:
