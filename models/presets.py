@@ -13,13 +13,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
-
-from tk.models.config import config_from_hf
-from tk.models.decoder import Decoder
 from tk.models.errors import UsageProblem
-from tk.models.loading import SINGLE_FILE, hf_shapes, weight_map
+
+# torch, safetensors and the model code are imported where weights are made, so that the CLI can
+# list the PRESETS table (tk demo --preset) without importing torch
 
 EOS, PAD = "<|endoftext|>", "<|pad|>"
 
@@ -87,6 +84,11 @@ def train_tokenizer(folder: Path, vocab_size: int) -> None:
 def random_weights(hf_config: dict, seed: int) -> dict[str, torch.Tensor]:
     """Seeded tensors under Hugging Face names: matrices N(0, 1.6/sqrt(fan_in)), norm weights 1 + N(0, 0.1)
     (Gemma-style offset norms get N(0, 0.1)), biases N(0, 0.05)."""
+    import torch
+
+    from tk.models.config import config_from_hf
+    from tk.models.loading import hf_shapes
+
     cfg = config_from_hf(hf_config)
     g = torch.Generator().manual_seed(seed)
     out = {}
@@ -121,6 +123,11 @@ def trained_like_weights(hf_config: dict, seed: int, growth: float = 1.25, embed
     moved the logits by 3e-3, and fp16 by 2.1 against the real checkpoint's 0.085); these gains
     keep it at 3e-4 and 0.3 in eager PyTorch.
     """
+    import torch
+
+    from tk.models.config import config_from_hf
+    from tk.models.decoder import Decoder
+
     cfg = config_from_hf(hf_config)
     g = torch.Generator().manual_seed(seed)
     model = Decoder(cfg).eval()
@@ -168,11 +175,29 @@ def trained_like_weights(hf_config: dict, seed: int, growth: float = 1.25, embed
 
 def trained_weights(hf_config: dict, seed: int, folder: Path, steps: int = 200) -> dict[str, torch.Tensor]:
     """Weights actually trained, briefly, on CORPUS with the preset's tokenizer (AdamW, next-token
-    loss, batches of 8 windows of 64 tokens; 200 steps, seconds on a CPU, deterministic for a seed
-    and thread count): a small model whose weights have a trained model's structure, so what it loses to
-    quantization is a trained model's loss, not a random one's (random deep models amplify any
-    perturbation: int8 weights keep 0.7 of trained-like's greedy tokens)."""
+    loss, batches of 8 windows of 64 tokens; 200 steps): a small model whose weights have a trained
+    model's structure, so what it loses to quantization is a trained model's loss, not a random one's
+    (random deep models amplify any perturbation: int8 weights keep 0.7 of trained-like's greedy
+    tokens). Trained on one thread: its ops are so small that more threads only wait on each other
+    (2 threads on a loaded 2-core machine: 1.7 s a step, one thread 0.1 s; 11 s in all idle), and
+    the weights of a seed no longer depend on the machine's thread count."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _train(hf_config, seed, folder, steps)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(hf_config: dict, seed: int, folder: Path, steps: int) -> dict[str, torch.Tensor]:
+    """trained_weights' loop, on whatever threads torch has."""
+    import torch
     from tokenizers import Tokenizer
+
+    from tk.models.config import config_from_hf
+    from tk.models.decoder import Decoder
 
     cfg = config_from_hf(hf_config)
     torch.manual_seed(seed)
@@ -202,6 +227,8 @@ def trained_weights(hf_config: dict, seed: int, folder: Path, steps: int = 200) 
 
 def _hf_names(cfg, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Our state dict back under Hugging Face names, unfused."""
+    from tk.models.loading import weight_map
+
     out = {}
     for ours, parts in weight_map(cfg).items():
         for t, (name, _) in zip(sd[ours].split([rows for _, rows in parts]), parts):
@@ -212,11 +239,16 @@ def _hf_names(cfg, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 WEIGHTS = {"trained-like": trained_like_weights}
 
 
-def write_preset(name: str, folder: str | Path, seed: int = 0) -> Path:
-    """Write preset `name` as a Hugging Face checkpoint folder and return it."""
+def write_preset(name: str, folder: str | Path, seed: int = 0, **config) -> Path:
+    """Write preset `name` as a Hugging Face checkpoint folder and return it; `config` changes its
+    config.json first (e.g. `max_position_embeddings=4096`, or sizes whose K a block divides)."""
     if name not in PRESETS:
         raise UsageProblem(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
-    hf = PRESETS[name]
+    from safetensors.torch import save_file
+
+    from tk.models.loading import SINGLE_FILE
+
+    hf = {**PRESETS[name], **config}
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(hf, indent=2))

@@ -84,6 +84,8 @@ def test_export_bad_checkpoint(bad_checkpoints, tmp_path, case):
                           "'float16', 'bf16', 'bfloat16'."),
     (("--opset", "17"), "Error: opset 17 is not supported; use 18..23 (default 23)"),
     (("--target", "trt"), "Error: Invalid value for '--target': 'trt' is not one of 'portable', 'ort'."),
+    (("--for", "trt", "--target", "ort"),  # tests/test_profiles.py has every conflict
+     "Error: --for trt conflicts with --target ort: the profile exports --target portable; drop one of them"),
 ])
 def test_export_bad_options_exit_2_before_loading_weights(tiny, tmp_path, args, expected, monkeypatch):
     import tk.models.loading
@@ -94,6 +96,15 @@ def test_export_bad_options_exit_2_before_loading_weights(tiny, tmp_path, args, 
     result = run("export", tiny, "-o", tmp_path / "out", *args)
     assert result.exit_code == 2 and error_line(result) == expected
     assert not (tmp_path / "out").exists()
+
+
+def test_demo_presets_come_from_the_table():
+    from tk.models.presets import PRESETS
+
+    help_text = " ".join(run("demo", "--help").output.split())
+    assert f"--preset [{'|'.join(PRESETS)}]" in help_text and "[default: trained]" in help_text
+    result = run("demo", "--preset", "huge")
+    assert result.exit_code == 2 and error_line(result).startswith("Error: Invalid value for '--preset': 'huge'")
 
 
 def test_a_bug_keeps_its_traceback(tiny, tmp_path, monkeypatch):

@@ -7,45 +7,55 @@ from pathlib import Path
 
 import click
 
-from tk.models.artifact import DEFAULT_BLOCK, QUANTIZED, CacheLayout, PrefillLogits, Target
+from tk.models.artifact import DEFAULT_BLOCK, PROFILE_CAPACITY, PROFILES, QUANTIZED, CacheLayout, PrefillLogits, Target
 from tk.models.dtypes import DTYPE_CHOICES
 from tk.toolkit.cli.options import choices, progress
+
+
+def _profiles_help() -> str:
+    return "; ".join(f"{name}: {p.why}" for name, p in PROFILES.items())
 
 
 @click.command()
 @click.argument("model_dir", type=click.Path(path_type=Path))
 @click.option("-o", "--out", required=True, type=click.Path(path_type=Path),
               help="Artifact folder to create (missing parents are created).")
-@click.option("--dtype", default="fp32", show_default=True, type=click.Choice(DTYPE_CHOICES),
-              help="Precision of the graphs' weights, activations and KV cache.")
+@click.option("--for", "profile", type=click.Choice(list(PROFILES)),
+              help=f"Export the variant for one deployment ({_profiles_help()}). Its static cache holds the model's "
+                   f"context, at most {PROFILE_CAPACITY} positions, unless --max-seq-len says otherwise; --dtype, "
+                   "--weights and --block-size compose with it.")
+@click.option("--dtype", type=click.Choice(DTYPE_CHOICES),
+              help="Precision of the graphs' weights, activations and KV cache [default: fp32, or the profile's].")
 @click.option("--opset", default=23, show_default=True, type=int, help="23 (fused Attention/RMSNorm) or 18..22.")
 @click.option("--no-validate", is_flag=True, help="Skip the ORT-vs-PyTorch numeric validation.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
-@click.option("--kv-cache", default="dynamic", show_default=True, type=choices(CacheLayout),
-              help="dynamic (past in, longer present out) or static (fixed capacity, updated in place).")
-@click.option("--max-seq-len", type=int, help="Capacity of a static cache (with --kv-cache static).")
+@click.option("--kv-cache", type=choices(CacheLayout),
+              help="dynamic (past in, longer present out) or static (fixed capacity, updated in place) "
+                   "[default: dynamic].")
+@click.option("--max-seq-len", type=int, help="Capacity of a static cache (with --kv-cache static or --for).")
 @click.option("--debug-outputs", is_flag=True, help="Also output every layer's hidden state (for tk parity).")
-@click.option("--target", default="portable", show_default=True, type=choices(Target),
+@click.option("--target", type=choices(Target),
               help="portable (standard ONNX: ONNX Runtime and TensorRT) or ort (ONNX Runtime's fused kernels: "
-                   "faster on ONNX Runtime, not loadable by TensorRT).")
-@click.option("--prefill-logits", default="all", show_default=True, type=choices(PrefillLogits),
+                   "faster on ONNX Runtime, not loadable by TensorRT) [default: portable].")
+@click.option("--prefill-logits", type=choices(PrefillLogits),
               help="all (every prompt position) or last (the last position only: what generation needs, and a "
-                   "faster first token).")
+                   "faster first token) [default: all].")
 @click.option("--weights", type=click.Choice(QUANTIZED),
               help="Weight-only quantization of every linear layer (activations stay in --dtype).")
 @click.option("--block-size", type=int, help=f"Rows of K per scale with --weights (default {DEFAULT_BLOCK}; "
-              "TensorRT takes 64 or 128).")
+              "TensorRT takes 64 or 128, which --for trt picks).")
 @click.option("--quantize-lm-head/--no-quantize-lm-head", default=True, show_default=True,
               help="Quantize the LM head too with --weights.")
-def export(model_dir: Path, out: Path, dtype: str, opset: int, no_validate: bool, force: bool, kv_cache: str,
-           max_seq_len: int | None, debug_outputs: bool, target: str, prefill_logits: str, weights: str | None,
-           block_size: int | None, quantize_lm_head: bool) -> None:
+def export(model_dir: Path, out: Path, profile: str | None, dtype: str | None, opset: int, no_validate: bool,
+           force: bool, kv_cache: str | None, max_seq_len: int | None, debug_outputs: bool, target: str | None,
+           prefill_logits: str | None, weights: str | None, block_size: int | None, quantize_lm_head: bool) -> None:
     """Export MODEL_DIR (a Hugging Face checkpoint folder) to prefill/decode ONNX graphs."""
     from tk.models.artifact import ExportOptions
 
-    options = ExportOptions.from_flags(dtype, opset, kv_cache, max_seq_len, target, prefill_logits, debug_outputs,
-                                       not no_validate, force, weights, block_size,
-                                       quantize_lm_head)  # every flag checked before any work
+    options = ExportOptions.from_flags(  # every flag checked before any work
+        profile=profile, dtype=dtype, opset=opset, kv_cache=kv_cache, max_seq_len=max_seq_len, target=target,
+        prefill_logits=prefill_logits, debug_outputs=debug_outputs, validate=not no_validate, force=force,
+        weights=weights, block_size=block_size, quantize_lm_head=quantize_lm_head)
     from tk.toolkit.pipeline.export import export_artifact
 
     click.echo(f"tk export {model_dir} -> {out}", err=True)

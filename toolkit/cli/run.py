@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from tk.models.presets import PRESETS
 from tk.toolkit.backends import BackendOptions
 from tk.toolkit.cli.options import BackendList, BackendName, backend_options
 
@@ -120,11 +121,13 @@ def bench(artifact: Path, backends: list[str], prompt_len: int, new_tokens: int,
 
 
 @click.command()
-@click.option("--preset", default="tiny", show_default=True, help="Built-in model preset: tiny, small, trained-like.")
+@click.option("--preset", default="trained", show_default=True, type=click.Choice(list(PRESETS)),
+              help="Built-in model preset (models/presets.py): trained is really trained, for about 10 s, so its "
+                   "text reads as text; the others have seeded random weights.")
 @click.option("--prompt", default="Once upon a time", show_default=True)
 @click.option("--max-new-tokens", default=24, show_default=True, type=click.IntRange(min=1))
 def demo(preset: str, prompt: str, max_new_tokens: int) -> None:
-    """The whole path on a built-in tiny model: checkpoint, export, validate, generate on torch and ORT."""
+    """The whole path on a small built-in model: checkpoint, export, validate, generate on torch and ORT."""
     from tk.toolkit.tools.demo import run_demo
 
     run_demo(preset, prompt, max_new_tokens, echo=lambda msg: click.echo(msg))

@@ -26,7 +26,8 @@ from tk.exporters.onnx_export import CONTRIB_OPS, finish_graph, graph_dims, trac
 from tk.exporters.trt_lint import lint_graphs
 from tk.exporters.weights import WEIGHTS_FILE, export_view, weights_record, write_weights
 from tk.models import contract
-from tk.models.artifact import ExportOptions, GraphFile, Manifest, Target, sha256_file
+from tk.models.artifact import PROFILES, ExportOptions, GraphFile, Manifest, Target, sha256_file
+from tk.models.dtypes import DTYPES
 from tk.models.errors import FilesystemProblem
 from tk.models.loading import CheckpointReader, read_config, torch_dtype
 from tk.toolkit.pipeline.background import Background
@@ -122,13 +123,16 @@ def _export_graphs(model_dir: Path, tmp: Path, config, options: ExportOptions,
 
 def export_artifact(model_dir: str | Path, out: str | Path, options: ExportOptions | None = None,
                     progress: Callable[[str], None] = lambda msg: None, **flags) -> Manifest:
-    """Write a complete artifact to `out` and return its manifest. `options`, or the flags of
-    `ExportOptions.from_flags` (dtype, opset, kv_cache, max_seq_len, target, prefill_logits,
+    """Write a complete artifact to `out` and return its manifest. `options`, or the keywords of
+    `ExportOptions.from_flags` (profile, dtype, opset, kv_cache, max_seq_len, target, prefill_logits,
     debug_outputs, validate, force, weights, block_size, quantize_lm_head)."""
     model_dir, out = Path(model_dir), Path(out)
     options = options or ExportOptions.from_flags(**flags)
     config = read_config(model_dir)  # a bad checkpoint fails before the filesystem is touched
+    options = options.for_model(config)  # what a profile leaves to the model: capacity, block size
     options.check(config, has_cuda_provider=_ort_has_cuda)
+    if options.profile is not None:
+        progress(f"--for {options.profile}: {PROFILES[options.profile].why}; that is {recipe(options)}")
     tmp, created = _prepare_out(out, options.force)
     # the float32 reference needs only the checkpoint: a child process runs it while this one
     # writes and traces, and exits (its memory with it) before ONNX Runtime maps the weights
@@ -146,7 +150,7 @@ def export_artifact(model_dir: str | Path, out: str | Path, options: ExportOptio
         manifest = Manifest(config.to_dict(), options.precision, options.variant, graphs,
                             {"path": str(model_dir.resolve()), "config_sha256": sha256_file(model_dir / "config.json")},
                             dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), copied, versions(),
-                            lint.to_dict())
+                            lint.to_dict(), profile=options.profile)
         manifest.weights = weights_record(graphs_table, {g: tmp / contract.GRAPH_FILES[g] for g in contract.GRAPHS})
         manifest.write(tmp)
         if reference is not None:
@@ -159,6 +163,16 @@ def export_artifact(model_dir: str | Path, out: str | Path, options: ExportOptio
     finally:
         if reference is not None:
             reference.close()
+
+
+def recipe(options: ExportOptions) -> str:
+    """The explicit flags that export what `options` export (a profile's, spelled out)."""
+    v, p = options.variant, options.precision
+    flags = [f"--target {v.target.value}", f"--kv-cache {v.cache.value}"]
+    flags += [f"--max-seq-len {v.capacity}"] if v.capacity is not None else []
+    flags += [f"--prefill-logits {v.prefill_logits.value}", f"--dtype {DTYPES[p.activations].short}"]
+    flags += [f"--weights {p.weights} --block-size {p.block_size}"] if p.quantized else []
+    return " ".join(flags)
 
 
 def onnx_opset(model: onnx.ModelProto) -> int:

@@ -27,7 +27,7 @@ from tk.models.errors import UsageProblem
 from tk.runtimes.base import BackendUnavailable
 from tk.runtimes.generate import generate
 from tk.toolkit.backends import BackendOptions, open_runtime
-from tk.toolkit.tools.describe import memory_plan
+from tk.toolkit.tools.describe import describe_profile, matching_profiles, memory_plan
 
 BUSY_CORES = 0.25  # other processes using more than this many cores on average: the run is flagged
 
@@ -117,7 +117,8 @@ def _bench(artifact, runtimes, skipped, loaded, prompt_len, new_tokens, batch, r
             runs[name].append({**result.timings(), "other_cores": w.other_cores})
     data = {g.data_file: g.data_bytes for g in manifest.graphs.values() if g.data_file}  # the weights as stored
     plan = memory_plan(cfg, manifest.precision, batch, prompt_len + new_tokens, sum(data.values()) or None)
-    report = {"artifact": str(artifact), "prompt_len": prompt_len, "new_tokens": new_tokens, "batch": batch,
+    report = {"artifact": str(artifact), "profile": manifest.profile,
+              "same_graphs_as": matching_profiles(manifest.variant, manifest.precision), "prompt_len": prompt_len, "new_tokens": new_tokens, "batch": batch,
               "repeats": repeats, "threads": options.threads, "cpu_count": os.cpu_count(),
               "predicted": {k: plan[k] for k in ("weights_bytes", "kv_bytes", "total_bytes")},
               "backends": {}, "skipped": skipped}
@@ -140,7 +141,8 @@ def format_bench(report: dict) -> str:
     mib = lambda n: f"{n / 2**20:.1f}"  # noqa: E731
     cell = lambda m: f"{m['median']:.2f} ({m['min']:.2f}..{m['max']:.2f})"  # noqa: E731
     p = report["predicted"]
-    lines = [f"prompt {report['prompt_len']}, {report['new_tokens']} new tokens, batch {report['batch']}: "
+    lines = [f"{report['artifact']}: profile {describe_profile(report['profile'], report['same_graphs_as'])}",
+             f"prompt {report['prompt_len']}, {report['new_tokens']} new tokens, batch {report['batch']}: "
              f"median (min..max) of {report['repeats']} runs, backends alternated",
              f"{'backend':8} {'ttft ms':>22} {'decode ms/token':>22} {'tokens/s':>24} {'load MiB':>9} "
              f"{'run MiB':>8}  busy"]

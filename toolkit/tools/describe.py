@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 from tk.models import contract
-from tk.models.artifact import Manifest, Precision
+from tk.models.artifact import PROFILES, Manifest, Precision, Variant
 from tk.models.config import DecoderConfig
 from tk.models.dtypes import DTYPES
 from tk.models.loading import hf_shapes, read_config
@@ -31,6 +31,41 @@ def memory_plan(cfg: DecoderConfig, precision: Precision, batch: int, seq_len: i
     return {"dtype": precision.activations, "weights_dtype": precision.weights, "kv_dtype": precision.kv,
             "batch": batch, "seq_len": seq_len, "weights_bytes": weights, "trt_weights_bytes": 2 * weights,
             "kv_bytes_per_token": dims.kv_bytes_per_token(1), "kv_bytes": kv, "total_bytes": weights + kv}
+
+
+def weight_bytes_by_dtype(artifact: Path, manifest) -> dict[str, int]:
+    """Bytes of the weights file by ONNX data type."""
+    import onnx
+
+    from tk.exporters.weights import external_initializers
+
+    names = {}
+    for graph in contract.GRAPHS:
+        model = onnx.load(str(Path(artifact) / manifest.graphs[graph].file), load_external_data=False)
+        names.update(external_initializers(model))
+    out: dict[str, int] = {}
+    for _, length, data_type, _ in names.values():
+        key = onnx.helper.tensor_dtype_to_np_dtype(data_type).name if data_type != onnx.TensorProto.INT4 else "int4"
+        out[key] = out.get(key, 0) + length
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def matching_profiles(variant: Variant, precision: Precision) -> list[str]:
+    """The profiles (tk export --for) whose graphs a variant and precision are, whatever the capacity."""
+    return [name for name, p in PROFILES.items()
+            if (p.target, p.cache, p.prefill_logits) == (variant.target, variant.cache, variant.prefill_logits)
+            and not variant.debug_outputs and (not p.dtypes or precision.activations in p.dtypes)
+            and (not precision.quantized or precision.weights in p.weights
+                 and (not p.block_sizes or precision.block_size in p.block_sizes))]
+
+
+def describe_profile(profile: str | None, same: list[str]) -> str:
+    """Which profile an artifact is (tk inspect, tk bench): the one it was exported --for, else none,
+    naming the profiles (`same`, from matching_profiles) whose graphs its explicit flags wrote."""
+    if profile is not None:
+        return f"{profile} (tk export --for {profile})"
+    same_as = " or ".join(f"--for {name}" for name in same)
+    return f"none (explicit flags{'; the same graphs as ' + same_as if same else ''})"
 
 
 def _io_table(path: Path) -> tuple[list[dict], int, dict]:
@@ -57,11 +92,11 @@ def inspect_path(path: str | Path, batch: int = 1, seq_len: int | None = None) -
             io, opset, ops = _io_table(path / manifest.graphs[graph].file)
             graphs[graph] = {"io": io, "opset": opset, "ops": ops}
         v = manifest.variant
-        from tk.toolkit.verify.quant import weight_bytes_by_dtype
-
         by_dtype = weight_bytes_by_dtype(path, manifest)
         info = {"kind": "artifact", "precision": precision.describe(), "weights_by_dtype": by_dtype, "path": str(path), "source": manifest.source["path"], "graphs": graphs,
-                "target": v.target.value, "kv_cache": v.cache.value, "prefill_logits": v.prefill_logits.value,
+                "profile": manifest.profile, "same_graphs_as": matching_profiles(v, precision),
+                "target": v.target.value, "kv_cache": v.cache.value,
+                "capacity": v.capacity, "prefill_logits": v.prefill_logits.value,
                 "decode_prefills": v.decode_prefills, "trt_lint": manifest.trt_lint,
                 "validation": {k: v for k, v in manifest.validation.items() if k != "comparisons"}}
     else:
@@ -97,7 +132,9 @@ def format_info(info: dict) -> str:
         f"one each: {_mib(m['trt_weights_bytes'])} of weights on the GPU",
     ]
     if "target" in info:
-        lines.append(f"target {info['target']}  kv cache {info['kv_cache']}  prefill logits {info['prefill_logits']}"
+        lines.append(f"profile: {describe_profile(info['profile'], info['same_graphs_as'])}")
+        cache = info["kv_cache"] + (f" ({info['capacity']} positions)" if info.get("capacity") else "")
+        lines.append(f"target {info['target']}  kv cache {cache}  prefill logits {info['prefill_logits']}"
                      + ("  decode graph also prefills (ONNX Runtime on the CPU runs one session)"
                         if info.get("decode_prefills") else ""))
         lines.append(f"precision: {info['precision']}; weights by dtype: " +
