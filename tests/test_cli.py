@@ -6,21 +6,10 @@ import json
 import shutil
 
 import pytest
-from click.testing import CliRunner
 
 from tk.models import contract
-from tk.toolkit.cli.main import main
 
-
-def run(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
-
-
-def error_line(result) -> str:
-    lines = [ln for ln in result.stderr.splitlines() if ln.startswith("Error:")]
-    assert len(lines) == 1, result.output
-    assert "Traceback" not in result.output
-    return lines[0]
+from clitools import error_line, refused_export, run
 
 
 def test_version_and_help():
@@ -88,14 +77,7 @@ def test_export_bad_checkpoint(bad_checkpoints, tmp_path, case):
      "Error: --for trt conflicts with --target ort: the profile exports --target portable; drop one of them"),
 ])
 def test_export_bad_options_exit_2_before_loading_weights(tiny, tmp_path, args, expected, monkeypatch):
-    import tk.models.loading
-
-    def no(*a, **k):
-        raise AssertionError("weights were read for an export whose options are bad")
-    monkeypatch.setattr(tk.models.loading, "load_state_dict", no)
-    result = run("export", tiny, "-o", tmp_path / "out", *args)
-    assert result.exit_code == 2 and error_line(result) == expected
-    assert not (tmp_path / "out").exists()
+    assert refused_export(tiny, tmp_path / "out", monkeypatch, *args) == expected
 
 
 def test_demo_presets_come_from_the_table():

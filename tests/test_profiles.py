@@ -7,25 +7,14 @@ from __future__ import annotations
 import json
 
 import pytest
-from click.testing import CliRunner
 
 from tk.models.artifact import PROFILE_CAPACITY, PROFILES, ExportOptions, Manifest, Precision, Variant
 from tk.models.config import config_from_hf
 from tk.models.errors import UsageProblem
 from tk.models.presets import PRESETS
-from tk.toolkit.cli.main import main
 from tk.toolkit.tools.describe import describe_profile, matching_profiles
 
-
-def run(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
-
-
-def error_line(result) -> str:
-    lines = [ln for ln in result.stderr.splitlines() if ln.startswith("Error:")]
-    assert len(lines) == 1, result.output
-    assert "Traceback" not in result.output
-    return lines[0]
+from clitools import refused_export, run
 
 
 def config(preset: str = "tiny", **changes):
@@ -102,14 +91,7 @@ def test_trt_int4_takes_a_block_tensorrt_accepts():
     (("--for", "gpu"), "Error: Invalid value for '--for': 'gpu' is not one of 'ort-cpu', 'ort-cuda', 'trt', 'serve'."),
 ])
 def test_conflicts_are_usage_errors_before_any_work(tiny, tmp_path, args, expected, monkeypatch):
-    import tk.models.loading
-
-    def no(*a, **k):
-        raise AssertionError("weights were read for an export whose options are bad")
-    monkeypatch.setattr(tk.models.loading, "load_state_dict", no)
-    result = run("export", tiny, "-o", tmp_path / "out", *args)
-    assert result.exit_code == 2 and error_line(result) == expected
-    assert not (tmp_path / "out").exists()
+    assert refused_export(tiny, tmp_path / "out", monkeypatch, *args) == expected
 
 
 def test_manifest_without_profile_loads_as_none():

@@ -1,0 +1,34 @@
+"""What the CLI tests share: run `tk` in-process, read its one error line, and check that an export
+with bad options is refused before a weight is read."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from tk.toolkit.cli.main import main
+
+
+def run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def error_line(result) -> str:
+    lines = [ln for ln in result.stderr.splitlines() if ln.startswith("Error:")]
+    assert len(lines) == 1, result.output
+    assert "Traceback" not in result.output
+    return lines[0]
+
+
+def refused_export(checkpoint: Path, out: Path, monkeypatch, *args) -> str:
+    """`tk export CHECKPOINT -o OUT ARGS` must exit 2 before reading a weight and leave no OUT: its error line."""
+    import tk.models.loading
+
+    def no(*a, **k):
+        raise AssertionError("weights were read for an export whose options are bad")
+    monkeypatch.setattr(tk.models.loading, "load_state_dict", no)
+    result = run("export", checkpoint, "-o", out, *args)
+    assert result.exit_code == 2, result.output
+    assert not out.exists()
+    return error_line(result)
