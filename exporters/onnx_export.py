@@ -116,14 +116,15 @@ def _skip_simplified_layer_norm(h, delta, scale, eps: float):
 
 
 def _group_query_attention(qkv, past_k, past_v, seqlens_k, total, cos_cache, sin_cache, position_ids, bias,
-                           num_heads: int, kv_num_heads: int, local_window: int, static: bool):
-    """tk::gqa -> com.microsoft GroupQueryAttention on packed qkv, with RoPE (do_rotary)."""
+                           num_heads: int, kv_num_heads: int, local_window: int, static: bool, rotary: bool,
+                           scale: float | None):
+    """tk::gqa -> com.microsoft GroupQueryAttention on packed qkv, with RoPE (do_rotary) or without."""
     from onnxscript.values import Opset
 
     return Opset(MS_DOMAIN, 1).GroupQueryAttention(
         qkv, None, None, past_k, past_v, seqlens_k, total, cos_cache, sin_cache, position_ids, bias,
-        num_heads=num_heads, kv_num_heads=kv_num_heads, do_rotary=1, scale=float(past_k.shape[-1]) ** -0.5,
-        local_window_size=local_window)
+        num_heads=num_heads, kv_num_heads=kv_num_heads, do_rotary=int(rotary),
+        scale=float(past_k.shape[-1]) ** -0.5 if scale is None else float(scale), local_window_size=local_window)
 
 
 def graph_dims(config, precision: Precision, variant: Variant) -> contract.GraphDims:
@@ -192,20 +193,26 @@ class Traced:
     seconds: float
 
 
+def traced_layers(config) -> int:
+    """How many layers to trace: TRACED_LAYERS when the model is deeper and its layers all compute
+    the same function (grow() then copies the last one), else every layer (SmolLM3's NoPE layers)."""
+    deep = config.num_layers > TRACED_LAYERS + 1
+    return TRACED_LAYERS if deep and config.uniform_layers else config.num_layers
+
+
 def trace_graph(model: Decoder, graph: str, dims: contract.GraphDims, variant: Variant) -> Traced:
     """Trace one graph of the contract `dims` describes from the meta-device export view `model`:
     no weight is needed, so this runs while the weights file is written. A model deeper than
-    TRACED_LAYERS + 1 is traced with TRACED_LAYERS layers (finish_graph grows it).
+    TRACED_LAYERS + 1 whose layers repeat is traced with TRACED_LAYERS layers (finish_graph grows it).
 
     With `dims.kv_capacity` the decode graph gets a static-capacity cache and opset 24 (TensorScatter).
     target "ort" fuses residual add + RMSNorm (both graphs) and the decode step's RoPE, cache write
     and attention into ONNX Runtime's contrib kernels; the graphs' inputs and outputs do not change.
     """
     start = time.perf_counter()
-    layers = model.config.num_layers
-    if layers > TRACED_LAYERS + 1:
-        layers = TRACED_LAYERS
-        model = export_view(dataclasses.replace(model.config, num_layers=layers), model.dtype)
+    layers = traced_layers(model.config)
+    if layers < model.config.num_layers:
+        model = export_view(model.config.first_layers(layers), model.dtype)
     program = _trace(model, graph, dataclasses.replace(dims, num_layers=layers), variant)
     return Traced(graph, dims, variant, program, layers, time.perf_counter() - start)
 

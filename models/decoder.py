@@ -1,9 +1,11 @@
 """The reference decoder: LLaMA-style, written to export cleanly and to match Hugging Face.
 
 Owns the layers (RMSNorm, RoPE as pure functions, Attention with MHA/GQA/MQA, gated FFN, Block)
-and `Decoder`, whose forward has no hidden state: the past cache comes in, the present cache
-goes out, exactly the graph contract (models/contract.py). It knows nothing about checkpoints
-(models/loading.py) or ONNX (exporters/).
+and `Decoder`. What families change are config fields read by small pieces, never a family's
+name: q/k norms per head or per projection, NoPE layers (`rope_layers`), the attention scale,
+pre- or post-norm branches and Granite's multipliers. `Decoder.forward` has no hidden state: the
+past cache comes in, the present cache goes out, exactly the graph contract (models/contract.py).
+It knows nothing about checkpoints (models/loading.py) or ONNX (exporters/).
 
 Projections are stored concatenated (`wqkv`, `w_gate_up`): one matmul each in every backend.
 The loader concatenates families that store them apart.
@@ -45,6 +47,12 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The scale goes into rms_norm itself: one RMSNormalization node in the graph, no extra Mul.
         return F.rms_norm(x.float(), (x.shape[-1],), self.scale(), self.eps).to(x.dtype)
+
+
+def times(x: torch.Tensor, s: float) -> torch.Tensor:
+    """x * s for a Python float s as transformers computes it: in float32, rounded once to x's
+    dtype. (Traced as a plain `x * s`, ONNX would multiply by s rounded to half precision first.)"""
+    return (x.float() * s).to(x.dtype)
 
 
 def rope_inv_freq(cfg: DecoderConfig) -> torch.Tensor:
@@ -128,19 +136,32 @@ def _(cache, update, write_index):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: DecoderConfig):
+    def __init__(self, cfg: DecoderConfig, layer: int):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.splits = [cfg.q_size, cfg.kv_size, cfg.kv_size]
         self.wqkv = nn.Linear(cfg.hidden_size, sum(self.splits), bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # q/k norms over each head's D (Qwen3), or over the whole projections (OLMo 2)
+        self.norm_projections = cfg.qk_norm == "projection"
+        q_dim, k_dim = (cfg.q_size, cfg.kv_size) if self.norm_projections else (cfg.head_dim, cfg.head_dim)
+        self.q_norm = RMSNorm(q_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rope = cfg.layer_rope(layer)  # False: a NoPE layer (SmolLM3)
+        self.scale = cfg.attention_scale  # None: SDPA's 1/sqrt(D)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """Packed q, k, v (B, S, (H + 2 Hkv) D), projection-wide q/k norms applied."""
+        qkv = self.wqkv(x)  # (B, S, (H + 2 Hkv) * D)
+        if self.norm_projections:  # before the head split: over H*D and Hkv*D
+            q, k, v = qkv.split(self.splits, dim=-1)
+            qkv = torch.cat([self.q_norm(q), self.k_norm(k), v], dim=-1)
+        return qkv
 
     def forward(self, x, cos, sin, mask, past: tuple[torch.Tensor, torch.Tensor] | None,
                 write_index: torch.Tensor | None = None):
         B, S, _ = x.shape
-        qkv = self.wqkv(x)  # (B, S, (H + 2 Hkv) * D)
+        qkv = self.project(x)  # (B, S, (H + 2 Hkv) * D)
         # One new token (S is a plain 1 when the decode graph is traced, a symbol for prefill):
         # moving a size-1 axis is a reshape, so all heads go to (B, H + 2 Hkv, 1, D) in one node
         # and split there: 2 nodes instead of 7 per layer in the decode graph.
@@ -150,17 +171,19 @@ class Attention(nn.Module):
             q, k, v = heads.split([self.n_heads, self.n_kv, self.n_kv], dim=1)  # (B, H, 1, D)
         else:
             q, k, v = (t.view(B, S, -1, self.head_dim).transpose(1, 2) for t in qkv.split(self.splits, dim=-1))
-        if self.q_norm is not None:  # per head, over D: the same in either layout
+        if self.q_norm is not None and not self.norm_projections:  # per head, over D: the same in either layout
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, cos, sin)  # (B, H, S, D)
-        k = apply_rope(k, cos, sin)  # (B, Hkv, S, D)
+        if self.rope:
+            q = apply_rope(q, cos, sin)  # (B, H, S, D)
+            k = apply_rope(k, cos, sin)  # (B, Hkv, S, D)
         if write_index is not None:  # static capacity: write in place, attend over the whole buffer
             k = kv_write(past[0], k, write_index)  # (B, Hkv, C, D)
             v = kv_write(past[1], v, write_index)
         elif past is not None:  # the concat stays outside SDPA: TensorRT rejects Attention with past
             k = torch.cat([past[0], k], dim=2)  # (B, Hkv, T, D)
             v = torch.cat([past[1], v], dim=2)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
+                                           enable_gqa=self.n_heads != self.n_kv)
         y = (y if single else y.transpose(1, 2)).reshape(B, S, self.n_heads * self.head_dim)  # (B, S, H*D)
         return self.wo(y), (k, v)
 
@@ -180,18 +203,30 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: DecoderConfig):
+    """Attention then FFN, each a residual branch x + residual_multiplier * branch(x) whose RMSNorm
+    is on the branch's input (pre-norm) or on its output (post-norm: OLMo 2)."""
+
+    def __init__(self, cfg: DecoderConfig, layer: int):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, layer)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         self.ffn = FeedForward(cfg)
+        self.pre_norm = cfg.norm_placement == "pre"
+        self.residual_multiplier = cfg.residual_multiplier
+
+    def branch_in(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        return norm(x) if self.pre_norm else x
+
+    def branch_out(self, norm: RMSNorm, y: torch.Tensor) -> torch.Tensor:
+        """What a branch adds to the residual stream."""
+        y = y if self.pre_norm else norm(y)
+        return y if self.residual_multiplier == 1.0 else times(y, self.residual_multiplier)
 
     def forward(self, x, cos, sin, mask, past, write_index=None):
-        """Pre-norm residual: x + attention(norm(x)), then + ffn(norm(.))."""
-        a, present = self.attn(self.attn_norm(x), cos, sin, mask, past, write_index)
-        h = x + a
-        return h + self.ffn(self.ffn_norm(h)), present
+        a, present = self.attn(self.branch_in(self.attn_norm, x), cos, sin, mask, past, write_index)
+        h = x + self.branch_out(self.attn_norm, a)
+        return h + self.branch_out(self.ffn_norm, self.ffn(self.branch_in(self.ffn_norm, h))), present
 
 
 class Decoder(nn.Module):
@@ -199,7 +234,7 @@ class Decoder(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -214,7 +249,16 @@ class Decoder(nn.Module):
         x = self.embed(input_ids)  # (B, S, C)
         if self.config.embed_scale:  # Gemma: the normalizer is rounded to the activation dtype first
             x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
+        if self.config.embedding_multiplier != 1.0:  # Granite
+            x = times(x, self.config.embedding_multiplier)
         return x
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The final-normed hidden state (B, S, C) -> logits (B, S, V), float32 in every precision."""
+        logits = self.lm_head(x)
+        if self.config.logits_scaling != 1.0:  # Granite: a division, rounded to the model's dtype as in transformers
+            logits = (logits.float() / self.config.logits_scaling).to(logits.dtype)
+        return logits.float()
 
     def forward(
         self,
@@ -239,5 +283,5 @@ class Decoder(nn.Module):
                 hidden.append(x.float())
         if last_only:  # left padding puts every row's newest token last
             x = x[:, -1:]
-        logits = self.lm_head(self.norm(x)).float()  # (B, S, V): float32 in every precision
+        logits = self.logits(self.norm(x))  # (B, S, V)
         return (logits, present, hidden) if output_hidden else (logits, present)

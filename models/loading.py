@@ -28,6 +28,9 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved
 _ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+# a block's two norms (ours: attn_norm, ffn_norm) by where they sit: before each branch, or after (OLMo 2)
+_BLOCK_NORMS = {"pre": ("input_layernorm", "post_attention_layernorm"),
+                "post": ("post_attention_layernorm", "post_feedforward_layernorm")}
 
 
 class CheckpointError(TkError, ValueError):
@@ -48,8 +51,9 @@ def weight_map(cfg: DecoderConfig) -> dict[str, list[tuple[str, int]]]:
         m["lm_head.weight"] = [("lm_head.weight", V)]
     for i in range(cfg.num_layers):
         hf, us = f"model.layers.{i}.", f"layers.{i}."
-        m[us + "attn_norm.weight"] = [(hf + "input_layernorm.weight", C)]
-        m[us + "ffn_norm.weight"] = [(hf + "post_attention_layernorm.weight", C)]
+        attn_norm, ffn_norm = _BLOCK_NORMS[cfg.norm_placement]
+        m[us + "attn_norm.weight"] = [(hf + attn_norm + ".weight", C)]
+        m[us + "ffn_norm.weight"] = [(hf + ffn_norm + ".weight", C)]
         qkv = [("q", cfg.q_size), ("k", cfg.kv_size), ("v", cfg.kv_size)]
         for kind, on in (("weight", True), ("bias", cfg.qkv_bias)):
             if not on:
@@ -61,9 +65,10 @@ def weight_map(cfg: DecoderConfig) -> dict[str, list[tuple[str, int]]]:
         m[us + "attn.wo.weight"] = [(hf + "self_attn.o_proj.weight", C)]
         if cfg.o_bias:
             m[us + "attn.wo.bias"] = [(hf + "self_attn.o_proj.bias", C)]
-        if cfg.qk_norm:
-            m[us + "attn.q_norm.weight"] = [(hf + "self_attn.q_norm.weight", cfg.head_dim)]
-            m[us + "attn.k_norm.weight"] = [(hf + "self_attn.k_norm.weight", cfg.head_dim)]
+        if cfg.qk_norm:  # per head (D), or over the whole projection (OLMo 2: H*D and Hkv*D)
+            q_dim, k_dim = (cfg.q_size, cfg.kv_size) if cfg.qk_norm == "projection" else (cfg.head_dim, cfg.head_dim)
+            m[us + "attn.q_norm.weight"] = [(hf + "self_attn.q_norm.weight", q_dim)]
+            m[us + "attn.k_norm.weight"] = [(hf + "self_attn.k_norm.weight", k_dim)]
         for kind, on in (("weight", True), ("bias", cfg.mlp_bias)):
             if not on:
                 continue

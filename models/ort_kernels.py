@@ -16,13 +16,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tk.models.decoder import Decoder, KVCache, RMSNorm, apply_rope, causal_mask, kv_write, rope_cos_sin
+from tk.models.decoder import Block, Decoder, KVCache, RMSNorm, apply_rope, causal_mask, kv_write, rope_cos_sin
 
 
 def unsupported(cfg) -> list[str]:
-    """What of a DecoderConfig the fused kernels cannot express (empty: the ort target can export it)."""
+    """What of a DecoderConfig the fused kernels cannot express (empty: the ort target can export it).
+    q/k norms over the whole projections (OLMo 2) are applied to the packed qkv GroupQueryAttention
+    reads; NoPE layers (SmolLM3) run it with do_rotary=0; Granite's scale is its `scale`; post-norms
+    are plain RMSNorms."""
     return [why for why, bad in (("partial rotary embeddings", cfg.rotary_dim != cfg.head_dim),
-                                 ("per-head q/k norms", cfg.qk_norm)) if bad]
+                                 ("per-head q/k norms", cfg.qk_norm == "head")) if bad]
 
 
 @torch.library.custom_op("tk::add_rms_norm", mutates_args=())
@@ -45,6 +48,15 @@ def add_norm(norm: RMSNorm, h: torch.Tensor, delta: torch.Tensor | None):
     return add_rms_norm(h, delta, norm.scale().to(h.dtype), norm.eps)
 
 
+def branch_input(layer: Block, norm: RMSNorm, h: torch.Tensor, delta: torch.Tensor | None):
+    """(a branch's input, the residual stream h + delta): one fused add + norm before a pre-norm
+    branch; a plain add before a post-norm one (OLMo 2), whose norm is on its output (Block.branch_out)."""
+    if layer.pre_norm:
+        return add_norm(norm, h, delta)
+    h = h if delta is None else h + delta
+    return h, h
+
+
 @dataclass
 class FusedAttentionInputs:
     """What GroupQueryAttention takes besides qkv and the cache, computed once per decode step."""
@@ -62,20 +74,22 @@ class FusedAttentionInputs:
 @torch.library.custom_op("tk::gqa", mutates_args=())
 def gqa(qkv: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor, seqlens_k: torch.Tensor, total: torch.Tensor,
         cos_cache: torch.Tensor, sin_cache: torch.Tensor, position_ids: torch.Tensor, bias: torch.Tensor | None,
-        num_heads: int, kv_num_heads: int, local_window: int, static: bool
+        num_heads: int, kv_num_heads: int, local_window: int, static: bool, rotary: bool, scale: float | None
         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One attention step as ONNX Runtime's GroupQueryAttention computes it, from packed qkv
-    (B, S, (H + 2 Hkv) D): RoPE (half-split) at position_ids, k and v written into the cache at
-    seqlens_k - S + 1, causal attention over the cache up to each row's seqlens_k, over the last
-    `local_window` keys (local_window_size, the query's own included) when >= 0, plus `bias` when given.
+    (B, S, (H + 2 Hkv) D): RoPE (half-split) at position_ids unless not `rotary` (do_rotary), k and
+    v written into the cache at seqlens_k - S + 1, causal attention (softmax scale `scale`, None:
+    1/sqrt(D)) over the cache up to each row's seqlens_k, over the last `local_window` keys
+    (local_window_size, the query's own included) when >= 0, plus `bias` when given.
     Returns (y (B, S, H D), present_k, present_v); present is max(total, past) long."""
     B, S, _ = qkv.shape
     D = past_k.shape[-1]
     q, k, v = (t.view(B, S, -1, D).transpose(1, 2)
                for t in qkv.split([num_heads * D, kv_num_heads * D, kv_num_heads * D], dim=-1))
-    cos, sin = (torch.cat([t[position_ids]] * 2, dim=-1)[:, None].to(qkv.dtype)  # (B, 1, S, D)
-                for t in (cos_cache, sin_cache))
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if rotary:
+        cos, sin = (torch.cat([t[position_ids]] * 2, dim=-1)[:, None].to(qkv.dtype)  # (B, 1, S, D)
+                    for t in (cos_cache, sin_cache))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     T = int(total)
     grow = T - past_k.shape[2]
     if grow > 0:
@@ -88,14 +102,14 @@ def gqa(qkv: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor, seqlens_k
     hidden = (dist < 0) | ((dist >= local_window) if local_window >= 0 else False)
     bias = torch.zeros(B, 1, S, T, dtype=qkv.dtype, device=qkv.device) if bias is None else bias[..., :T]
     bias = bias.masked_fill(hidden[:, None], torch.finfo(bias.dtype).min)
-    y = F.scaled_dot_product_attention(q, present_k[:, :, :T], present_v[:, :, :T], attn_mask=bias,
+    y = F.scaled_dot_product_attention(q, present_k[:, :, :T], present_v[:, :, :T], attn_mask=bias, scale=scale,
                                        enable_gqa=num_heads != kv_num_heads)
     return y.transpose(1, 2).reshape(B, S, num_heads * D), present_k, present_v
 
 
 @gqa.register_fake
 def _(qkv, past_k, past_v, seqlens_k, total, cos_cache, sin_cache, position_ids, bias, num_heads, kv_num_heads,
-      local_window, static):
+      local_window, static, rotary, scale):
     B, S, _ = qkv.shape
     shape = past_k.shape if static else (B, past_k.shape[1], past_k.shape[2] + S, past_k.shape[3])
     return qkv.new_empty(B, S, num_heads * past_k.shape[-1]), past_k.new_empty(shape), past_v.new_empty(shape)
@@ -133,8 +147,9 @@ def forward(model: Decoder, input_ids: torch.Tensor, attention_mask: torch.Tenso
             past_key_values: KVCache | None = None, write_index: torch.Tensor | None = None,
             last_only: bool = False, decode_prefills: bool = False) -> tuple[torch.Tensor, KVCache]:
     """`Decoder.forward` through the fused kernels: the residual stream carried as (h, delta) so
-    each add meets its norm in one SkipSimplifiedLayerNormalization, and in decode (a past is
-    given) one GroupQueryAttention per layer. `decode_prefills`: see fused_attention_inputs."""
+    each add meets the norm after it in one SkipSimplifiedLayerNormalization (in post-norm blocks
+    only the final norm follows an add), and in decode (a past is given) one GroupQueryAttention
+    per layer. `decode_prefills`: see fused_attention_inputs."""
     cfg = model.config
     x = model.embed_inputs(input_ids)  # (B, S, C)
     fused = None
@@ -148,20 +163,20 @@ def forward(model: Decoder, input_ids: torch.Tensor, attention_mask: torch.Tenso
     present: KVCache = []
     h, delta = x, None
     for i, layer in enumerate(model.layers):
-        xn, h = add_norm(layer.attn_norm, h, delta)
+        xn, h = branch_input(layer, layer.attn_norm, h, delta)
         attn = layer.attn
         if fused is not None:
             past = past_key_values[i]
-            y, k, v = gqa(attn.wqkv(xn), past[0], past[1], fused.seqlens_k, fused.total, fused.cos_cache,
+            y, k, v = gqa(attn.project(xn), past[0], past[1], fused.seqlens_k, fused.total, fused.cos_cache,
                           fused.sin_cache, fused.position_ids, fused.bias, attn.n_heads, attn.n_kv, fused.local_window,
-                          fused.static)
+                          fused.static, attn.rope, attn.scale)
             a, kv = attn.wo(y), (k, v)
         else:
             a, kv = attn(xn, cos, sin, mask, None, write_index)
-        xn, h = add_norm(layer.ffn_norm, h, a)
-        delta = layer.ffn(xn)
+        xn, h = branch_input(layer, layer.ffn_norm, h, layer.branch_out(layer.attn_norm, a))
+        delta = layer.branch_out(layer.ffn_norm, layer.ffn(xn))
         present.append(kv)
     if last_only:  # left padding puts every row's newest token last
         h, delta = h[:, -1:], delta[:, -1:]
     xn, _ = add_norm(model.norm, h, delta)
-    return model.lm_head(xn).float(), present
+    return model.logits(xn), present

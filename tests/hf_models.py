@@ -38,13 +38,29 @@ FAMILIES = {
         num_attention_heads=4, num_key_value_heads=4, head_dim=32, hidden_activation="gelu_pytorch_tanh",
         hidden_act="gelu_pytorch_tanh")),
 }
+# Families exported once each by tests/test_families.py (portable and --for ort-cpu), not by every
+# per-family export test over FAMILIES (test_export, test_parity, test_quantized: 10-20 s an export);
+# the torch-only tests over ALL (tests/test_models.py) cover them like the rest.
+EXPORTED_ONCE = {
+    # every multiplier away from 1, and the attention scale away from 1/sqrt(D) = 0.25
+    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, embedding_multiplier=12.0,
+        residual_multiplier=0.22, attention_multiplier=0.0625, logits_scaling=4.0)),
+    # post-norm blocks, q/k norms over the whole projections
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)),
+    # no_rope_layers from the interval: 1, 0, 1, 0, ... (layer 1 has no RoPE), at any depth
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, no_rope_layer_interval=2,
+        use_sliding_window=False)),
+}
 # A second Llama: linear rope scaling, tied embeddings, MQA.
 EXTRA = {
     "llama-linear-tied-mqa": ("LlamaConfig", "LlamaForCausalLM", dict(
         num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True,
         rope_scaling={"rope_type": "linear", "factor": 2.0})),
 }
-ALL = {**FAMILIES, **EXTRA}
+ALL = {**FAMILIES, **EXPORTED_ONCE, **EXTRA}
 
 
 def jitter_(model: torch.nn.Module, seed: int) -> None:

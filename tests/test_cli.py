@@ -41,7 +41,8 @@ def bad_checkpoints(tmp_path, tiny):
         cfg["architectures"] = ["GPTNeoXForCausalLM"]
         (d / "config.json").write_text(json.dumps(cfg))
     make("unsupported", arch, "Error: architecture GPTNeoXForCausalLM is not supported; supported: LlamaForCausalLM, "
-         "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM, GemmaForCausalLM")
+         "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM, GemmaForCausalLM, "
+         "GraniteForCausalLM, Olmo2ForCausalLM, SmolLM3ForCausalLM")
 
     def corrupt(d):
         data = (d / "model.safetensors").read_bytes()

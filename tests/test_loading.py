@@ -171,3 +171,78 @@ def test_bf16_checkpoint_loads_in_float32(checkpoints, tmp_path):
     with torch.no_grad():
         assert_close(ours(ids, mask, position_ids_from_mask(mask))[0],
                      hf32(input_ids=ids, attention_mask=mask).logits, 1e-4, "bf16 checkpoint")
+
+
+def _hf(arch: str, **kw) -> dict:
+    return {"architectures": [arch], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 8,
+            "num_hidden_layers": 4, "num_attention_heads": 2, **kw}
+
+
+def test_granite_multipliers_and_their_defaults():
+    cfg = config_from_hf(_hf("GraniteForCausalLM", embedding_multiplier=12, residual_multiplier=0.22,
+                             attention_multiplier=0.0078125, logits_scaling=16))
+    assert (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.attention_scale, cfg.logits_scaling) == (
+        12.0, 0.22, 0.0078125, 16.0)
+    bare = config_from_hf(_hf("GraniteForCausalLM"))  # GraniteConfig's defaults: 1.0, the attention scale too
+    assert (bare.embedding_multiplier, bare.residual_multiplier, bare.attention_scale, bare.logits_scaling) == (
+        1.0, 1.0, 1.0, 1.0)
+    assert config_from_hf(_hf("LlamaForCausalLM", logits_scaling=16)).logits_scaling == 1.0  # not a Llama key
+
+
+def test_olmo2_is_post_norm_with_projection_qk_norms():
+    cfg = config_from_hf(_hf("Olmo2ForCausalLM"))
+    assert (cfg.norm_placement, cfg.qk_norm, cfg.tie_embeddings) == ("post", "projection", False)
+    assert DecoderConfig.from_dict({**cfg.to_dict(), "qk_norm": True}).qk_norm == "head"  # an older manifest
+    assert DecoderConfig.from_dict({**cfg.to_dict(), "qk_norm": False}).qk_norm is None
+
+
+def test_smollm3_rope_layers_read_as_transformers_reads_them():
+    """no_rope_layers[i] == 1 means layer i *uses* RoPE (SmolLM3Attention.use_rope); left out,
+    every no_rope_layer_interval-th layer (default 4) goes without."""
+    cfg = config_from_hf(_hf("SmolLM3ForCausalLM", no_rope_layers=[1, 0, 1, 1]))
+    assert cfg.rope_layers == [True, False, True, True] and cfg.tie_embeddings  # SmolLM3Config ties by default
+    assert [cfg.layer_rope(i) for i in range(4)] == [True, False, True, True]
+    assert config_from_hf(_hf("SmolLM3ForCausalLM")).rope_layers == [True, True, True, False]
+    assert config_from_hf(_hf("SmolLM3ForCausalLM", no_rope_layer_interval=2)).rope_layers == [True, False] * 2
+    assert config_from_hf(_hf("SmolLM3ForCausalLM", no_rope_layers=[1] * 4)).rope_layers is None  # RoPE everywhere
+    with pytest.raises(ValueError, match="rope_layers has 3 entries for 4 layers"):
+        config_from_hf(_hf("SmolLM3ForCausalLM", no_rope_layers=[1, 0, 1]))
+
+
+def test_smollm3_sliding_window_follows_layer_types():
+    """A layer slides when use_sliding_window is set and layer_types says sliding_attention (by
+    default: the NoPE layers); one window for every layer is supported, windows on some only are not."""
+    off = config_from_hf(_hf("SmolLM3ForCausalLM", sliding_window=16, layer_types=["sliding_attention"] * 4))
+    assert off.sliding_window is None  # use_sliding_window false: every layer attends fully
+    every = config_from_hf(_hf("SmolLM3ForCausalLM", use_sliding_window=True, sliding_window=16,
+                               layer_types=["sliding_attention"] * 4))
+    assert every.sliding_window == 16
+    for layer_types in (None, ["full_attention", "sliding_attention"] * 2):  # None: the NoPE layer slides
+        with pytest.raises(UnsupportedModelError, match=r"SmolLM3ForCausalLM with sliding_attention on some "
+                                                        r"layers only \(layer_types\) is not supported"):
+            config_from_hf(_hf("SmolLM3ForCausalLM", use_sliding_window=True, sliding_window=16,
+                               layer_types=layer_types))
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(qk_norm="both"), "qk_norm must be one of None, head, projection"),
+    (dict(norm_placement="sandwich"), "norm_placement must be one of pre, post"),
+    (dict(residual_multiplier=0.0), "residual_multiplier must be positive"),
+    (dict(attention_scale=-1.0), "attention_scale must be positive"),
+])
+def test_new_fields_are_validated(kw, message):
+    with pytest.raises(ValueError, match=message):
+        _cfg(**kw)
+
+
+def test_olmo2_checkpoint_tensor_names(checkpoints):
+    """OLMo 2's block norms are post_attention_layernorm and post_feedforward_layernorm (no
+    input_layernorm), its q/k norms as wide as the projections."""
+    from tk.models.loading import weight_map
+
+    cfg = load_decoder(checkpoints("olmo2")).config
+    m = weight_map(cfg)
+    assert m["layers.0.attn_norm.weight"] == [("model.layers.0.post_attention_layernorm.weight", 64)]
+    assert m["layers.0.ffn_norm.weight"] == [("model.layers.0.post_feedforward_layernorm.weight", 64)]
+    assert m["layers.0.attn.q_norm.weight"] == [("model.layers.0.self_attn.q_norm.weight", cfg.q_size)]
+    assert m["layers.0.attn.k_norm.weight"] == [("model.layers.0.self_attn.k_norm.weight", cfg.kv_size)]

@@ -48,7 +48,7 @@ def test_greedy_32_tokens_match_transformers_generate(checkpoints, family):
     assert len(set(expected)) > 3, "greedy output is degenerate; the test would not see a divergence"
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3", "gemma", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3", "gemma", "mistral", "granite", "olmo2", "smollm3"])
 def test_cache_parity(checkpoints, family):
     """Full forward over N tokens == prefill N-k then k single-token steps through the cache."""
     model = load_decoder(checkpoints(family))
@@ -82,7 +82,7 @@ def test_no_causal_leak(checkpoints, family):
     assert not torch.allclose(a[0, 9:], b[0, 9:])
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma", "smollm3"])
 def test_row_alone_equals_row_in_padded_batch(checkpoints, family):
     model = load_decoder(checkpoints(family))
     ids, mask = _batch(model.config.vocab_size, seed=11)
