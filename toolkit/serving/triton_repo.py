@@ -1,7 +1,7 @@
 """`tk triton ARTIFACT -o REPO`: a Triton Inference Server model repository that a stock
 `tritonserver` serves.
 
-    REPO/<name>/config.pbtxt       decoupled python model, the engine's limits as parameters
+    REPO/<name>/config.pbtxt       decoupled python model, the batcher's limits as parameters
     REPO/<name>/1/model.py         toolkit/serving/triton_model.py (hands requests to toolkit/serving/triton_backend.py)
     REPO/<name>/1/artifact/        with --copy-artifact (else the parameter points at ARTIFACT)
     REPO/<name>_prefill, _decode   with --native: the raw graphs for Triton's onnxruntime backend
@@ -50,7 +50,7 @@ def python_config(name: str, params: dict[str, str]) -> str:
             "# decoupled: a request gets its tokens as separate responses (streaming), the last one FINAL\n"
             "model_transaction_policy { decoupled: true }\n"
             + _tensors("input", INPUTS, True) + _tensors("output", OUTPUTS, False)
-            + "# one instance: its engine batches every request itself (continuous batching)\n"
+            + "# one instance: its batcher batches every request itself (continuous batching)\n"
             "instance_group [ { count: 1 kind: KIND_CPU } ]\n" + _parameters(params))
 
 
