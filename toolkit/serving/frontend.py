@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -72,7 +73,7 @@ class Metrics:
         pass
 
 
-class Job:
+class Job(ABC):
     """One client request over the batcher: its `request`, its `text` (None without a tokenizer:
     token ids only), its metrics. A front end subclasses it with its transport: `deliver(piece,
     event)` hands out each event with the new text it makes safe to show (the rest of the text
@@ -100,8 +101,9 @@ class Job:
     def listening(self) -> bool:
         return True
 
+    @abstractmethod
     def deliver(self, piece: str, event: TokenEvent) -> None:
-        raise NotImplementedError
+        """Hand one event and its new text to the client (the front end's transport)."""
 
     def _stopped(self, tokens: list[int]) -> bool:  # asked by the batcher right after on_event heard a token
         return self.text is not None and self.text.stopped
