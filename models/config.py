@@ -1,21 +1,25 @@
 """One config for every supported decoder family, and its translation from a Hugging Face config.
 
 Families differ by fields (`num_kv_heads`, `head_dim`, `qkv_bias`, `qk_norm`, `norm_placement`,
-`rope_layers`, the multipliers, ...), never by subclasses. The per-architecture differences are one
-table, `FAMILIES`. This module knows nothing about weights or graphs.
+`rope_layers`, `sliding_layers`, the softcaps, the multipliers, the experts, ...), never by
+subclasses. Fields that vary by layer are lists (`PER_LAYER`), and `DecoderConfig.layer(i)` says what
+one layer is. The per-architecture differences are one table, `FAMILIES`. This module knows nothing
+about weights or graphs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Callable
 
 from tk.models.errors import TkError
 
 ROPE_TYPES = ("default", "linear", "llama3")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
 QK_NORMS = ("head", "projection")
-NORM_PLACEMENTS = ("pre", "post")
+NORM_PLACEMENTS = ("pre", "post", "sandwich")
+PER_LAYER = ("rope_layers", "sliding_layers", "moe_layers")  # list fields with one entry per layer
 
 
 class UnsupportedModelError(TkError, ValueError):
@@ -42,8 +46,10 @@ class DecoderConfig:
     # RMSNorm on q and k before RoPE: None, "head" (over each head's D: Qwen3) or "projection" (over
     # the whole q and k projections, before the head split: OLMo 2); older manifests say true/false
     qk_norm: str | None = None
-    norm_placement: str = "pre"  # "pre": x + f(norm(x)); "post": x + norm(f(x)), no pre-norms (OLMo 2)
-    norm_offset: float = 0.0  # RMSNorm scales by (offset + w): 1.0 for Gemma
+    # "pre": x + f(norm(x)); "post": x + norm(f(x)), no pre-norms (OLMo 2); "sandwich": x + norm2(f(norm1(x)))
+    # (Gemma 2/3: four norms a layer)
+    norm_placement: str = "pre"
+    norm_offset: float = 0.0  # every RMSNorm (q/k norms included) scales by (offset + w): 1.0 for Gemma
     embed_scale: bool = False  # multiply embeddings by sqrt(hidden_size) (Gemma)
     embedding_multiplier: float = 1.0  # embeddings times this (Granite)
     residual_multiplier: float = 1.0  # each block's branch times this before its residual add (Granite)
@@ -52,7 +58,20 @@ class DecoderConfig:
     rope_layers: list[bool] | None = None  # per layer: RoPE applies; None: every layer (SmolLM3's no_rope_layers)
     hidden_act: str = "silu"
     tie_embeddings: bool = False
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # a sliding layer's query sees this many keys, itself included
+    sliding_layers: list[bool] | None = None  # per layer: it slides; None: every layer (when sliding_window is set)
+    rope_local_theta: float | None = None  # RoPE base of the sliding layers, never scaled (Gemma 3); None: the global table
+    attn_softcap: float | None = None  # scaled scores become tanh(s / c) * c before the mask (Gemma 2)
+    final_softcap: float | None = None  # logits become tanh(z / c) * c (Gemma 2, Gemma 3)
+    # mixtures of experts: a layer's FFN is a router over num_experts gated FFNs of expert_size, of which each
+    # token takes experts_per_token (their softmax weights renormalized to sum to 1 when renormalize_experts),
+    # plus a shared FFN of shared_expert_size scaled by sigmoid(its gate) (Qwen2-MoE)
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_size: int | None = None  # None: intermediate_size (Mixtral)
+    renormalize_experts: bool = True
+    shared_expert_size: int = 0
+    moe_layers: list[bool] | None = None  # per layer: its FFN is the experts; None: every layer (with num_experts)
     fused_projections: bool = False  # checkpoint stores qkv_proj / gate_up_proj (Phi-3)
     architecture: str = "LlamaForCausalLM"
     bos_token_id: int | None = None
@@ -86,22 +105,39 @@ class DecoderConfig:
             raise ValueError(f"rotary dim head_dim * partial_rotary_factor = {self.rotary_dim} must be even")
         if self.sliding_window is not None:
             _require_positive("sliding_window", self.sliding_window)
+        for name in PER_LAYER:
+            flags = getattr(self, name)
+            if flags is None:
+                continue
+            if len(flags) != self.num_layers:
+                raise ValueError(f"{name} has {len(flags)} entries for {self.num_layers} layers")
+            flags = [bool(f) for f in flags]
+            setattr(self, name, None if all(flags) else flags)  # every layer: the usual model, spelled once
+        if self.sliding_window is None and self.sliding_layers is not None:
+            raise ValueError("sliding_layers needs sliding_window: how many keys a sliding layer's query sees")
+        if self.rope_local_theta is not None and not self.rope_local_theta > 0:
+            raise ValueError(f"rope_local_theta must be positive, got {self.rope_local_theta!r}")
+        if self.num_experts:
+            _require_positive("num_experts", self.num_experts)
+            _require_positive("experts_per_token", self.experts_per_token)
+            if self.experts_per_token > self.num_experts:
+                raise ValueError(f"experts_per_token ({self.experts_per_token}) exceeds num_experts ({self.num_experts})")
+            if self.expert_size is None:
+                self.expert_size = self.intermediate_size
+            _require_positive("expert_size", self.expert_size)
+        elif self.moe_layers is not None or self.shared_expert_size:
+            raise ValueError("moe_layers and shared_expert_size describe experts; set num_experts")
         if isinstance(self.qk_norm, bool):  # manifests written before "projection" existed
             self.qk_norm = "head" if self.qk_norm else None
         if self.qk_norm not in (None, *QK_NORMS):
             raise ValueError(f"qk_norm must be one of None, {', '.join(QK_NORMS)}; got {self.qk_norm!r}")
         if self.norm_placement not in NORM_PLACEMENTS:
             raise ValueError(f"norm_placement must be one of {', '.join(NORM_PLACEMENTS)}; got {self.norm_placement!r}")
-        for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling", "attention_scale"):
+        for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling", "attention_scale", "attn_softcap",
+                     "final_softcap"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be positive, got {value!r}")
-        if self.rope_layers is not None:
-            if len(self.rope_layers) != self.num_layers:
-                raise ValueError(f"rope_layers has {len(self.rope_layers)} entries for {self.num_layers} layers")
-            self.rope_layers = [bool(r) for r in self.rope_layers]
-            if all(self.rope_layers):
-                self.rope_layers = None  # RoPE everywhere: the usual model, spelled once
         if self.hidden_act not in ACTIVATIONS:
             raise UnsupportedModelError(
                 f"activation {self.hidden_act!r} is not supported; supported: {', '.join(ACTIVATIONS)}"
@@ -116,19 +152,36 @@ class DecoderConfig:
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 
+    def layer(self, i: int) -> "LayerKind":
+        """What layer i computes besides its own weights."""
+        rope = self.rope_layers is None or self.rope_layers[i]
+        sliding = self.sliding_window is not None and (self.sliding_layers is None or self.sliding_layers[i])
+        table = ("local" if sliding and self.rope_local_theta is not None else "global") if rope else None
+        moe = self.num_experts > 0 and (self.moe_layers is None or self.moe_layers[i])
+        return LayerKind(table, self.sliding_window if sliding else None, moe)
+
     def layer_rope(self, layer: int) -> bool:
         """Whether RoPE applies in `layer` (SmolLM3 leaves it out of every fourth)."""
-        return self.rope_layers is None or self.rope_layers[layer]
+        return self.layer(layer).rope is not None
+
+    @property
+    def windows(self) -> list[int | None]:
+        """Each layer's sliding window (None: it attends to every earlier position)."""
+        return [self.layer(i).window for i in range(self.num_layers)]
 
     @property
     def uniform_layers(self) -> bool:
         """Every layer computes the same function of its own weights (an exporter may copy one)."""
-        return self.rope_layers is None or len(set(self.rope_layers)) == 1
+        return len({self.layer(i) for i in range(self.num_layers)}) == 1
 
     def first_layers(self, n: int) -> "DecoderConfig":
         """This config cut to its first n layers (per-layer fields cut with it)."""
-        rope = None if self.rope_layers is None else self.rope_layers[:n]
-        return dataclasses.replace(self, num_layers=n, rope_layers=rope)
+        cut = {name: getattr(self, name)[:n] for name in PER_LAYER if getattr(self, name) is not None}
+        return dataclasses.replace(self, num_layers=n, **cut)
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def q_size(self) -> int:
@@ -147,9 +200,67 @@ class DecoderConfig:
         return cls(**{k: v for k, v in d.items() if k in known})
 
 
+@dataclass(frozen=True)
+class LayerKind:
+    """What sets one layer apart from another of the same model (models/decoder.py builds it from this)."""
+
+    rope: str | None  # which RoPE table: "global", "local" (Gemma 3's sliding layers), or None (NoPE)
+    window: int | None  # sliding window, or None: global attention
+    moe: bool  # the FFN is a mixture of experts
+
+
 def _require_positive(name: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _smollm3_layer_types(hf: dict, rope_layers: list[bool] | None) -> list[str]:
+    """SmolLM3Config's default: the layers without RoPE slide."""
+    return ["sliding_attention" if not r else "full_attention" for r in rope_layers or []]
+
+
+def _gemma_layer_types(pattern_key: str | None, pattern: int):
+    """Gemma 2 (every second layer global) and Gemma 3 (every `sliding_window_pattern`-th, 6 by default):
+    layer i slides unless (i + 1) % pattern == 0 (Gemma2Config / Gemma3TextConfig.__init__)."""
+    def types(hf: dict, rope_layers) -> list[str]:
+        every = int(hf.get(pattern_key, hf.get("_" + pattern_key, pattern)) if pattern_key else pattern)
+        return ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(hf["num_hidden_layers"])]
+    return types
+
+
+def _moe_mixtral(hf: dict, num_layers: int) -> dict:
+    """Mixtral: every layer routes over num_local_experts FFNs of intermediate_size, renormalized top-k."""
+    return dict(num_experts=hf.get("num_local_experts", hf.get("num_experts")), experts_per_token=hf.get("num_experts_per_tok"),
+                expert_size=hf.get("intermediate_size"), renormalize_experts=True)
+
+
+def _moe_qwen(hf: dict, num_layers: int) -> dict:
+    """Qwen2-MoE and Qwen3-MoE: layer i is sparse unless listed in mlp_only_layers, on every
+    decoder_sparse_step-th layer (the others are dense FFNs of intermediate_size); experts of
+    moe_intermediate_size, renormalized when norm_topk_prob; a gated shared expert (Qwen2-MoE)."""
+    experts = hf.get("num_experts") or hf.get("num_local_experts") or 0  # Qwen3MoeConfig saves the latter
+    step, dense = hf.get("decoder_sparse_step", 1) or 1, set(hf.get("mlp_only_layers") or [])
+    layers = [experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(num_layers)]
+    if not any(layers):
+        return {}
+    return dict(num_experts=experts, experts_per_token=hf.get("num_experts_per_tok"),
+                expert_size=hf.get("moe_intermediate_size"), renormalize_experts=bool(hf.get("norm_topk_prob", False)),
+                shared_expert_size=hf.get("shared_expert_intermediate_size") or 0, moe_layers=layers)
+
+
+@dataclass(frozen=True)
+class ExpertNames:
+    """Where a mixture-of-experts checkpoint keeps an MoE layer's tensors: model.layers.N.{block}.gate
+    (the router), .experts.E.{gate,up,down}; a shared expert at mlp.shared_expert(_gate) (Qwen2-MoE)."""
+
+    block: str
+    gate: str
+    up: str
+    down: str
+
+
+MIXTRAL_EXPERTS = ExpertNames("block_sparse_moe", "w1", "w3", "w2")
+QWEN_EXPERTS = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -159,18 +270,29 @@ class Family:
     fixed: dict  # DecoderConfig fields this family always has
     hf_bias: str | None = None  # HF config key that turns on q/k/v/o biases
     hf_act: str = "hidden_act"
-    # "none" | "always" (Mistral, Phi-3) | "opt-in" (Qwen: use_sliding_window) | "layer-types"
-    # (SmolLM3: use_sliding_window, then layer_types[i] == "sliding_attention" says which layers slide)
+    # "none" | "always" (Mistral, Phi-3, Mixtral: sliding_window on every layer) | "opt-in" (Qwen:
+    # use_sliding_window, refused) | "layer-types" (layer_types[i] == "sliding_attention" says which layers
+    # slide; absent, `layer_types` derives them; with `sliding_gate`, only when that HF key is true)
     sliding: str = "none"
+    layer_types: Callable[[dict, list[bool] | None], list[str]] | None = None
+    sliding_gate: str | None = None
     tied: bool = False  # tie_word_embeddings when config.json leaves it out (the HF config class's default)
     hf_floats: dict = field(default_factory=dict)  # DecoderConfig field -> (HF config key, HF default)
     no_rope_layers: bool = False  # reads SmolLM3's no_rope_layers (per layer, 1: RoPE, 0: none)
+    softcaps: tuple[str, ...] = ()  # which of attn_logit_softcapping, final_logit_softcapping it applies
+    pre_attn_scalar: bool = False  # softmax scale query_pre_attn_scalar ** -0.5 (Gemma 2/3)
+    local_rope: bool = False  # sliding layers have a RoPE base of their own (Gemma 3: rope_local_base_freq)
+    moe: Callable[[dict, int], dict] | None = None  # the experts' DecoderConfig fields from config.json
+    experts: ExpertNames | None = None  # their tensors' names
+    refuse: dict = field(default_factory=dict)  # HF key -> why a true value is not supported
 
 
 _GRANITE_FLOATS = {"embedding_multiplier": ("embedding_multiplier", 1.0),
                    "residual_multiplier": ("residual_multiplier", 1.0),
                    "attention_scale": ("attention_multiplier", 1.0),  # GraniteConfig's default: 1, not 1/sqrt(D)
                    "logits_scaling": ("logits_scaling", 1.0)}
+_GEMMA = {"norm_offset": 1.0, "embed_scale": True}
+_GEMMA_2_3 = dict(hf_act="hidden_activation", tied=True, sliding="layer-types", pre_attn_scalar=True)
 
 FAMILIES: dict[str, Family] = {
     "LlamaForCausalLM": Family(fixed={}, hf_bias="attention_bias"),
@@ -178,27 +300,51 @@ FAMILIES: dict[str, Family] = {
     "Qwen2ForCausalLM": Family(fixed={"qkv_bias": True}, sliding="opt-in"),
     "Qwen3ForCausalLM": Family(fixed={"qk_norm": "head"}, hf_bias="attention_bias", sliding="opt-in"),
     "Phi3ForCausalLM": Family(fixed={"fused_projections": True}, sliding="always"),
-    "GemmaForCausalLM": Family(fixed={"norm_offset": 1.0, "embed_scale": True}, hf_act="hidden_activation",
-                               tied=True),
+    "GemmaForCausalLM": Family(fixed=_GEMMA, hf_act="hidden_activation", tied=True),
+    "Gemma2ForCausalLM": Family(fixed={**_GEMMA, "norm_placement": "sandwich"}, **_GEMMA_2_3,
+                                layer_types=_gemma_layer_types(None, 2), softcaps=("attn", "final")),
+    # attn_logit_softcapping is ignored by Gemma3's attention (docs/families.md, section 3)
+    "Gemma3ForCausalLM": Family(fixed={**_GEMMA, "norm_placement": "sandwich", "qk_norm": "head"}, **_GEMMA_2_3,
+                                layer_types=_gemma_layer_types("sliding_window_pattern", 6), softcaps=("final",),
+                                local_rope=True, refuse={"use_bidirectional_attention": "bidirectional attention"}),
     "GraniteForCausalLM": Family(fixed={}, hf_bias="attention_bias", hf_floats=_GRANITE_FLOATS),
     "Olmo2ForCausalLM": Family(fixed={"qk_norm": "projection", "norm_placement": "post"}, hf_bias="attention_bias"),
     "SmolLM3ForCausalLM": Family(fixed={}, hf_bias="attention_bias", sliding="layer-types", tied=True,
+                                 layer_types=_smollm3_layer_types, sliding_gate="use_sliding_window",
                                  no_rope_layers=True),
+    "MixtralForCausalLM": Family(fixed={}, sliding="always", moe=_moe_mixtral, experts=MIXTRAL_EXPERTS),
+    "Qwen2MoeForCausalLM": Family(fixed={"qkv_bias": True}, sliding="opt-in", moe=_moe_qwen, experts=QWEN_EXPERTS),
+    "Qwen3MoeForCausalLM": Family(fixed={"qk_norm": "head"}, hf_bias="attention_bias", sliding="opt-in", moe=_moe_qwen,
+                                  experts=QWEN_EXPERTS),
 }
 
 
-def _rope_from_hf(hf: dict) -> tuple[float, dict | None, float]:
-    """(theta, scaling, partial_rotary_factor) from a v4 (`rope_theta`/`rope_scaling`) or v5
-    (`rope_parameters`) Hugging Face config."""
-    params = dict(hf.get("rope_parameters") or {})
-    legacy = dict(hf.get("rope_scaling") or {})
-    params = {**legacy, **params}
+def _rope_params(params: dict, hf: dict) -> tuple[float, dict | None, float]:
+    params = dict(params)
     theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
     partial = float(params.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
     rope_type = params.pop("rope_type", params.pop("type", "default"))
     if rope_type == "default":
         return theta, None, partial
     return theta, {"rope_type": rope_type, **params}, partial
+
+
+def _rope_from_hf(hf: dict) -> tuple[float, dict | None, float, float | None]:
+    """(theta, scaling, partial_rotary_factor, the sliding layers' own theta or None) from a v4
+    (`rope_theta`/`rope_scaling`/`rope_local_base_freq`) or v5 (`rope_parameters`, nested by layer type
+    where the types differ: Gemma 3) Hugging Face config."""
+    params = dict(hf.get("rope_parameters") or {})
+    if "full_attention" in params:  # transformers 5, per layer type
+        local = params.get("sliding_attention") or {}
+        theta, scaling, partial = _rope_params(params["full_attention"], hf)
+        local_theta, local_scaling, _ = _rope_params(local, hf) if local else (None, None, partial)
+        if local_scaling is not None:
+            raise UnsupportedModelError(f"rope type {local_scaling['rope_type']!r} on sliding layers is not supported "
+                                        "(their RoPE is never scaled in the families tk reads)")
+        return theta, scaling, partial, local_theta
+    legacy = dict(hf.get("rope_scaling") or {})
+    local = hf.get("rope_local_base_freq")
+    return (*_rope_params({**legacy, **params}, hf), None if local is None else float(local))
 
 
 def _eos_list(value) -> list[int]:
@@ -217,23 +363,19 @@ def _rope_layers(hf: dict, num_layers: int) -> list[bool]:
     return [bool(f) for f in flags]
 
 
-def _sliding_window(fam: Family, arch: str, hf: dict, rope_layers: list[bool] | None) -> int | None:
+def _sliding(fam: Family, arch: str, hf: dict, rope_layers: list[bool] | None) -> tuple[int | None, list[bool] | None]:
+    """(sliding_window, sliding_layers): the window, and which layers slide (None: all)."""
+    window = hf.get("sliding_window") or None  # Qwen2-MoE writes 0 for none
     if fam.sliding == "always":
-        return hf.get("sliding_window")
+        return window, None
     if fam.sliding == "opt-in" and hf.get("use_sliding_window"):
-        raise UnsupportedModelError(f"{arch} with use_sliding_window=true is not supported (per-layer windows)")
-    if fam.sliding != "layer-types" or not hf.get("use_sliding_window") or hf.get("sliding_window") is None:
-        return None
-    types = hf.get("layer_types")  # SmolLM3Config's default: the layers without RoPE slide
-    if types is None:
-        types = ["sliding_attention" if not r else "full_attention" for r in rope_layers or []]
+        raise UnsupportedModelError(f"{arch} with use_sliding_window=true is not supported (its max_window_layers "
+                                    "rule); export it with use_sliding_window false, as it was trained")
+    if fam.sliding != "layer-types" or window is None or (fam.sliding_gate and not hf.get(fam.sliding_gate)):
+        return None, None
+    types = hf.get("layer_types") or fam.layer_types(hf, rope_layers)
     sliding = [t == "sliding_attention" for t in types]
-    if not any(sliding):
-        return None
-    if not all(sliding):
-        raise UnsupportedModelError(f"{arch} with sliding_attention on some layers only (layer_types) is not "
-                                    "supported (per-layer windows)")
-    return hf["sliding_window"]
+    return (window, sliding) if any(sliding) else (None, None)
 
 
 def config_from_hf(hf: dict) -> DecoderConfig:
@@ -246,8 +388,13 @@ def config_from_hf(hf: dict) -> DecoderConfig:
             f"architecture {name} is not supported; supported: {', '.join(FAMILIES)}"
         )
     fam = FAMILIES[arch]
-    theta, scaling, partial = _rope_from_hf(hf)
-    rope_layers = _rope_layers(hf, hf.get("num_hidden_layers") or 0) if fam.no_rope_layers else None
+    for key, what in fam.refuse.items():
+        if hf.get(key):
+            raise UnsupportedModelError(f"{arch} with {key}=true ({what}) is not supported")
+    theta, scaling, partial, local_theta = _rope_from_hf(hf)
+    num_layers = hf.get("num_hidden_layers") or 0
+    rope_layers = _rope_layers(hf, num_layers) if fam.no_rope_layers else None
+    window, sliding_layers = _sliding(fam, arch, hf, rope_layers)
     bias = bool(hf.get(fam.hf_bias, False)) if fam.hf_bias else False
     act = hf.get(fam.hf_act) or hf.get("hidden_act", "silu")
     fields = dict(
@@ -268,7 +415,9 @@ def config_from_hf(hf: dict) -> DecoderConfig:
         mlp_bias=bool(hf.get("mlp_bias", False)),
         hidden_act=act,
         tie_embeddings=bool(hf.get("tie_word_embeddings", fam.tied)),
-        sliding_window=_sliding_window(fam, arch, hf, rope_layers),
+        sliding_window=window,
+        sliding_layers=sliding_layers,
+        rope_local_theta=local_theta if fam.local_rope and window is not None else None,
         rope_layers=rope_layers,
         architecture=arch,
         bos_token_id=hf.get("bos_token_id"),
@@ -277,6 +426,13 @@ def config_from_hf(hf: dict) -> DecoderConfig:
     )
     for ours, (key, default) in fam.hf_floats.items():
         fields[ours] = float(default if hf.get(key) is None else hf[key])
+    for cap in fam.softcaps:  # None or absent: off
+        value = hf.get(f"{cap}_logit_softcapping")
+        fields[f"{cap}_softcap"] = None if value is None else float(value)
+    if fam.pre_attn_scalar:  # Gemma2Config / Gemma3TextConfig default 256
+        fields["attention_scale"] = float(hf.get("query_pre_attn_scalar") or 256) ** -0.5
+    if fam.moe is not None:
+        fields.update(fam.moe(hf, num_layers))
     fields.update(fam.fixed)
     if fields["qkv_bias"] and not fam.hf_bias:  # Qwen2: q/k/v biased, o not
         fields["o_bias"] = False

@@ -1,11 +1,14 @@
 """The reference decoder: LLaMA-style, written to export cleanly and to match Hugging Face.
 
-Owns the layers (RMSNorm, RoPE as pure functions, Attention with MHA/GQA/MQA, gated FFN, Block)
-and `Decoder`. What families change are config fields read by small pieces, never a family's
-name: q/k norms per head or per projection, NoPE layers (`rope_layers`), the attention scale,
-pre- or post-norm branches and Granite's multipliers. `Decoder.forward` has no hidden state: the
-past cache comes in, the present cache goes out, exactly the graph contract (models/contract.py).
-It knows nothing about checkpoints (models/loading.py) or ONNX (exporters/).
+Owns the layers (RMSNorm, RoPE as pure functions, Attention with MHA/GQA/MQA, gated FFN, mixture of
+experts, Block) and `Decoder`. What families change are config fields read by small pieces, never a
+family's name: q/k norms per head or per projection, the attention scale and softcap, pre-, post- or
+sandwich-norm branches, Granite's multipliers, and per layer (`DecoderConfig.layer`) its RoPE table
+(global, local, none), its sliding window and whether its FFN is a mixture of experts. Layers of one
+kind share what `Decoder.layer_inputs` computes once (RoPE's cos/sin, the mask). `Decoder.forward`
+has no hidden state: the past cache comes in, the present cache goes out, exactly the graph contract
+(models/contract.py), where a sliding layer's static cache may be a ring of fewer positions than the
+others'. It knows nothing about checkpoints (models/loading.py) or ONNX (exporters/).
 
 Projections are stored concatenated (`wqkv`, `w_gate_up`): one matmul each in every backend.
 The loader concatenates families that store them apart.
@@ -18,6 +21,8 @@ models/ort_kernels.py, which drives these same layers.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -55,11 +60,13 @@ def times(x: torch.Tensor, s: float) -> torch.Tensor:
     return (x.float() * s).to(x.dtype)
 
 
-def rope_inv_freq(cfg: DecoderConfig) -> torch.Tensor:
-    """Inverse frequencies as Hugging Face's ROPE_INIT_FUNCTIONS compute them (float32)."""
+def rope_inv_freq(cfg: DecoderConfig, table: str = "global") -> torch.Tensor:
+    """Inverse frequencies as Hugging Face's ROPE_INIT_FUNCTIONS compute them (float32); the "local"
+    table (Gemma 3's sliding layers) has its own base and is never scaled."""
     dim = cfg.rotary_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = cfg.rope_scaling or {}
+    theta = cfg.rope_local_theta if table == "local" else cfg.rope_theta
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = (cfg.rope_scaling if table == "global" else None) or {}
     kind = scaling.get("rope_type", "default")
     if kind == "linear":
         return inv / scaling["factor"]
@@ -117,22 +124,64 @@ def causal_mask(attention_mask: torch.Tensor, q_len: int, sliding_window: int | 
     return (visible & (real | (dist == 0)))[:, None]  # (B, 1, S, T)
 
 
-@torch.library.custom_op("tk::kv_write", mutates_args=())
-def kv_write(cache: torch.Tensor, update: torch.Tensor, write_index: torch.Tensor) -> torch.Tensor:
-    """cache (B, H, C, D) with update (B, H, S, D) written at positions write_index[b] .. + S.
+def ring_mask(attention_mask: torch.Tensor, q_len: int, sliding_window: int, write_index: torch.Tensor,
+              slots: int) -> torch.Tensor:
+    """The mask of a sliding layer whose static cache is a ring of `slots` positions, read after this
+    step's S new tokens were written at cache index write_index[b] + i, slot (write_index[b] + i) % slots:
+    (B, 1, S, slots) bool. Slot j holds the newest cache index p_j = j (mod slots) written so far (p_j < 0:
+    none yet); query i (at write_index[b] + i) sees it when it is real, not after the query and within
+    the window. A step takes at most slots - window + 1 tokens, so no slot a query needs is overwritten."""
+    last = (write_index + q_len - 1)[:, None]  # (B, 1): the newest index written
+    held = last - torch.remainder(last - torch.arange(slots, device=write_index.device), slots)  # (B, slots)
+    q_at = write_index[:, None] + torch.arange(q_len, device=write_index.device)  # (B, S)
+    dist = q_at[:, :, None] - held[:, None, :]  # (B, S, slots)
+    real = attention_mask.gather(1, held.clamp(min=0)).bool() & (held >= 0)  # (B, slots)
+    visible = (dist >= 0) & (dist < sliding_window) & (real[:, None, :] | (dist == 0))
+    return visible[:, None]  # (B, 1, S, slots)
 
-    The static-capacity cache update: exported as ONNX TensorScatter (opset 24), which ORT runs
-    in place when the same buffer is bound as input and output and TensorRT maps to its
-    KV-cache update layer. Eager torch returns a new tensor.
+
+@torch.library.custom_op("tk::kv_write", mutates_args=())
+def kv_write(cache: torch.Tensor, update: torch.Tensor, write_index: torch.Tensor, circular: bool = False
+             ) -> torch.Tensor:
+    """cache (B, H, C, D) with update (B, H, S, D) written at positions write_index[b] .. + S (each
+    modulo C when `circular`: a ring).
+
+    The static-capacity cache update: exported as ONNX TensorScatter (opset 24, mode linear or
+    circular), which ORT runs in place when the same buffer is bound as input and output and TensorRT
+    maps to its KV-cache update layer. Eager torch returns a new tensor.
     """
     B, H, S, D = update.shape
     pos = write_index[:, None] + torch.arange(S, device=update.device)  # (B, S)
+    if circular:
+        pos = torch.remainder(pos, cache.shape[2])
     return cache.scatter(2, pos[:, None, :, None].expand(B, H, S, D), update)
 
 
 @kv_write.register_fake
-def _(cache, update, write_index):
+def _(cache, update, write_index, circular=False):
     return torch.empty_like(cache)
+
+
+@dataclass
+class LayerInputs:
+    """What a layer reads besides its hidden state and cache; layers of one kind share one."""
+
+    cos: torch.Tensor | None  # (B, 1, S, R) RoPE of the layer's table, or None (NoPE)
+    sin: torch.Tensor | None
+    mask: torch.Tensor  # (B, 1, S, T) bool, True = may attend
+    circular: bool = False  # the layer's static cache is a ring (kv_write wraps around)
+
+
+def softcapped_attention(q, k, v, mask, scale: float | None, softcap: float) -> torch.Tensor:
+    """Attention whose scaled scores go through tanh(s / softcap) * softcap before the mask (Gemma 2;
+    SDPA has no softcap), softmax in float32 as transformers computes it. (B, H, S, D) out."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:  # GQA: each kv head serves rep query heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)  # (B, H, S, T)
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
 
 
 class Attention(nn.Module):
@@ -142,13 +191,14 @@ class Attention(nn.Module):
         self.splits = [cfg.q_size, cfg.kv_size, cfg.kv_size]
         self.wqkv = nn.Linear(cfg.hidden_size, sum(self.splits), bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
-        # q/k norms over each head's D (Qwen3), or over the whole projections (OLMo 2)
+        # q/k norms over each head's D (Qwen3, Gemma 3), or over the whole projections (OLMo 2)
         self.norm_projections = cfg.qk_norm == "projection"
         q_dim, k_dim = (cfg.q_size, cfg.kv_size) if self.norm_projections else (cfg.head_dim, cfg.head_dim)
-        self.q_norm = RMSNorm(q_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(k_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.rope = cfg.layer_rope(layer)  # False: a NoPE layer (SmolLM3)
+        self.q_norm = RMSNorm(q_dim, cfg.rms_norm_eps, cfg.norm_offset) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_dim, cfg.rms_norm_eps, cfg.norm_offset) if cfg.qk_norm else None
+        self.rope = cfg.layer(layer).rope is not None  # False: a NoPE layer (SmolLM3)
         self.scale = cfg.attention_scale  # None: SDPA's 1/sqrt(D)
+        self.softcap = cfg.attn_softcap
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """Packed q, k, v (B, S, (H + 2 Hkv) D), projection-wide q/k norms applied."""
@@ -158,7 +208,18 @@ class Attention(nn.Module):
             qkv = torch.cat([self.q_norm(q), self.k_norm(k), v], dim=-1)
         return qkv
 
-    def forward(self, x, cos, sin, mask, past: tuple[torch.Tensor, torch.Tensor] | None,
+    def project_normed(self, x: torch.Tensor) -> torch.Tensor:
+        """`project` with per-head q/k norms applied too (what a kernel taking packed qkv reads)."""
+        qkv = self.project(x)
+        if self.q_norm is None or self.norm_projections:
+            return qkv
+        B, S, _ = qkv.shape
+        q, k, v = qkv.split(self.splits, dim=-1)
+        q = self.q_norm(q.view(B, S, self.n_heads, self.head_dim)).view(B, S, -1)  # over each head's D
+        k = self.k_norm(k.view(B, S, self.n_kv, self.head_dim)).view(B, S, -1)
+        return torch.cat([q, k, v], dim=-1)
+
+    def forward(self, x, inputs: LayerInputs, past: tuple[torch.Tensor, torch.Tensor] | None,
                 write_index: torch.Tensor | None = None):
         B, S, _ = x.shape
         qkv = self.project(x)  # (B, S, (H + 2 Hkv) * D)
@@ -174,27 +235,31 @@ class Attention(nn.Module):
         if self.q_norm is not None and not self.norm_projections:  # per head, over D: the same in either layout
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope:
-            q = apply_rope(q, cos, sin)  # (B, H, S, D)
-            k = apply_rope(k, cos, sin)  # (B, Hkv, S, D)
-        if write_index is not None:  # static capacity: write in place, attend over the whole buffer
-            k = kv_write(past[0], k, write_index)  # (B, Hkv, C, D)
-            v = kv_write(past[1], v, write_index)
+            q = apply_rope(q, inputs.cos, inputs.sin)  # (B, H, S, D)
+            k = apply_rope(k, inputs.cos, inputs.sin)  # (B, Hkv, S, D)
+        if write_index is not None:  # static capacity: write in place, attend over the whole buffer (or ring)
+            k = kv_write(past[0], k, write_index, inputs.circular)  # (B, Hkv, C, D)
+            v = kv_write(past[1], v, write_index, inputs.circular)
         elif past is not None:  # the concat stays outside SDPA: TensorRT rejects Attention with past
             k = torch.cat([past[0], k], dim=2)  # (B, Hkv, T, D)
             v = torch.cat([past[1], v], dim=2)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
-                                           enable_gqa=self.n_heads != self.n_kv)
+        if self.softcap is not None:
+            y = softcapped_attention(q, k, v, inputs.mask, self.scale, self.softcap)  # (B, H, S, D)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=inputs.mask, scale=self.scale,
+                                               enable_gqa=self.n_heads != self.n_kv)
         y = (y if single else y.transpose(1, 2)).reshape(B, S, self.n_heads * self.head_dim)  # (B, S, H*D)
         return self.wo(y), (k, v)
 
 
 class FeedForward(nn.Module):
-    """Gated FFN: SwiGLU (silu) or GeGLU (gelu-tanh)."""
+    """Gated FFN: SwiGLU (silu) or GeGLU (gelu-tanh), `size` wide (default: intermediate_size)."""
 
-    def __init__(self, cfg: DecoderConfig):
+    def __init__(self, cfg: DecoderConfig, size: int | None = None):
         super().__init__()
-        self.w_gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.w_down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        size = size or cfg.intermediate_size
+        self.w_gate_up = nn.Linear(cfg.hidden_size, 2 * size, bias=cfg.mlp_bias)
+        self.w_down = nn.Linear(size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.act = _ACT[cfg.hidden_act]
 
     def forward(self, x):
@@ -202,31 +267,76 @@ class FeedForward(nn.Module):
         return self.w_down(self.act(gate) * up)
 
 
+class MoE(nn.Module):
+    """A mixture of experts (Mixtral, Qwen2/3-MoE): the router's softmax over all experts in float32,
+    each token's top experts_per_token (renormalized to sum to 1 when the family does), each expert
+    run on its own tokens only, so a step costs the active experts, not all of them; plus a shared
+    expert scaled by sigmoid(its gate) (Qwen2-MoE). Experts are plain FFNs: one matmul pair each."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.top_k, self.renormalize = cfg.experts_per_token, cfg.renormalize_experts
+        self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = nn.ModuleList(FeedForward(cfg, cfg.expert_size) for _ in range(cfg.num_experts))
+        shared = cfg.shared_expert_size
+        self.shared = FeedForward(cfg, shared) if shared else None
+        self.shared_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if shared else None
+
+    def routing(self, h: torch.Tensor) -> torch.Tensor:
+        """(T, C) -> (E, T): each expert's weight for each token, 0 where the token does not take it."""
+        probs = F.softmax(self.router(h).float(), dim=-1)  # (T, E), over every expert
+        weights, chosen = probs.topk(self.top_k, dim=-1)  # (T, k)
+        if self.renormalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return torch.zeros_like(probs).scatter(1, chosen, weights).T  # (E, T)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, S, C = x.shape
+        h = x.reshape(B * S, C)  # (T, C)
+        routing = self.routing(h).to(h.dtype)  # (E, T)
+        out = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            rows = routing[e].nonzero().reshape(-1)  # (n,): the tokens that take expert e (none: nothing runs)
+            y = expert(h.index_select(0, rows)) * routing[e].index_select(0, rows)[:, None]  # (n, C)
+            out = out.index_put((rows,), out.index_select(0, rows) + y)  # rows are distinct: a plain scatter
+        if self.shared is not None:
+            out = out + torch.sigmoid(self.shared_gate(h)) * self.shared(h)
+        return out.reshape(B, S, C)
+
+
 class Block(nn.Module):
     """Attention then FFN, each a residual branch x + residual_multiplier * branch(x) whose RMSNorm
-    is on the branch's input (pre-norm) or on its output (post-norm: OLMo 2)."""
+    is on the branch's input (pre-norm), on its output (post-norm: OLMo 2), or both (sandwich: Gemma
+    2/3, whose output norms are `attn_post_norm` and `ffn_post_norm`)."""
 
     def __init__(self, cfg: DecoderConfig, layer: int):
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
+        placement, norm = cfg.norm_placement, lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
+        self.attn_norm = norm()
         self.attn = Attention(cfg, layer)
-        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
-        self.ffn = FeedForward(cfg)
-        self.pre_norm = cfg.norm_placement == "pre"
+        self.attn_post_norm = norm() if placement == "sandwich" else None
+        self.ffn_norm = norm()
+        self.ffn = MoE(cfg) if cfg.layer(layer).moe else FeedForward(cfg)
+        self.ffn_post_norm = norm() if placement == "sandwich" else None
+        self.pre_norm = placement != "post"
         self.residual_multiplier = cfg.residual_multiplier
 
     def branch_in(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         return norm(x) if self.pre_norm else x
 
-    def branch_out(self, norm: RMSNorm, y: torch.Tensor) -> torch.Tensor:
-        """What a branch adds to the residual stream."""
-        y = y if self.pre_norm else norm(y)
+    def branch_out(self, norm: RMSNorm, post: RMSNorm | None, y: torch.Tensor) -> torch.Tensor:
+        """What a branch (its norm, its output norm if sandwiched) adds to the residual stream."""
+        if post is not None:
+            y = post(y)
+        elif not self.pre_norm:
+            y = norm(y)
         return y if self.residual_multiplier == 1.0 else times(y, self.residual_multiplier)
 
-    def forward(self, x, cos, sin, mask, past, write_index=None):
-        a, present = self.attn(self.branch_in(self.attn_norm, x), cos, sin, mask, past, write_index)
-        h = x + self.branch_out(self.attn_norm, a)
-        return h + self.branch_out(self.ffn_norm, self.ffn(self.branch_in(self.ffn_norm, h))), present
+    def forward(self, x, inputs: LayerInputs, past, write_index=None):
+        a, present = self.attn(self.branch_in(self.attn_norm, x), inputs, past, write_index)
+        h = x + self.branch_out(self.attn_norm, self.attn_post_norm, a)
+        y = self.ffn(self.branch_in(self.ffn_norm, h))
+        return h + self.branch_out(self.ffn_norm, self.ffn_post_norm, y), present
 
 
 class Decoder(nn.Module):
@@ -240,6 +350,8 @@ class Decoder(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        if cfg.rope_local_theta is not None:  # Gemma 3's sliding layers
+            self.register_buffer("inv_freq_local", rope_inv_freq(cfg, "local"), persistent=False)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -258,7 +370,32 @@ class Decoder(nn.Module):
         logits = self.lm_head(x)
         if self.config.logits_scaling != 1.0:  # Granite: a division, rounded to the model's dtype as in transformers
             logits = (logits.float() / self.config.logits_scaling).to(logits.dtype)
+        cap = self.config.final_softcap
+        if cap is not None:  # Gemma 2/3, in the model's dtype as in transformers
+            logits = torch.tanh(logits / cap) * cap
         return logits.float()
+
+    def rope_table(self, table: str) -> torch.Tensor:
+        return self.inv_freq_local if table == "local" else self.inv_freq
+
+    def layer_inputs(self, attention_mask: torch.Tensor, position_ids: torch.Tensor, q_len: int, dtype: torch.dtype,
+                     write_index: torch.Tensor | None = None, past: KVCache | None = None) -> list[LayerInputs]:
+        """Each layer's LayerInputs, computed once per kind of layer: RoPE's cos/sin per table, the mask
+        per window. Over a static cache (write_index) a sliding layer whose buffer is shorter than the
+        mask is a ring (models/contract.py sizes it)."""
+        tables, masks, out = {}, {}, []
+        for i in range(self.config.num_layers):
+            kind = self.config.layer(i)
+            if kind.rope is not None and kind.rope not in tables:
+                tables[kind.rope] = rope_cos_sin(position_ids, self.rope_table(kind.rope), dtype)
+            slots = past[i][0].shape[2] if write_index is not None else None
+            ring = slots is not None and kind.window is not None and slots < attention_mask.shape[1]
+            key = (kind.window, slots if ring else None)
+            if key not in masks:
+                masks[key] = (ring_mask(attention_mask, q_len, kind.window, write_index, slots) if ring
+                              else causal_mask(attention_mask, q_len, kind.window, write_index))
+            out.append(LayerInputs(*tables.get(kind.rope, (None, None)), masks[key], ring))
+        return out
 
     def forward(
         self,
@@ -271,13 +408,13 @@ class Decoder(nn.Module):
         last_only: bool = False,  # logits for the last position only (B, 1, V): what generation needs
     ) -> tuple[torch.Tensor, KVCache] | tuple[torch.Tensor, KVCache, list[torch.Tensor]]:
         x = self.embed_inputs(input_ids)  # (B, S, C)
-        cos, sin = rope_cos_sin(position_ids, self.inv_freq, x.dtype)
-        mask = causal_mask(attention_mask, input_ids.shape[1], self.config.sliding_window, write_index)
+        inputs = self.layer_inputs(attention_mask, position_ids, input_ids.shape[1], x.dtype, write_index,
+                                   past_key_values)
         present: KVCache = []
         hidden = []
         for i, layer in enumerate(self.layers):
             past = past_key_values[i] if past_key_values is not None else None
-            x, kv = layer(x, cos, sin, mask, past, write_index)
+            x, kv = layer(x, inputs[i], past, write_index)
             present.append(kv)
             if output_hidden:
                 hidden.append(x.float())

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from tk.models.config import DecoderConfig, UnsupportedModelError, config_from_hf
+from tk.models.config import FAMILIES, DecoderConfig, UnsupportedModelError, config_from_hf
 from tk.models.dtypes import canonical_dtype
 from tk.models.errors import TkError
 from tk.models.decoder import Decoder, rope_inv_freq
@@ -28,9 +28,12 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved
 _ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
-# a block's two norms (ours: attn_norm, ffn_norm) by where they sit: before each branch, or after (OLMo 2)
-_BLOCK_NORMS = {"pre": ("input_layernorm", "post_attention_layernorm"),
-                "post": ("post_attention_layernorm", "post_feedforward_layernorm")}
+# a block's norms (ours -> Hugging Face's) by where they sit: before each branch, after (OLMo 2), or both
+# (Gemma 2/3: there post_attention_layernorm is the attention's *output* norm)
+_BLOCK_NORMS = {"pre": {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"},
+                "post": {"attn_norm": "post_attention_layernorm", "ffn_norm": "post_feedforward_layernorm"},
+                "sandwich": {"attn_norm": "input_layernorm", "attn_post_norm": "post_attention_layernorm",
+                             "ffn_norm": "pre_feedforward_layernorm", "ffn_post_norm": "post_feedforward_layernorm"}}
 
 
 class CheckpointError(TkError, ValueError):
@@ -51,9 +54,8 @@ def weight_map(cfg: DecoderConfig) -> dict[str, list[tuple[str, int]]]:
         m["lm_head.weight"] = [("lm_head.weight", V)]
     for i in range(cfg.num_layers):
         hf, us = f"model.layers.{i}.", f"layers.{i}."
-        attn_norm, ffn_norm = _BLOCK_NORMS[cfg.norm_placement]
-        m[us + "attn_norm.weight"] = [(hf + attn_norm + ".weight", C)]
-        m[us + "ffn_norm.weight"] = [(hf + ffn_norm + ".weight", C)]
+        for ours, theirs in _BLOCK_NORMS[cfg.norm_placement].items():
+            m[us + ours + ".weight"] = [(hf + theirs + ".weight", C)]
         qkv = [("q", cfg.q_size), ("k", cfg.kv_size), ("v", cfg.kv_size)]
         for kind, on in (("weight", True), ("bias", cfg.qkv_bias)):
             if not on:
@@ -69,15 +71,36 @@ def weight_map(cfg: DecoderConfig) -> dict[str, list[tuple[str, int]]]:
             q_dim, k_dim = (cfg.q_size, cfg.kv_size) if cfg.qk_norm == "projection" else (cfg.head_dim, cfg.head_dim)
             m[us + "attn.q_norm.weight"] = [(hf + "self_attn.q_norm.weight", q_dim)]
             m[us + "attn.k_norm.weight"] = [(hf + "self_attn.k_norm.weight", k_dim)]
-        for kind, on in (("weight", True), ("bias", cfg.mlp_bias)):
-            if not on:
-                continue
-            if cfg.fused_projections:
-                m[us + f"ffn.w_gate_up.{kind}"] = [(hf + f"mlp.gate_up_proj.{kind}", 2 * I)]
-            else:
-                m[us + f"ffn.w_gate_up.{kind}"] = [(hf + f"mlp.{p}_proj.{kind}", I) for p in ("gate", "up")]
-            m[us + f"ffn.w_down.{kind}"] = [(hf + f"mlp.down_proj.{kind}", C)]
+        if not cfg.layer(i).moe:
+            _ffn(m, us + "ffn.", hf + "mlp.", ("gate_proj", "up_proj", "down_proj"), I, C, cfg)
+            continue
+        names = FAMILIES[cfg.architecture].experts
+        if names is None:
+            raise UnsupportedModelError(f"{cfg.architecture} has no mixture-of-experts tensor names; tk reads "
+                                        f"experts of {', '.join(a for a, f in FAMILIES.items() if f.experts)}")
+        block = f"{hf}{names.block}."
+        m[us + "ffn.router.weight"] = [(block + "gate.weight", cfg.num_experts)]
+        for e in range(cfg.num_experts):
+            _ffn(m, f"{us}ffn.experts.{e}.", f"{block}experts.{e}.", (names.gate, names.up, names.down),
+                 cfg.expert_size, C, cfg)
+        if cfg.shared_expert_size:  # Qwen2-MoE
+            _ffn(m, us + "ffn.shared.", hf + "mlp.shared_expert.", ("gate_proj", "up_proj", "down_proj"),
+                 cfg.shared_expert_size, C, cfg)
+            m[us + "ffn.shared_gate.weight"] = [(hf + "mlp.shared_expert_gate.weight", 1)]
     return m
+
+
+def _ffn(m: dict, ours: str, hf: str, names: tuple[str, str, str], width: int, hidden: int, cfg: DecoderConfig) -> None:
+    """A gated FFN's entries: w_gate_up from gate and up (or a fused gate_up_proj), w_down."""
+    gate, up, down = names
+    for kind, on in (("weight", True), ("bias", cfg.mlp_bias)):
+        if not on:
+            continue
+        if cfg.fused_projections:
+            m[ours + f"w_gate_up.{kind}"] = [(hf + f"gate_up_proj.{kind}", 2 * width)]
+        else:
+            m[ours + f"w_gate_up.{kind}"] = [(hf + f"{p}.{kind}", width) for p in (gate, up)]
+        m[ours + f"w_down.{kind}"] = [(hf + f"{down}.{kind}", hidden)]
 
 
 def hf_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
@@ -259,6 +282,8 @@ def load_decoder(folder: str | Path, dtype: str | torch.dtype = "float32") -> De
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed.weight
     model.inv_freq = rope_inv_freq(cfg)
+    if cfg.rope_local_theta is not None:
+        model.inv_freq_local = rope_inv_freq(cfg, "local")
     return model.eval()
 
 

@@ -54,13 +54,45 @@ EXPORTED_ONCE = {
         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, no_rope_layer_interval=2,
         use_sliding_window=False)),
 }
+# The families of the families issue (docs/families.md): sliding windows of 8, so that a prompt of 9 and 24
+# new tokens cross a window three times; exported by tests/test_families.py (the acceptance matrix runs
+# with -m families; CI's gate exports one Gemma-style and one MoE model).
+WINDOWED = {
+    # sandwich norms, both softcaps, query_pre_attn_scalar != head_dim, layer 0 slides. Untied: with a tied head
+    # and post-norms a tiny random Gemma echoes its last token (its scaled embedding outweighs every branch)
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+        tie_word_embeddings=False,
+        attn_logit_softcapping=5.0, final_logit_softcapping=7.0, hidden_activation="gelu_pytorch_tanh")),
+    # per-head (1 + w) q/k norms, a local RoPE base of its own (the global one scaled), 2 local : 1 global
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+        tie_word_embeddings=False,
+        sliding_window_pattern=3, final_logit_softcapping=9.0, hidden_activation="gelu_pytorch_tanh",
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})),
+    # 4 experts, top 2 renormalized, a window on every layer
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+        tie_word_embeddings=False)),
+    # top 2 not renormalized, a gated shared expert, layer 1 dense (mlp_only_layers)
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+        shared_expert_intermediate_size=80, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[1],
+        tie_word_embeddings=False, use_sliding_window=False)),
+    # per-head q/k norms, head_dim != hidden / heads, top 2 renormalized
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=24, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=48, norm_topk_prob=True, tie_word_embeddings=False, use_sliding_window=False)),
+}
+LAYERS = {"gemma3": 3}  # fixtures deeper than 2 layers (Gemma 3's global layer is its third)
 # A second Llama: linear rope scaling, tied embeddings, MQA.
 EXTRA = {
     "llama-linear-tied-mqa": ("LlamaConfig", "LlamaForCausalLM", dict(
         num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True,
         rope_scaling={"rope_type": "linear", "factor": 2.0})),
 }
-ALL = {**FAMILIES, **EXPORTED_ONCE, **EXTRA}
+ALL = {**FAMILIES, **EXPORTED_ONCE, **WINDOWED, **EXTRA}
 
 
 def jitter_(model: torch.nn.Module, seed: int) -> None:
@@ -77,11 +109,12 @@ def jitter_(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(0.05 * noise)
 
 
-def make_checkpoint(family: str, folder: Path, seed: int = 0, layers: int = 2) -> Path:
+def make_checkpoint(family: str, folder: Path, seed: int = 0, layers: int | None = None) -> Path:
     """Save a jittered tiny `transformers` model of `family` with a trained tokenizer."""
     import transformers
 
     cfg_cls, model_cls, extra = ALL[family]
+    layers = layers or LAYERS.get(family, 2)
     cfg = getattr(transformers, cfg_cls)(**{**_COMMON, "num_hidden_layers": layers}, **extra)
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(cfg).eval()

@@ -211,22 +211,68 @@ def test_smollm3_rope_layers_read_as_transformers_reads_them():
 
 def test_smollm3_sliding_window_follows_layer_types():
     """A layer slides when use_sliding_window is set and layer_types says sliding_attention (by
-    default: the NoPE layers); one window for every layer is supported, windows on some only are not."""
+    default: the NoPE layers), every layer or some."""
     off = config_from_hf(_hf("SmolLM3ForCausalLM", sliding_window=16, layer_types=["sliding_attention"] * 4))
     assert off.sliding_window is None  # use_sliding_window false: every layer attends fully
     every = config_from_hf(_hf("SmolLM3ForCausalLM", use_sliding_window=True, sliding_window=16,
                                layer_types=["sliding_attention"] * 4))
-    assert every.sliding_window == 16
-    for layer_types in (None, ["full_attention", "sliding_attention"] * 2):  # None: the NoPE layer slides
-        with pytest.raises(UnsupportedModelError, match=r"SmolLM3ForCausalLM with sliding_attention on some "
-                                                        r"layers only \(layer_types\) is not supported"):
-            config_from_hf(_hf("SmolLM3ForCausalLM", use_sliding_window=True, sliding_window=16,
-                               layer_types=layer_types))
+    assert (every.sliding_window, every.sliding_layers, every.windows) == (16, None, [16] * 4)
+    some = config_from_hf(_hf("SmolLM3ForCausalLM", use_sliding_window=True, sliding_window=16))  # the NoPE layer
+    assert some.windows == [None, None, None, 16] and not some.uniform_layers
+    alternate = config_from_hf(_hf("SmolLM3ForCausalLM", use_sliding_window=True, sliding_window=16,
+                                   layer_types=["full_attention", "sliding_attention"] * 2))
+    assert alternate.windows == [None, 16, None, 16]
+
+
+def test_gemma2_and_3_layer_kinds_as_transformers_derives_them():
+    """Gemma 2: even layers slide (layer_types' default), scale query_pre_attn_scalar ** -0.5, both softcaps.
+    Gemma 3: every sliding_window_pattern-th layer is global, sliding layers take rope_local_base_freq
+    unscaled, attn_logit_softcapping is ignored; v5 configs nest RoPE by layer type."""
+    g2 = config_from_hf(_hf("Gemma2ForCausalLM", sliding_window=4, query_pre_attn_scalar=144,
+                            attn_logit_softcapping=50.0, final_logit_softcapping=30.0))
+    assert g2.windows == [4, None, 4, None] and (g2.attn_softcap, g2.final_softcap) == (50.0, 30.0)
+    assert g2.attention_scale == 144 ** -0.5 and g2.norm_placement == "sandwich" and g2.tie_embeddings
+    assert [g2.layer(i).rope for i in range(4)] == ["global"] * 4  # one RoPE table
+    g3 = config_from_hf(_hf("Gemma3ForCausalLM", num_hidden_layers=6, sliding_window=4, rope_theta=1e6,
+                            rope_local_base_freq=1e4, attn_logit_softcapping=50.0,
+                            rope_scaling={"rope_type": "linear", "factor": 8.0}))
+    assert g3.windows == [4] * 5 + [None] and g3.attn_softcap is None and g3.qk_norm == "head"
+    assert [g3.layer(i).rope for i in range(6)] == ["local"] * 5 + ["global"]
+    assert (g3.rope_theta, g3.rope_scaling["factor"], g3.rope_local_theta) == (1e6, 8.0, 1e4)
+    nested = config_from_hf(_hf("Gemma3ForCausalLM", sliding_window=4, layer_types=["sliding_attention"] * 3
+                                + ["full_attention"], rope_parameters={
+                                    "full_attention": {"rope_type": "default", "rope_theta": 5e5},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}}))
+    assert (nested.rope_theta, nested.rope_local_theta, nested.windows) == (5e5, 50.0, [4, 4, 4, None])
+    with pytest.raises(UnsupportedModelError, match="bidirectional attention"):
+        config_from_hf(_hf("Gemma3ForCausalLM", use_bidirectional_attention=True))
+
+
+def test_mixtures_of_experts_read_as_transformers_reads_them():
+    """Mixtral routes every layer, renormalized; Qwen-MoE only the layers decoder_sparse_step and
+    mlp_only_layers leave sparse, renormalized by norm_topk_prob, with Qwen2's gated shared expert."""
+    mix = config_from_hf(_hf("MixtralForCausalLM", num_local_experts=8, num_experts_per_tok=2, sliding_window=32))
+    assert (mix.num_experts, mix.experts_per_token, mix.expert_size, mix.renormalize_experts) == (8, 2, 8, True)
+    assert mix.moe_layers is None and mix.windows == [32] * 4 and mix.uniform_layers
+    qwen = config_from_hf(_hf("Qwen2MoeForCausalLM", num_experts=60, num_experts_per_tok=4, moe_intermediate_size=16,
+                              shared_expert_intermediate_size=80, decoder_sparse_step=2, mlp_only_layers=[3]))
+    assert [qwen.layer(i).moe for i in range(4)] == [False, True, False, False]
+    assert (qwen.expert_size, qwen.shared_expert_size, qwen.renormalize_experts, qwen.qkv_bias) == (16, 80, False, True)
+    q3 = config_from_hf(_hf("Qwen3MoeForCausalLM", num_local_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                            moe_intermediate_size=16))  # Qwen3MoeConfig saves num_local_experts
+    assert (q3.num_experts, q3.renormalize_experts, q3.shared_expert_size, q3.qk_norm) == (8, True, 0, "head")
+    assert config_from_hf(_hf("Qwen2MoeForCausalLM", num_experts=4, mlp_only_layers=[0, 1, 2, 3])).num_experts == 0
+    with pytest.raises(ValueError, match=r"experts_per_token \(3\) exceeds num_experts \(2\)"):
+        config_from_hf(_hf("MixtralForCausalLM", num_local_experts=2, num_experts_per_tok=3))
 
 
 @pytest.mark.parametrize("kw, message", [
     (dict(qk_norm="both"), "qk_norm must be one of None, head, projection"),
-    (dict(norm_placement="sandwich"), "norm_placement must be one of pre, post"),
+    (dict(norm_placement="bottom"), "norm_placement must be one of pre, post, sandwich"),
+    (dict(sliding_layers=[True, False, True]), "sliding_layers has 3 entries for 2 layers"),
+    (dict(sliding_layers=[True, False]), "sliding_layers needs sliding_window"),
+    (dict(attn_softcap=0.0), "attn_softcap must be positive"),
+    (dict(moe_layers=[True, False]), "moe_layers and shared_expert_size describe experts"),
     (dict(residual_multiplier=0.0), "residual_multiplier must be positive"),
     (dict(attention_scale=-1.0), "attention_scale must be positive"),
 ])
