@@ -40,7 +40,7 @@ def write_checkpoint(folder: Path, shape: str, dtype: str, shard_bytes: int = 2 
     import torch
     from safetensors.torch import save_file
 
-    from tk.models.config import config_from_hf
+    from tk.models.families import config_from_hf
     from tk.models.loading import hf_shapes
     from tk.models.presets import _LLAMA, train_tokenizer
 

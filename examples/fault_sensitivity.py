@@ -22,7 +22,7 @@ import math
 import tempfile
 from pathlib import Path
 
-from tk.models.decoder import rope_inv_freq
+from tk.models.positions import rope_inv_freq
 from tk.models.loading import load_decoder
 from tk.models.presets import PRESETS, write_preset
 from tk.runtimes.torch_runtime import TorchRuntime

@@ -18,7 +18,7 @@ from torch import nn
 from torch.export import Dim
 
 from tk.models import contract
-from tk.models.artifact import STATIC_OPSET, Precision, Target, Variant
+from tk.models.artifact import STATIC_OPSET, Target, Variant
 from tk.models.decoder import Decoder
 from tk.models.errors import TkError
 from tk.exporters.quantize_graph import dequantize_matmuls
@@ -67,11 +67,12 @@ class GraphModule(nn.Module):
         return (out[0], *[t for kv in out[1] for t in kv], *hidden)
 
 
-def _tensor_scatter(cache, update, write_indices):
-    """tk::kv_write -> ONNX TensorScatter (opset 24; onnxscript's typed opsets stop at 23)."""
+def _tensor_scatter(cache, update, write_indices, circular: bool = False):
+    """tk::kv_write -> ONNX TensorScatter (opset 24; onnxscript's typed opsets stop at 23); a ring
+    writes in circular mode (indices modulo its slots)."""
     from onnxscript.values import Opset
 
-    return Opset("", 24).TensorScatter(cache, update, write_indices, axis=-2, mode="linear")
+    return Opset("", 24).TensorScatter(cache, update, write_indices, axis=-2, mode="circular" if circular else "linear")
 
 
 def _register_contrib_schemas() -> None:
@@ -100,7 +101,8 @@ def _register_contrib_schemas() -> None:
                  type_constraints=[("T", floats, ""), ("M", ["tensor(int32)"], ""), ("I", ["tensor(int64)"], "")],
                  attributes=[attr("num_heads", OpSchema.AttrType.INT, ""), attr("kv_num_heads", OpSchema.AttrType.INT, ""),
                              attr("do_rotary", OpSchema.AttrType.INT, ""), attr("scale", OpSchema.AttrType.FLOAT, ""),
-                             attr("local_window_size", OpSchema.AttrType.INT, "")]),
+                             attr("local_window_size", OpSchema.AttrType.INT, ""),
+                             attr("softcap", OpSchema.AttrType.FLOAT, "")]),
     ]
     for schema in schemas:
         if not onnx.defs.has(schema.name, schema.domain):
@@ -117,21 +119,17 @@ def _skip_simplified_layer_norm(h, delta, scale, eps: float):
 
 def _group_query_attention(qkv, past_k, past_v, seqlens_k, total, cos_cache, sin_cache, position_ids, bias,
                            num_heads: int, kv_num_heads: int, local_window: int, static: bool, rotary: bool,
-                           scale: float | None):
-    """tk::gqa -> com.microsoft GroupQueryAttention on packed qkv, with RoPE (do_rotary) or without."""
+                           scale: float | None, softcap: float = 0.0):
+    """tk::gqa -> com.microsoft GroupQueryAttention on packed qkv, with RoPE (do_rotary) or without,
+    softcapped scores where softcap > 0 (its default 0: off, so left out then)."""
     from onnxscript.values import Opset
 
+    extra = {"softcap": float(softcap)} if softcap > 0 else {}
     return Opset(MS_DOMAIN, 1).GroupQueryAttention(
         qkv, None, None, past_k, past_v, seqlens_k, total, cos_cache, sin_cache, position_ids, bias,
         num_heads=num_heads, kv_num_heads=kv_num_heads, do_rotary=int(rotary),
-        scale=float(past_k.shape[-1]) ** -0.5 if scale is None else float(scale), local_window_size=local_window)
-
-
-def graph_dims(config, precision: Precision, variant: Variant) -> contract.GraphDims:
-    c = config
-    return contract.GraphDims(c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size, precision.kv, variant.capacity,
-                              c.hidden_size if variant.debug_outputs else None, variant.prefill_logits.value,
-                              variant.decode_prefills)
+        scale=float(past_k.shape[-1]) ** -0.5 if scale is None else float(scale), local_window_size=local_window,
+        **extra)
 
 
 def _example(graph: str, model: Decoder, dims: contract.GraphDims, fused: bool = False):
@@ -143,7 +141,7 @@ def _example(graph: str, model: Decoder, dims: contract.GraphDims, fused: bool =
         mask = torch.zeros(B, capacity, dtype=torch.int64)
         new = 2 if dims.decode_prefills else 1  # a run of new tokens per row (2: not specialized to 1)
         mask[:, : P + new] = 1
-        past = [torch.zeros(B, c.num_kv_heads, capacity, c.head_dim, dtype=model.dtype) for _ in range(2 * c.num_layers)]
+        past = [torch.zeros(B, c.num_kv_heads, n, c.head_dim, dtype=model.dtype) for n in dims.capacities() for _ in "kv"]
         args = (torch.randint(0, c.vocab_size, (B, new)), mask, P + torch.arange(new).repeat(B, 1),
                 torch.full((B,), P, dtype=torch.int64), *past)
         tokens = {0: batch, 1: Dim(contract.SEQ, min=1)} if dims.decode_prefills else {0: batch}

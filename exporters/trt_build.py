@@ -69,8 +69,8 @@ def compute_profiles(dims: contract.GraphDims, limits: Limits, max_context: int)
                              f"{dims.kv_capacity} (or left out)")
         decode["attention_mask"] = [[1, S], [ob, S], [B, S]]
         decode["write_indices"] = [[1], [ob], [B]]
-        for name in contract.past_names(dims.num_layers):
-            decode[name] = [[1, H, S, D], [ob, H, S, D], [B, H, S, D]]
+        for name, n in zip(contract.past_names(dims.num_layers), [n for n in dims.capacities() for _ in "kv"]):
+            decode[name] = [[1, H, n, D], [ob, H, n, D], [B, H, n, D]]  # a sliding layer's ring holds n < S
     return {contract.PREFILL: prefill, contract.DECODE: decode}
 
 

@@ -32,7 +32,8 @@ from onnx.external_data_helper import ExternalDataInfo
 from torch import nn
 
 from tk.models.config import DecoderConfig
-from tk.models.decoder import Decoder, RMSNorm, rope_inv_freq
+from tk.models.decoder import Decoder, RMSNorm
+from tk.models.positions import rope_inv_freq
 from tk.models.artifact import Precision
 from tk.models.loading import CheckpointReader, ReusableBuffer
 from tk.models.quantize import pack_int4, quantize, quantized_layers
@@ -68,7 +69,8 @@ def export_view(cfg: DecoderConfig, dtype: torch.dtype) -> Decoder:
             elif isinstance(child, RMSNorm):
                 child.weight = nn.Parameter(torch.empty(child.weight.shape, device="meta", dtype=torch.float32))
                 child.offset = 0.0  # the written scale includes it
-    model.inv_freq = torch.empty(rope_inv_freq(cfg).shape, device="meta", dtype=torch.float32)
+    for name, buf in list(model.named_buffers()):  # inv_freq (and inv_freq_local): RoPE tables, float32
+        setattr(model, name, torch.empty(buf.shape, device="meta", dtype=torch.float32))
     return model.eval()
 
 
@@ -76,11 +78,10 @@ def _tensor(reader: CheckpointReader, name: str, dtype: torch.dtype,
             bufs: tuple[ReusableBuffer, ReusableBuffer]) -> torch.Tensor:
     """One tensor of the export view, computed from the checkpoint (in `bufs` when large)."""
     cfg = reader.cfg
-    if name == "inv_freq":
-        return rope_inv_freq(cfg)
+    if name in ("inv_freq", "inv_freq_local"):
+        return rope_inv_freq(cfg, "local" if name.endswith("local") else "global")
     if name.endswith("norm.weight"):  # computed as RMSNorm.scale() computes it, from the dtype's weight
-        offset = cfg.norm_offset if not name.split(".")[-2] in ("q_norm", "k_norm") else 0.0
-        return reader.tensor(name, dtype).float() + offset
+        return reader.tensor(name, dtype).float() + cfg.norm_offset
     ours = name.removesuffix("_t")
     t = reader.tensor(ours, dtype, out=bufs[0].view(reader.shape(ours), dtype))
     if name.endswith(".weight_t"):  # a contiguous transposed copy: 4-9x faster than into column slices

@@ -2,10 +2,9 @@
 
 Owns the export `Variant` (target, cache layout, prefill logits, debug outputs, opset), the
 `Precision` (weights, activations and KV cache as separate dtypes, so a quantized weight dtype is a
-precision, not a code path), the export `PROFILES` (`tk export --for`: the variant for one
-deployment), `ExportOptions` checked completely before any weight is read, and the `Manifest`
-(manifest.json) with its file checks. Standard library only, so runtimes and the CLI may import it
-without pulling in torch.
+precision, not a code path), the graphs' contract sizes (`graph_dims`) and the `Manifest`
+(manifest.json) with its file checks. tk export's flags and profiles are models/options.py. Standard
+library only, so runtimes and the CLI may import it without pulling in torch.
 """
 
 from __future__ import annotations
@@ -16,11 +15,10 @@ import json
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Callable
 
 from tk.models import contract
 from tk.models.dtypes import canonical_dtype
-from tk.models.errors import TkError, UsageProblem
+from tk.models.errors import TkError
 
 
 class ArtifactError(TkError):
@@ -105,171 +103,17 @@ class Variant:
         return {k: v.value if isinstance(v, Enum) else v for k, v in dataclasses.asdict(self).items()}
 
 
-@dataclass(frozen=True)
-class Profile:
-    """`tk export --for NAME`: the variant for one deployment. Another value of a flag it sets is a
-    usage error; --dtype, --weights and --block-size compose with it, within what it runs (`note`)."""
-
-    target: Target
-    cache: CacheLayout
-    prefill_logits: PrefillLogits
-    why: str  # one line: what the profile is for
-    dtype: str = "fp32"  # --dtype when not given
-    dtypes: tuple[str, ...] = ()  # the only activation dtypes the deployment runs (empty: any)
-    weights: tuple[str, ...] = QUANTIZED  # the --weights it takes
-    block_sizes: tuple[int, ...] = ()  # the quantization blocks it takes, preferred first (empty: any, default 32)
-    note: str = ""  # why dtypes, weights or block sizes are limited
-
-    def flags(self) -> dict[str, str]:
-        return {"target": self.target.value, "kv-cache": self.cache.value, "prefill-logits": self.prefill_logits.value}
-
-
-# A profile's static cache holds the model's context, at most this many positions (--max-seq-len
-# overrides): attention runs over the whole buffer and each row's cache is allocated up front, so a
-# 128k-context model must not get a 128k cache by default. tk build-engine caps its default alike.
-PROFILE_CAPACITY = 2048
-ORT_FAST = (Target.ORT, CacheLayout.STATIC, PrefillLogits.LAST)  # decode_prefills: one CPU session
-PORTABLE_STATIC = (Target.PORTABLE, CacheLayout.STATIC, PrefillLogits.LAST)
-PROFILES: dict[str, Profile] = {
-    # README "Faster graphs for ONNX Runtime": fused kernels, in-place cache, a decode graph that prefills
-    "ort-cpu": Profile(*ORT_FAST, "ONNX Runtime on CPUs: fused kernels, in-place cache, one session"),
-    # ORT's CUDA GroupQueryAttention kernel is registered for fp16 and bf16 only (a float32 graph would
-    # run it on the CPU); on CUDA, OrtRuntime prefills through prefill.onnx
-    "ort-cuda": Profile(*ORT_FAST, "ONNX Runtime's CUDA provider: fused kernels, in-place cache, fp16",
-                        dtype="fp16", dtypes=("float16", "bfloat16"),
-                        note="ONNX Runtime's CUDA GroupQueryAttention runs fp16 and bf16 only"),
-    # the static cache maps to TensorRT's in-place KV-cache update layer and fixes every decode shape
-    # but the batch (opset 23's RMSNormalization needs TensorRT 10.15 with either cache)
-    "trt": Profile(*PORTABLE_STATIC, "TensorRT: standard ONNX, in-place cache", weights=("int4",),
-                   block_sizes=(128, 64), note="TensorRT documents int4 weight-only quantization (blocks of 64 or "
-                                               "128) and no int8 weight-only path"),
-    # the static cache's rows are the slots; standard ONNX serves on every backend (ort, trt, torch) and
-    # in Triton's own onnxruntime and tensorrt models (tk triton --native)
-    "serve": Profile(*PORTABLE_STATIC, "tk serve and tk triton: slots of a static cache, every backend"),
-}
-
-
-@dataclass(frozen=True)
-class ExportOptions:
-    precision: Precision = Precision()
-    variant: Variant = Variant()
-    validate: bool = True
-    force: bool = False
-    profile: str | None = None  # tk export --for: capacity and block size may wait for the model (for_model)
-
-    @classmethod
-    def from_flags(cls, *, profile: str | None = None, dtype: str | None = None, opset: int = DEFAULT_OPSET,
-                   kv_cache: str | None = None, max_seq_len: int | None = None, target: str | None = None,
-                   prefill_logits: str | None = None, debug_outputs: bool = False, validate: bool = True,
-                   force: bool = False, weights: str | None = None, block_size: int | None = None,
-                   quantize_lm_head: bool = True) -> "ExportOptions":
-        """The options of `tk export`, each checked alone and in combination (usage errors, exit 2).
-        A flag left None takes its default, or the profile's value."""
-        if profile is not None and profile not in PROFILES:
-            raise UsageProblem(f"unknown profile {profile!r}; use one of {', '.join(PROFILES)}")
-        prof = PROFILES.get(profile)
-        if weights is not None and weights not in QUANTIZED:
-            raise UsageProblem(f"unknown --weights {weights!r}; use one of {', '.join(QUANTIZED)} (or leave it out "
-                               "for weights in --dtype)")
-        if weights is None and block_size is not None:
-            raise UsageProblem("--block-size sets the quantization block; add --weights int4 or int8")
-        if weights is not None and opset < 21:
-            raise UsageProblem(f"--weights {weights} needs --opset 21 or later (blocked DequantizeLinear, INT4)")
-        if weights is not None and block_size is None and not (prof and prof.block_sizes):
-            block_size = DEFAULT_BLOCK  # a profile's own blocks wait for the model's K (for_model)
-        if block_size is not None and block_size not in BLOCK_SIZES:
-            raise UsageProblem(f"--block-size {block_size} is not one ONNX Runtime's MatMulNBits takes; use one of "
-                               f"{', '.join(map(str, BLOCK_SIZES))}")
-        given = {"target": target, "kv-cache": kv_cache, "prefill-logits": prefill_logits}
-        for value, kind in zip(given.values(), (Target, CacheLayout, PrefillLogits)):
-            if value is not None and value not in {k.value for k in kind}:
-                raise UsageProblem(f"unknown {kind.__name__} {value!r}; use one of "
-                                   f"{', '.join(k.value for k in kind)}")
-        if prof is not None:
-            cls._check_profile(profile, prof, {**given, "dtype": dtype, "weights": weights, "block-size": block_size},
-                               debug_outputs)
-            target, kv_cache, prefill_logits = prof.flags().values()
-            dtype = dtype or prof.dtype
-        target, kv_cache, prefill_logits = target or "portable", kv_cache or "dynamic", prefill_logits or "all"
-        if kv_cache == "static" and (2 if prof and max_seq_len is None else max_seq_len or 0) < 2:
-            raise UsageProblem("--kv-cache static needs --max-seq-len N (N >= 2): the capacity of the cache")
-        if kv_cache == "dynamic" and max_seq_len is not None:
-            raise UsageProblem("--max-seq-len sets the capacity of a static cache; add --kv-cache static")
-        if not MIN_OPSET <= opset <= MAX_OPSET:
-            raise UsageProblem(f"opset {opset} is not supported; use {MIN_OPSET}..{MAX_OPSET} (default {DEFAULT_OPSET})")
-        if debug_outputs and (kv_cache == "static" or target != "portable"):
-            raise UsageProblem("--debug-outputs works with the dynamic cache and the portable target; drop "
-                               "--kv-cache static and --target for a debug export")
-        prefills = target == Target.ORT.value and kv_cache == "static" and prefill_logits == "last"
-        variant = Variant(target, kv_cache, max_seq_len, prefill_logits, debug_outputs, opset, prefills)
-        precision = Precision.of(dtype or "fp32")
-        if weights is not None:
-            precision = dataclasses.replace(precision, weights=weights, block_size=block_size,
-                                            quantized_lm_head=quantize_lm_head)
-        return cls(precision, variant, validate, force, profile)
-
-    @staticmethod
-    def _check_profile(name: str, prof: Profile, given: dict, debug_outputs: bool) -> None:
-        """Refuse a flag the profile sets, given another value, and a precision its deployment does not run."""
-        if debug_outputs:
-            raise UsageProblem(f"--for {name} conflicts with --debug-outputs: a debug export has the dynamic cache "
-                               "and the portable target; drop one of them")
-        fits = {"dtype": lambda v: not prof.dtypes or canonical_dtype(v) in prof.dtypes,
-                "weights": lambda v: v in prof.weights,
-                "block-size": lambda v: not prof.block_sizes or v in prof.block_sizes}
-        for flag, value in given.items():
-            if value is not None and not fits.get(flag, lambda v: v == prof.flags()[flag])(value):
-                why = prof.note if flag in fits else f"the profile exports --{flag} {prof.flags()[flag]}"
-                raise UsageProblem(f"--for {name} conflicts with --{flag} {value}: {why}; drop one of them")
-
-    def for_model(self, config) -> "ExportOptions":
-        """These options with what a profile leaves to the model (a DecoderConfig) filled in: the
-        static cache's capacity (the model's context, at most PROFILE_CAPACITY) and the first of the
-        profile's quantization blocks that divides every K."""
-        v, p = self.variant, self.precision
-        if v.cache is CacheLayout.STATIC and v.capacity is None:
-            v = dataclasses.replace(v, capacity=min(config.max_position_embeddings, PROFILE_CAPACITY))
-        if p.quantized and p.block_size is None:
-            from tk.models.quantize import layer_ks
-
-            prof, ks = PROFILES[self.profile], layer_ks(config)  # only a profile leaves the block to the model
-            fits = [b for b in prof.block_sizes if all(k % b == 0 for k in ks.values())]
-            if not fits:
-                layer, k = next((layer, k) for layer, k in ks.items() if k % min(prof.block_sizes))
-                raise UsageProblem(f"--for {self.profile} --weights {p.weights}: blocks of "
-                                   f"{' or '.join(map(str, prof.block_sizes))} rows are what it takes, and neither "
-                                   f"divides the K of {layer}, {k}; leave out --weights")
-            p = dataclasses.replace(p, block_size=fits[0])
-        return dataclasses.replace(self, variant=v, precision=p)
-
-    def check(self, config, has_cuda_provider: Callable[[], bool] = lambda: False) -> None:
-        """Refusals that depend on the model (a DecoderConfig), all before any weight is read.
-        `has_cuda_provider` is asked only where it matters (validating bf16)."""
-        v = self.variant
-        if v.capacity is not None and v.capacity > config.max_position_embeddings:
-            raise UsageProblem(f"--max-seq-len ({v.capacity}) is beyond the model's context of "
-                               f"{config.max_position_embeddings}")
-        if v.target is Target.ORT:
-            from tk.models.ort_kernels import unsupported
-
-            problems = unsupported(config)
-            if problems:
-                raise UsageProblem(f"--target ort does not support {' or '.join(problems)} ({config.architecture}); "
-                                   "export with --target portable")
-        p = self.precision
-        if p.quantized:
-            from tk.models.quantize import layer_ks
-
-            for layer, k in layer_ks(config).items():
-                if k % p.block_size:
-                    raise UsageProblem(f"--block-size {p.block_size} does not divide the K of {layer}, {k}; "
-                                       f"choose a block size that divides {k}")
-            if p.activations == "bfloat16" and not has_cuda_provider():
-                raise UsageProblem(f"{p.weights} weights with bf16 activations have no ONNX Runtime CPU kernel "
-                                   "(MatMulNBits takes fp32 or fp16); use --dtype fp32 or fp16")
-        if self.validate and self.precision.activations == "bfloat16" and not has_cuda_provider():
-            raise UsageProblem("bf16 graphs cannot be validated here: ONNX Runtime's CPU provider has no bf16 "
-                               "MatMul; export with --no-validate and check on a GPU (tk parity), or use --dtype fp16")
+def graph_dims(config, precision: Precision, variant: Variant) -> contract.GraphDims:
+    """The contract's sizes for graphs of `config` (a DecoderConfig) exported as `variant`: with a
+    static cache, a sliding layer whose window (plus the decode step's run) is shorter than the
+    capacity keeps a ring (contract.ring_sizes)."""
+    c, v = config, variant
+    ring = None
+    if v.capacity is not None:
+        ring = contract.ring_sizes(c.windows, v.capacity, contract.RING_RUN if v.decode_prefills else 1)
+    return contract.GraphDims(c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size, precision.kv, v.capacity,
+                              c.hidden_size if v.debug_outputs else None, v.prefill_logits.value, v.decode_prefills,
+                              ring)
 
 
 # --- the manifest ----------------------------------------------------------------------------
@@ -317,10 +161,9 @@ class Manifest:
     @property
     def dims(self) -> contract.GraphDims:
         """The sizes and variant of the graphs' I/O (the contract resolves every spec from them)."""
-        c = self.config
-        return contract.GraphDims(c["num_layers"], c["num_kv_heads"], c["head_dim"], c["vocab_size"], self.precision.kv,
-                                  self.variant.capacity, c["hidden_size"] if self.variant.debug_outputs else None,
-                                  self.variant.prefill_logits.value, self.variant.decode_prefills)
+        from tk.models.config import DecoderConfig  # standard library only, as this module
+
+        return graph_dims(DecoderConfig.from_dict(self.config), self.precision, self.variant)
 
     @property
     def dtype(self) -> str:
@@ -369,7 +212,7 @@ class Manifest:
         except json.JSONDecodeError as e:
             raise ArtifactError(f"{path} is not valid JSON ({e}); re-export the artifact") from None
         found = raw.get("contract_version")
-        if found != contract.CONTRACT_VERSION:
+        if found not in contract.READS:
             raise ArtifactError(f"artifact has graph contract version {found}, this tk reads version "
                                 f"{contract.CONTRACT_VERSION}; re-export it with this version of tk (tk export)")
         try:

@@ -16,7 +16,12 @@ from dataclasses import dataclass
 from tk.models.dtypes import DTYPES
 from tk.models.errors import TkError
 
-CONTRACT_VERSION = 2  # 2: the static-capacity decode variant (write_indices, fixed-capacity cache)
+# 2: the static-capacity decode variant (write_indices, fixed-capacity cache); 3: a sliding layer's static
+# cache may be a ring of fewer positions (GraphDims.ring). A version-2 artifact is a version-3 one without
+# rings, so both are read (READS).
+CONTRACT_VERSION = 3
+READS = (2, 3)
+RING_RUN = 128  # with rings, the most new tokens per row a decode graph that also prefills takes (changing it bumps the version)
 
 PREFILL = "prefill"
 DECODE = "decode"
@@ -68,8 +73,22 @@ def _kv(names: list[str], seq_dim: str | int) -> list[TensorSpec]:
     return [TensorSpec(n, KV_DTYPE, (BATCH, "num_kv_heads", seq_dim, "head_dim")) for n in names]
 
 
-def inputs(graph: str, num_layers: int, capacity: int | None = None, decode_prefills: bool = False
-           ) -> list[TensorSpec]:
+def ring_sizes(windows: list[int | None], capacity: int, run: int) -> tuple[int | None, ...] | None:
+    """Per layer, how many positions a sliding layer's static cache holds when that is fewer than the
+    capacity: a ring of window + run - 1 slots, where `run` is the most new tokens per row one decode
+    step writes (1; RING_RUN where the decode graph also prefills), so that no slot a query of the step
+    still needs is overwritten by the step (models/decoder.ring_mask). None for every other layer, and
+    None when no layer's cache is a ring."""
+    sizes = tuple(None if w is None or w + run - 1 >= capacity else w + run - 1 for w in windows)
+    return sizes if any(s is not None for s in sizes) else None
+
+
+def _layer_kv(num_layers: int, prefix: str, sizes) -> list[TensorSpec]:
+    return [spec for i in range(num_layers) for spec in _kv(list(kv_names(i, prefix)), sizes[i])]
+
+
+def inputs(graph: str, num_layers: int, capacity: int | None = None, decode_prefills: bool = False,
+           ring: tuple[int | None, ...] | None = None) -> list[TensorSpec]:
     """Graph inputs, in order (the contract table in DESIGN.md).
 
     With `capacity` the decode graph has a static-capacity cache: past and present are
@@ -80,7 +99,8 @@ def inputs(graph: str, num_layers: int, capacity: int | None = None, decode_pref
     through it, so one session (one packed copy of the weights) serves both phases. Its rows are
     never padded: row b holds its tokens at 0 .. write_indices[b] - 1, so the graph attends to
     exactly those and the new ones, and reads `attention_mask` for nothing but its width (the
-    runtimes still keep it, 1 exactly there).
+    runtimes still keep it, 1 exactly there). With `ring` (ring_sizes) a sliding layer's past and
+    present hold its ring's slots instead: position p at slot p % slots.
     """
     if graph == DECODE and capacity is not None:
         new = SEQ if decode_prefills else 1
@@ -89,7 +109,7 @@ def inputs(graph: str, num_layers: int, capacity: int | None = None, decode_pref
             TensorSpec("attention_mask", "int64", (BATCH, capacity)),
             TensorSpec("position_ids", "int64", (BATCH, new)),
             TensorSpec("write_indices", "int64", (BATCH,)),
-            *_kv(past_names(num_layers), capacity),
+            *_layer_kv(num_layers, "past_key_values", layer_capacities(num_layers, capacity, ring)),
         ]
     if graph == PREFILL:
         return [
@@ -107,7 +127,13 @@ def inputs(graph: str, num_layers: int, capacity: int | None = None, decode_pref
     raise ContractError(f"unknown graph {graph!r}; expected one of {', '.join(GRAPHS)}")
 
 
-def outputs(graph: str, num_layers: int, capacity: int | None = None, prefill_last: bool = False) -> list[TensorSpec]:
+def layer_capacities(num_layers: int, capacity: int, ring: tuple[int | None, ...] | None) -> list[int]:
+    """Each layer's static cache positions: its ring's slots, or the capacity."""
+    return [capacity if ring is None or ring[i] is None else ring[i] for i in range(num_layers)]
+
+
+def outputs(graph: str, num_layers: int, capacity: int | None = None, prefill_last: bool = False,
+            ring: tuple[int | None, ...] | None = None) -> list[TensorSpec]:
     """Graph outputs, in order. Logits are float32 in every precision.
 
     With `prefill_last` the prefill graph returns the logits of the last position only (B, 1, V):
@@ -115,7 +141,8 @@ def outputs(graph: str, num_layers: int, capacity: int | None = None, prefill_la
     present cache still covers every position.
     """
     if graph == DECODE and capacity is not None:
-        return [TensorSpec("logits", "float32", (BATCH, 1, "vocab_size")), *_kv(present_names(num_layers), capacity)]
+        return [TensorSpec("logits", "float32", (BATCH, 1, "vocab_size")),
+                *_layer_kv(num_layers, "present", layer_capacities(num_layers, capacity, ring))]
     if graph == PREFILL:
         return [TensorSpec("logits", "float32", (BATCH, 1 if prefill_last else SEQ, "vocab_size")),
                 *_kv(present_names(num_layers), SEQ)]
@@ -137,6 +164,19 @@ class GraphDims:
     hidden_size: int | None = None  # set: the graphs also output hidden.{i} after the contract's outputs (debug)
     prefill_logits: str = "all"  # "last": prefill returns the last position's logits only (B, 1, V)
     decode_prefills: bool = False  # the static decode graph takes S >= 1 new tokens per row (see inputs)
+    ring: tuple[int | None, ...] | None = None  # per layer, its static cache's ring slots (ring_sizes) or None
+
+    @property
+    def max_run(self) -> int | None:
+        """The most new tokens per row one static decode step takes (None: any number; prompts longer
+        than this go through the decode graph in runs of it)."""
+        if not self.decode_prefills:
+            return 1
+        return RING_RUN if self.ring is not None else None
+
+    def capacities(self) -> list[int]:
+        """Each layer's static cache positions (its ring's slots or kv_capacity)."""
+        return layer_capacities(self.num_layers, self.kv_capacity, self.ring)
 
     def inputs(self, graph: str) -> tuple[TensorSpec, ...]:
         return _resolved_inputs(self, graph)  # cached: runtimes check inputs against this every step
@@ -148,17 +188,22 @@ class GraphDims:
         """2 (key and value) * layers * kv_heads * head_dim * bytes, per token of context per row."""
         return int(2 * self.num_layers * batch * self.num_kv_heads * self.head_dim * DTYPES[self.kv_dtype].bytes)
 
+    def static_cache_bytes(self, batch: int = 1) -> int:
+        """What a static cache's buffers hold for `batch` rows: each layer's capacity (or ring) positions."""
+        per_position = 2 * batch * self.num_kv_heads * self.head_dim * DTYPES[self.kv_dtype].bytes
+        return int(per_position * sum(self.capacities()))
+
 
 @functools.lru_cache(maxsize=64)
 def _resolved_inputs(dims: GraphDims, graph: str) -> tuple[TensorSpec, ...]:
     return tuple(s.resolve(dims.kv_dtype, dims.num_kv_heads, dims.head_dim, dims.vocab_size)
-                 for s in inputs(graph, dims.num_layers, dims.kv_capacity, dims.decode_prefills))
+                 for s in inputs(graph, dims.num_layers, dims.kv_capacity, dims.decode_prefills, dims.ring))
 
 
 @functools.lru_cache(maxsize=64)
 def _resolved_outputs(dims: GraphDims, graph: str) -> tuple[TensorSpec, ...]:
     specs = [s.resolve(dims.kv_dtype, dims.num_kv_heads, dims.head_dim, dims.vocab_size)
-             for s in outputs(graph, dims.num_layers, dims.kv_capacity, dims.prefill_logits == "last")]
+             for s in outputs(graph, dims.num_layers, dims.kv_capacity, dims.prefill_logits == "last", dims.ring)]
     if dims.hidden_size is not None:
         seq = SEQ if graph == PREFILL else 1
         specs += [TensorSpec(n, "float32", (BATCH, seq, dims.hidden_size)) for n in hidden_names(dims.num_layers)]

@@ -19,10 +19,12 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from tk.models.config import FAMILIES, DecoderConfig, UnsupportedModelError, config_from_hf
+from tk.models.config import DecoderConfig, UnsupportedModelError
+from tk.models.families import FAMILIES, config_from_hf
 from tk.models.dtypes import canonical_dtype
 from tk.models.errors import TkError
-from tk.models.decoder import Decoder, rope_inv_freq
+from tk.models.decoder import Decoder
+from tk.models.positions import rope_inv_freq
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -86,7 +86,7 @@ def random_weights(hf_config: dict, seed: int) -> dict[str, torch.Tensor]:
     (Gemma-style offset norms get N(0, 0.1)), biases N(0, 0.05)."""
     import torch
 
-    from tk.models.config import config_from_hf
+    from tk.models.families import config_from_hf
     from tk.models.loading import hf_shapes
 
     cfg = config_from_hf(hf_config)
@@ -125,7 +125,7 @@ def trained_like_weights(hf_config: dict, seed: int, growth: float = 1.25, embed
     """
     import torch
 
-    from tk.models.config import config_from_hf
+    from tk.models.families import config_from_hf
     from tk.models.decoder import Decoder
 
     cfg = config_from_hf(hf_config)
@@ -196,7 +196,7 @@ def _train(hf_config: dict, seed: int, folder: Path, steps: int) -> dict[str, to
     import torch
     from tokenizers import Tokenizer
 
-    from tk.models.config import config_from_hf
+    from tk.models.families import config_from_hf
     from tk.models.decoder import Decoder
 
     cfg = config_from_hf(hf_config)

@@ -56,16 +56,28 @@ def unpack_int4(packed: np.ndarray, count: int) -> np.ndarray:
 
 def quantized_layers(cfg, lm_head: bool) -> list[str]:
     """Our names of the linear weights a quantized export stores quantized: every projection of
-    every layer, and the LM head when asked. Embeddings stay in the activation dtype."""
+    every layer (each expert's, and a shared expert's, in a mixture of experts), and the LM head when
+    asked. Embeddings, routers and the shared expert's gate (one column) stay in the activation dtype."""
     names = []
     for i in range(cfg.num_layers):
-        names += [f"layers.{i}.attn.wqkv.weight", f"layers.{i}.attn.wo.weight", f"layers.{i}.ffn.w_gate_up.weight",
-                  f"layers.{i}.ffn.w_down.weight"]
+        names += [f"layers.{i}.attn.wqkv.weight", f"layers.{i}.attn.wo.weight"]
+        ffns = [f"layers.{i}.ffn."]
+        if cfg.layer(i).moe:
+            ffns = [f"layers.{i}.ffn.experts.{e}." for e in range(cfg.num_experts)]
+            ffns += [f"layers.{i}.ffn.shared."] if cfg.shared_expert_size else []
+        names += [f + w for f in ffns for w in ("w_gate_up.weight", "w_down.weight")]
     return names + (["lm_head.weight"] if lm_head else [])
 
 
 def layer_ks(cfg) -> dict[str, int]:
     """Each kind of quantized layer's K (its input size), named as an error message would."""
-    return {"layers.*.attn.wqkv and layers.*.ffn.w_gate_up (hidden_size)": cfg.hidden_size,
-            "layers.*.attn.wo (num_heads x head_dim)": cfg.num_heads * cfg.head_dim,
-            "layers.*.ffn.w_down (intermediate_size)": cfg.intermediate_size}
+    ks = {"layers.*.attn.wqkv and layers.*.ffn.w_gate_up (hidden_size)": cfg.hidden_size,
+          "layers.*.attn.wo (num_heads x head_dim)": cfg.num_heads * cfg.head_dim}
+    moe = [cfg.layer(i).moe for i in range(cfg.num_layers)]
+    if not all(moe):
+        ks["layers.*.ffn.w_down (intermediate_size)"] = cfg.intermediate_size
+    if any(moe):
+        ks["layers.*.ffn.experts.*.w_down (expert_size)"] = cfg.expert_size
+    if any(moe) and cfg.shared_expert_size:
+        ks["layers.*.ffn.shared.w_down (shared_expert_size)"] = cfg.shared_expert_size
+    return ks

@@ -31,7 +31,7 @@ from tk.runtimes.session import Session, StepOutput
 
 # the interface's own names, and what backends raise (ArtifactError from the artifact's checks)
 __all__ = ["ArtifactError", "BackendUnavailable", "InputError", "PrefillVia", "Runtime", "RuntimeProblem",
-           "Session", "StepOutput", "check_inputs", "check_token_ids"]
+           "Session", "StepOutput", "check_inputs", "check_token_ids", "rows_of"]
 
 PrefillVia = Literal["decode", "prefill"]  # which graph a static cache's prompts run through
 
@@ -68,6 +68,11 @@ def check_token_ids(input_ids: np.ndarray, vocab_size: int) -> None:
 
 def shape_and_dtype(array: np.ndarray) -> tuple[tuple, str]:
     return array.shape, str(array.dtype)
+
+
+def rows_of(row: int | None) -> slice:
+    """The batch rows one copy touches: all (None), or that one."""
+    return slice(None) if row is None else slice(row, row + 1)
 
 
 class Runtime(ABC):
@@ -136,6 +141,11 @@ class Runtime(ABC):
         parity and probes, not the loop)."""
         return self.layout.arrays(self, session)
 
+    def cache_held(self, session: Session) -> list[np.ndarray | None]:
+        """Per cache tensor, the (B, length) positions of `cache_arrays` it holds (a sliding layer's
+        ring keeps its last slots only), or None where it holds them all."""
+        return self.layout.held(self, session)
+
     # --- what a backend implements ---
 
     @abstractmethod
@@ -156,11 +166,11 @@ class Runtime(ABC):
     def _alloc_cache(self, shape: tuple, dtype: str):
         return np.zeros(shape, dtype=DTYPES[dtype].numpy)
 
-    def _write_prefix(self, dst, src, length: int, row: int | None = None) -> None:
-        """Copy a (B, H, length, D) present tensor into the first positions of a capacity buffer
-        (with `row`, a (1, H, length, D) one into that row of it)."""
-        rows = slice(None) if row is None else slice(row, row + 1)
-        dst[rows, :, :length] = self._to_numpy(src)
+    def _copy_positions(self, dst, src, count: int, dst_row: int | None = None, src_row: int | None = None,
+                        src_at: int = 0, dst_at: int = 0) -> None:
+        """Copy `count` positions of a (B, H, T, D) present tensor, from its position src_at, into a
+        static buffer from its position dst_at: every row, or row src_row of src into row dst_row."""
+        dst[rows_of(dst_row), :, dst_at:dst_at + count] = self._to_numpy(src)[rows_of(src_row), :, src_at:src_at + count]
 
     row_views = True  # `_leading` views a buffer's first rows without a copy (else slots run every row)
 

@@ -7,11 +7,14 @@
   them once (or, where the runtime prefills through the decode graph, each row's prompt runs
   through it into its row), and the mask covers the whole buffer (0 beyond what is written). The
   same feed arrays are rewritten in place every step, so a backend may bind them once per
-  session. Its rows can also be slots, one session whose rows requests take and leave, each at
-  its own length (`open_slots`, `admit`, `step_slots`, `free`; serving's runtimes/slots.py).
+  session. A sliding layer's buffer may be a ring of fewer positions (dims.ring: position p at
+  slot p % slots), written by the graph; a prefill's present is copied into it as such, and
+  prompts that run through the decode graph go in runs of at most dims.max_run tokens. Its rows
+  can also be slots, one session whose rows requests take and leave, each at its own length
+  (`open_slots`, `admit`, `step_slots`, `free`; serving's runtimes/slots.py).
 
 The layouts' `rt` is the session's runtime (tk.runtimes.base.Runtime, which imports this
-module): backends supply the buffers (`_alloc_cache`, `_write_prefix`, `_take`, `_release`,
+module): backends supply the buffers (`_alloc_cache`, `_copy_positions`, `_take`, `_release`,
 `_to_numpy`, `_leading`); the layouts own the masks, positions, capacity guards and write indices.
 """
 
@@ -47,6 +50,10 @@ class _Layout:
     def arrays(self, rt, s: Session) -> list[np.ndarray]:
         return [rt._to_numpy(b)[:, :, : s.length].astype(np.float32) for b in s.cache]
 
+    def held(self, rt, s: Session) -> list[np.ndarray | None]:
+        """Per cache tensor, which of `arrays`' (B, length) positions it holds (None: all of them)."""
+        return [None] * len(s.cache)
+
     def keep(self, rt, s: Session, rows: np.ndarray) -> None:
         s.cache = rt._take(s.cache, rows)
         s.release_backend_state()  # whatever the backend bound points at the old buffers
@@ -79,8 +86,10 @@ class StaticLayout(_Layout):
     padding (the graph reads no mask: contract.inputs), whichever graph prefilled them; `arrays`
     still shows the left-padded batch the caller gave."""
 
-    def __init__(self, capacity: int, decode_prefills: bool = False):
-        self.capacity, self.decode_prefills = capacity, decode_prefills
+    def __init__(self, dims: contract.GraphDims):
+        self.capacity, self.decode_prefills, self.max_run = dims.kv_capacity, dims.decode_prefills, dims.max_run
+        # per cache tensor (contract order), a ring's slots or None
+        self.rings = [None if dims.ring is None else dims.ring[i] for i in range(dims.num_layers) for _ in "kv"]
 
     def start(self, rt, ids: np.ndarray, mask: np.ndarray, room: int) -> tuple[StepOutput, Session]:
         B, T = ids.shape
@@ -105,8 +114,22 @@ class StaticLayout(_Layout):
 
     def _buffers(self, rt, batch: int) -> list:
         d = rt.dims
-        return [rt._alloc_cache((batch, d.num_kv_heads, self.capacity, d.head_dim), d.kv_dtype)
-                for _ in range(2 * d.num_layers)]
+        return [rt._alloc_cache((batch, d.num_kv_heads, n, d.head_dim), d.kv_dtype) for n in d.capacities() for _ in "kv"]
+
+    def _write_present(self, rt, cache: list, present: list, length: int, row: int | None = None,
+                       src_row: int | None = None, start: int = 0) -> None:
+        """Copy a prefill's present (positions start .. length - 1 of every row, or of row src_row into
+        cache row `row`) into the cache buffers as cache indices 0 .. n - 1: a buffer's first positions,
+        or in a ring index c at slot c % slots, for the last `slots` of them (two contiguous copies)."""
+        n = length - start
+        for buf, src, slots in zip(cache, present, self.rings):
+            if slots is None or n <= slots:
+                rt._copy_positions(buf, src, n, row, src_row, start)
+                continue
+            first = n % slots  # the slot of the oldest index kept, n - slots
+            rt._copy_positions(buf, src, slots - first, row, src_row, length - slots, first)
+            if first:
+                rt._copy_positions(buf, src, first, row, src_row, length - first, 0)
 
     def _prefill_batch(self, rt, s: Session, ids: np.ndarray, mask: np.ndarray, pads: list[int]) -> StepOutput:
         if rt.prefill_via == "decode":  # each row's tokens alone, through the decode graph
@@ -115,42 +138,61 @@ class StaticLayout(_Layout):
         T = ids.shape[1]
         out, present = _prefill(rt, ids, mask)
         try:
-            for buf, src in zip(s.cache, present):
-                if self.decode_prefills:  # each row moves to the front of its cache row
-                    host = rt._to_numpy(src)
-                    for b, p in enumerate(pads):
-                        rt._write_prefix(buf, host[b:b + 1, :, p:], T - p, row=b)
-                else:
-                    rt._write_prefix(buf, src, T)
+            if self.decode_prefills:  # each row moves to the front of its cache row
+                for b, p in enumerate(pads):
+                    self._write_present(rt, s.cache, present, T, row=b, src_row=b, start=p)
+            else:
+                self._write_present(rt, s.cache, present, T)
         finally:
             rt._release(present)
         return out
 
     def arrays(self, rt, s: Session) -> list[np.ndarray]:
-        if not self.decode_prefills:
+        """Each row's positions back where the caller's left-padded batch put them (a row prefilled
+        through the decode graph sits from index 0; a ring's slots unrolled); positions a ring no
+        longer holds are 0 (`held` says which)."""
+        if not self.decode_prefills and self.ring_free:
             return super().arrays(rt, s)
         out = []
-        for buf in s.cache:
+        for buf, slots in zip(s.cache, self.rings):
             host, a = rt._to_numpy(buf), np.zeros((s.batch, rt.dims.num_kv_heads, s.length, rt.dims.head_dim), np.float32)
-            for b, w in enumerate(s.static.write.tolist()):  # row b's tokens, back where its left padding put them
-                a[b, :, s.length - w:] = host[b, :, :w]
+            for b, w in enumerate(s.static.write.tolist()):
+                p = np.arange(max(0, w - (slots or w)), w)  # the positions the row's buffer holds
+                a[b][:, s.length - w + p] = host[b][:, p % slots if slots else p]
             out.append(a)
         return out
+
+    def held(self, rt, s: Session) -> list[np.ndarray | None]:
+        out = []
+        for slots in self.rings:
+            if slots is None:
+                out.append(None)
+                continue
+            since = s.length - np.minimum(s.static.write, slots)  # (B,): the oldest position each row holds
+            out.append(np.arange(s.length) >= since[:, None])
+        return out
+
+    @property
+    def ring_free(self) -> bool:
+        return all(r is None for r in self.rings)
 
     def _check_prompt(self, T: int) -> None:
         if T >= self.capacity:
             raise InputError(f"prefill: {T} tokens leave no room in the static cache of {self.capacity}; "
                              "export with a larger --max-seq-len")
 
-    @staticmethod
-    def _prefill_row(rt, s: Session, row: int, ids: np.ndarray) -> StepOutput:
+    def _prefill_row(self, rt, s: Session, row: int, ids: np.ndarray) -> StepOutput:
         """Prefill one row's tokens (1, L) through the decode graph (it takes a run of new tokens:
-        contract.inputs' decode_prefills) into row `row` of the cache, from index 0 (the row's
-        mask is already 1 on 0 .. L - 1)."""
-        L = ids.shape[1]
-        feeds = {"input_ids": ids, "attention_mask": s.mask[row:row + 1],
-                 "position_ids": np.arange(L, dtype=np.int64)[None], "write_indices": np.zeros(1, np.int64)}
-        out, _ = rt._run(contract.DECODE, feeds, [b[row:row + 1] for b in s.cache], None, in_place=True)
+        contract.inputs' decode_prefills) into row `row` of the cache, from index 0, in runs of at
+        most max_run tokens (the row's mask is already 1 on 0 .. L - 1)."""
+        L, run = ids.shape[1], self.max_run or ids.shape[1]
+        rows = [b[row:row + 1] for b in s.cache]
+        for start in range(0, L, run):
+            end = min(L, start + run)
+            feeds = {"input_ids": ids[:, start:end], "attention_mask": s.mask[row:row + 1],
+                     "position_ids": np.arange(start, end, dtype=np.int64)[None],
+                     "write_indices": np.full(1, start, np.int64)}
+            out, _ = rt._run(contract.DECODE, feeds, rows, None, in_place=True)
         return out
 
     def step(self, rt, s: Session, tokens: np.ndarray) -> StepOutput:
@@ -216,8 +258,7 @@ class StaticLayout(_Layout):
             return self._prefill_row(rt, s, slot, ids)
         out, present = _prefill(rt, ids, np.ones_like(ids))
         try:
-            for buf, src in zip(s.cache, present):
-                rt._write_prefix(buf, src, T, row=slot)
+            self._write_present(rt, s.cache, present, T, row=slot)
         finally:
             rt._release(present)
         return out
@@ -240,4 +281,4 @@ class StaticLayout(_Layout):
 
 
 def layout_for(dims: contract.GraphDims) -> DynamicLayout | StaticLayout:
-    return StaticLayout(dims.kv_capacity, dims.decode_prefills) if dims.kv_capacity is not None else DynamicLayout()
+    return StaticLayout(dims) if dims.kv_capacity is not None else DynamicLayout()

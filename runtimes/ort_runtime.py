@@ -290,11 +290,11 @@ class OrtRuntime(Runtime):
         array = np.zeros(shape, dtype=DTYPES[dtype].numpy)
         return array if self.device == "cpu" else self._value(array)
 
-    def _write_prefix(self, dst, src, length, row=None):
+    def _copy_positions(self, dst, src, count, dst_row=None, src_row=None, src_at=0, dst_at=0):
         if isinstance(dst, np.ndarray):
-            return super()._write_prefix(dst, src, length, row)
-        host = dst.numpy()
-        super()._write_prefix(host, src, length, row)
+            return super()._copy_positions(dst, src, count, dst_row, src_row, src_at, dst_at)
+        host = dst.numpy()  # a device OrtValue (CUDA): through the host
+        super()._copy_positions(host, src, count, dst_row, src_row, src_at, dst_at)
         dst.update_inplace(host)
 
     def _to_numpy(self, buf):

@@ -13,7 +13,7 @@ from typing import Callable
 import numpy as np
 
 from tk.models import contract
-from tk.runtimes.base import BackendUnavailable, Runtime, StepOutput
+from tk.runtimes.base import BackendUnavailable, Runtime, StepOutput, rows_of
 
 
 def dims_of(config, kv_dtype: str) -> contract.GraphDims:
@@ -75,9 +75,8 @@ class TorchRuntime(Runtime):
     def _alloc_cache(self, shape, dtype):
         return self._torch.zeros(shape, dtype=getattr(self._torch, dtype), device=self._device)
 
-    def _write_prefix(self, dst, src, length, row=None):
-        rows = slice(None) if row is None else slice(row, row + 1)
-        dst[rows, :, :length].copy_(src)
+    def _copy_positions(self, dst, src, count, dst_row=None, src_row=None, src_at=0, dst_at=0):
+        dst[rows_of(dst_row), :, dst_at:dst_at + count].copy_(src[rows_of(src_row), :, src_at:src_at + count])
 
     def _to_numpy(self, buf) -> np.ndarray:
         return buf.float().cpu().numpy()

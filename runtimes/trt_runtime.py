@@ -201,15 +201,19 @@ class TrtRuntime(Runtime):
         for buf in buffers or []:
             buf.array.free()
 
-    def _write_prefix(self, dst: _Buffer, src: _Buffer, length: int, row: int | None = None) -> None:
-        """(B, H, length, D) rows of `src` (laid out with src.shape's stride) into `dst`'s first positions
-        (with `row`, src's one batch row into that row of dst)."""
-        item = int(DTYPES[self.dims.kv_dtype].bytes)
-        size, d = length * self.dims.head_dim * item, self.dims.head_dim * item
-        start = 0 if row is None else row * dst.shape[1] * dst.shape[2] * d
+    def _copy_positions(self, dst: _Buffer, src: _Buffer, count: int, dst_row: int | None = None,
+                        src_row: int | None = None, src_at: int = 0, dst_at: int = 0) -> None:
+        """`count` positions of `src` (laid out with src.shape's stride) from src_at into `dst` from dst_at,
+        on the device: every row, or src's row src_row into dst's row dst_row."""
+        d = self.dims.head_dim * int(DTYPES[self.dims.kv_dtype].bytes)  # bytes per position
+        heads = src.shape[1]
+        rows = range(src.shape[0]) if src_row is None else [src_row]
         copy, kind = self._cuda.wrapper().memcpy, self._cuda.MemcpyKind.DeviceToDevice
-        for bh in range(src.shape[0] * src.shape[1]):
-            copy(dst.ptr + start + bh * dst.shape[2] * d, src.ptr + bh * src.shape[2] * d, size, kind, self.stream.ptr)
+        for i, r in enumerate(rows):
+            to = i if dst_row is None else dst_row
+            for h in range(heads):
+                copy(dst.ptr + ((to * heads + h) * dst.shape[2] + dst_at) * d,
+                     src.ptr + ((r * heads + h) * src.shape[2] + src_at) * d, count * d, kind, self.stream.ptr)
 
     def _leading(self, buf: _Buffer, n: int) -> _Buffer:
         """A view of the first n rows (same device memory; never released on its own)."""
@@ -247,7 +251,7 @@ class TrtRuntime(Runtime):
             present = self._seq_buffers(B)
             past_len = None
         elif in_place:
-            present, past_len = past, self.dims.kv_capacity
+            present, past_len = past, None  # each buffer's own positions (a ring's are fewer)
         else:
             present, session.backend = session.backend or self._seq_buffers(B), None
             past_len = session.length - 1
@@ -267,12 +271,13 @@ class TrtRuntime(Runtime):
 
     def _execute(self, graph: str, arrays: dict[str, np.ndarray], past: list | None, present: list,
                  past_len: int | None) -> np.ndarray:
-        """Run one engine; `past_len` is the sequence dim of the past it reads (None: prefill)."""
+        """Run one engine; `past_len` is the sequence dim of the past it reads (None: prefill, or a
+        static cache, whose buffers each have their own)."""
         shapes = {n: a.shape for n, a in arrays.items()}
         B = arrays["input_ids"].shape[0]
         if past is not None:
-            shapes.update({n: (B, self.dims.num_kv_heads, past_len, self.dims.head_dim)
-                           for n in self.past_names})
+            shapes.update({n: (B, self.dims.num_kv_heads, past_len if past_len is not None else buf.shape[2],
+                               self.dims.head_dim) for n, buf in zip(self.past_names, past)})
         problem = profile_problem(graph, self.meta["profiles"][graph], shapes, self.meta["limits"])
         if problem:
             raise InputError(problem)

@@ -80,9 +80,10 @@ WINDOWED = {
         num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
         shared_expert_intermediate_size=80, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[1],
         tie_word_embeddings=False, use_sliding_window=False)),
-    # per-head q/k norms, head_dim != hidden / heads, top 2 renormalized
+    # per-head q/k norms, head_dim != hidden / heads (32: GroupQueryAttention takes multiples of 16), top 2
+    # renormalized
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
-        num_attention_heads=4, num_key_value_heads=2, head_dim=24, num_experts=4, num_experts_per_tok=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=48, norm_topk_prob=True, tie_word_embeddings=False, use_sliding_window=False)),
 }
 LAYERS = {"gemma3": 3}  # fixtures deeper than 2 layers (Gemma 3's global layer is its third)

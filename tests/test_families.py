@@ -17,7 +17,8 @@ from test_ort_target import PROMPTS, _decode_both
 from tk.exporters.onnx_export import traced_layers
 from tk.exporters.replicate import TRACED_LAYERS
 from tk.models import ort_kernels
-from tk.models.artifact import ExportOptions, Manifest
+from tk.models.artifact import Manifest
+from tk.models.options import ExportOptions
 from tk.models.config import DecoderConfig
 from tk.models.loading import load_decoder, read_config
 from tk.runtimes.generate import generate, left_pad

@@ -11,7 +11,8 @@ from safetensors.torch import save_file
 
 from conftest import assert_close
 from hf_models import load_hf
-from tk.models.config import DecoderConfig, UnsupportedModelError, config_from_hf
+from tk.models.config import DecoderConfig, UnsupportedModelError
+from tk.models.families import config_from_hf
 from tk.models.contract import position_ids_from_mask
 from tk.models.loading import CheckpointError, load_decoder
 

@@ -3,6 +3,7 @@ the report follows its schema and is stable."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import xml.etree.ElementTree as ET
@@ -15,8 +16,9 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from conftest import FAMILY_NAMES
-from tk.models.decoder import RMSNorm, rope_inv_freq
+from tk.models.decoder import RMSNorm
 from tk.models.loading import load_decoder
+from tk.models.positions import rope_inv_freq
 from tk.runtimes.torch_runtime import TorchRuntime
 from tk.toolkit.cli.main import main
 from tk.toolkit.verify.compare import BackendReport, CaseReport, ParityReport, compare_backends, parity
@@ -114,7 +116,7 @@ class Fp16SquareNorm(RMSNorm):
 
 def _drop_mask(layer):
     forward = layer.forward
-    layer.forward = lambda x, cos, sin, mask, *rest: forward(x, cos, sin, None, *rest)
+    layer.forward = lambda x, inputs, *rest: forward(x, dataclasses.replace(inputs, mask=None), *rest)
 
 
 def _swap_kv(layer, cfg):

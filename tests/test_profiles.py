@@ -1,4 +1,4 @@
-"""Export profiles (`tk export --for`): each is a row of models/artifact.PROFILES, checked with the
+"""Export profiles (`tk export --for`): each is a row of models/options.PROFILES, checked with the
 other flags before any work, recorded in the manifest, and `--for ort-cpu` writes the graphs of
 the long flag recipe it replaces."""
 
@@ -8,8 +8,10 @@ import json
 
 import pytest
 
-from tk.models.artifact import PROFILE_CAPACITY, PROFILES, ExportOptions, Manifest, Precision, Variant
-from tk.models.config import config_from_hf
+from tk.models.artifact import Manifest, Precision, Variant
+
+from tk.models.options import PROFILE_CAPACITY, PROFILES, ExportOptions
+from tk.models.families import config_from_hf
 from tk.models.errors import UsageProblem
 from tk.models.presets import PRESETS
 from tk.toolkit.tools.describe import describe_profile, matching_profiles

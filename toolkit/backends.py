@@ -78,7 +78,7 @@ def torch_reference(source: Path, dims, max_context: int, dtype: str = "float32"
 
     # the reference runs the plain graphs' math: no static buffer, every position's logits
     dims = dataclasses.replace(dims, kv_dtype=dtype, kv_capacity=dims.kv_capacity if static_cache else None,
-                               hidden_size=None, prefill_logits="all")
+                               ring=dims.ring if static_cache else None, hidden_size=None, prefill_logits="all")
     return TorchRuntime(loader=load, device=device, debug=debug, dims=dims, max_context=max_context)
 
 

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import click
 
-from tk.models.artifact import DEFAULT_BLOCK, PROFILE_CAPACITY, PROFILES, QUANTIZED, CacheLayout, PrefillLogits, Target
+from tk.models.artifact import DEFAULT_BLOCK, QUANTIZED, CacheLayout, PrefillLogits, Target
+
+from tk.models.options import PROFILE_CAPACITY, PROFILES
 from tk.models.dtypes import DTYPE_CHOICES
 from tk.toolkit.cli.options import choices, progress
 
@@ -50,7 +52,7 @@ def export(model_dir: Path, out: Path, profile: str | None, dtype: str | None, o
            force: bool, kv_cache: str | None, max_seq_len: int | None, debug_outputs: bool, target: str | None,
            prefill_logits: str | None, weights: str | None, block_size: int | None, quantize_lm_head: bool) -> None:
     """Export MODEL_DIR (a Hugging Face checkpoint folder) to prefill/decode ONNX graphs."""
-    from tk.models.artifact import ExportOptions
+    from tk.models.options import ExportOptions
 
     options = ExportOptions.from_flags(  # every flag checked before any work
         profile=profile, dtype=dtype, opset=opset, kv_cache=kv_cache, max_seq_len=max_seq_len, target=target,

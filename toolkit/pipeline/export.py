@@ -22,11 +22,12 @@ from typing import Callable
 import onnx
 
 from tk.exporters.contract_check import check_graph_file
-from tk.exporters.onnx_export import CONTRIB_OPS, finish_graph, graph_dims, trace_graph
+from tk.exporters.onnx_export import CONTRIB_OPS, finish_graph, trace_graph
 from tk.exporters.trt_lint import lint_graphs
 from tk.exporters.weights import WEIGHTS_FILE, export_view, weights_record, write_weights
 from tk.models import contract
-from tk.models.artifact import PROFILES, ExportOptions, GraphFile, Manifest, Target, sha256_file
+from tk.models.artifact import GraphFile, Manifest, Target, graph_dims, sha256_file
+from tk.models.options import PROFILES, ExportOptions
 from tk.models.dtypes import DTYPES
 from tk.models.errors import FilesystemProblem
 from tk.models.loading import CheckpointReader, read_config, torch_dtype

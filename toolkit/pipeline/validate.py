@@ -12,8 +12,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from tk.exporters.onnx_export import graph_dims
-from tk.models.artifact import ExportOptions, Manifest
+from tk.models.artifact import Manifest, graph_dims
+
+from tk.models.options import ExportOptions
 from tk.models.errors import CheckFailed
 from tk.toolkit.backends import reference_runtime, torch_reference
 from tk.toolkit.pipeline.background import Background

@@ -7,7 +7,8 @@ import math
 from pathlib import Path
 
 from tk.models import contract
-from tk.models.artifact import PROFILES, Manifest, Precision, Variant
+from tk.models.artifact import Manifest, Precision, Variant
+from tk.models.options import PROFILES
 from tk.models.config import DecoderConfig
 from tk.models.dtypes import DTYPES
 from tk.models.loading import hf_shapes, read_config
