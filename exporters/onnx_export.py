@@ -255,7 +255,7 @@ def _trace(model: Decoder, graph: str, dims: contract.GraphDims, variant: Varian
     """torch.onnx.export on the meta device, unoptimized (the optimizer needs the weights' data)."""
     fused = variant.target is Target.ORT
     static = graph == contract.DECODE and dims.kv_capacity is not None
-    opset = STATIC_OPSET if static and not fused else variant.opset
+    opset = STATIC_OPSET if static and (not fused or dims.ring) else variant.opset  # TensorScatter; fused: rings only
     module, args, shapes = _example(graph, model, dims, fused)
     args = tuple(a.to("meta") for a in args)  # traced on the meta device: no weights in memory
     table = {}

@@ -9,7 +9,10 @@ Checks what TensorRT's ONNX parser accepts, from onnx/onnx-tensorrt `docs/operat
 - no `If`/`Loop`/`Scan` (#4032, #4739, #4757), no non-default domains (contrib ops);
 - no graph input dim fixed at 0 (TensorRT rejects empty dims in profiles) and no unknown rank;
 - quantized weights only as TensorRT documents weight-only quantization: int4, blocked along
-  K with block 64 or 128 (int8 weight-only is not a documented TensorRT path).
+  K with block 64 or 128 (int8 weight-only is not a documented TensorRT path);
+- `TensorScatter` in linear mode (TensorRT's KV-cache update layer: "only kLINEAR mode is
+  supported", 10.15/10.16 API docs), and scatters without a reduction (its IScatterLayer has none:
+  onnx/onnx-tensorrt #957).
 The result names each problem and the lowest TensorRT version the graphs need.
 """
 
@@ -24,7 +27,7 @@ OP_MIN_VERSION: dict[str, str] = {
     **{op: BASE for op in (
         "Abs Add And ArgMax ArgMin Cast Ceil Clip Concat Constant ConstantOfShape Cos CumSum Div Einsum Equal "
         "Erf Exp Expand Flatten Floor Gather GatherElements GatherND Gemm Greater GreaterOrEqual Identity IsInf "
-        "IsNaN LayerNormalization Less LessOrEqual Log LogSoftmax MatMul Max Mean Min Mod Mul Neg Not Or Pad Pow "
+        "IsNaN LayerNormalization Less LessOrEqual Log LogSoftmax MatMul Max Mean Min Mod Mul Neg NonZero Not Or Pad Pow "
         "Range Reciprocal ReduceL2 ReduceMax ReduceMean ReduceMin ReduceProd ReduceSum ReduceSumSquare Relu "
         "Reshape ScatterElements ScatterND Shape Sigmoid Sign Sin Size Slice Softmax Softplus Split Sqrt Squeeze "
         "Sub Sum Tanh Tile TopK Transpose Trilu Unsqueeze Where Xor").split()},
@@ -113,6 +116,13 @@ def lint_model(model: onnx.ModelProto, graph: str) -> LintResult:
         need.append(OP_MIN_VERSION[node.op_type])
         if node.op_type == "DequantizeLinear":
             _lint_dequantize(node, name, initializer_types, add)
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        if node.op_type == "TensorScatter" and attrs.get("mode", b"linear") != b"linear":
+            add("cache-mode", name, "TensorScatter in circular mode (a ring written by runs of several tokens): "
+                "TensorRT's KV-cache update is linear only; export --for trt or --for serve")
+        if node.op_type in ("ScatterND", "ScatterElements") and attrs.get("reduction", b"none") != b"none":
+            add("scatter-reduction", name, f"{node.op_type} with reduction {attrs['reduction'].decode()}: TensorRT's "
+                "scatter has no reduction (onnx/onnx-tensorrt #957)")
         if node.op_type == "Attention":
             if len(node.input) > 4 and any(node.input[4:6]) or len(node.output) > 1 and any(node.output[1:3]):
                 add("attention-cache", name, "Attention carries past/present KV inputs or outputs, which TensorRT "

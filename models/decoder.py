@@ -135,8 +135,11 @@ class Attention(nn.Module):
             q = apply_rope(q, inputs.cos, inputs.sin)  # (B, H, S, D)
             k = apply_rope(k, inputs.cos, inputs.sin)  # (B, Hkv, S, D)
         if write_index is not None:  # static capacity: write in place, attend over the whole buffer (or ring)
-            k = kv_write(past[0], k, write_index, inputs.circular)  # (B, Hkv, C, D)
-            v = kv_write(past[1], v, write_index, inputs.circular)
+            at, circular = write_index, inputs.circular
+            if circular and single:  # one token never wraps: a linear write at index mod slots (TensorRT's
+                at, circular = torch.remainder(write_index, past[0].shape[2]), False  # KV-cache update is linear only)
+            k = kv_write(past[0], k, at, circular)  # (B, Hkv, C, D)
+            v = kv_write(past[1], v, at, circular)
         elif past is not None:  # the concat stays outside SDPA: TensorRT rejects Attention with past
             k = torch.cat([past[0], k], dim=2)  # (B, Hkv, T, D)
             v = torch.cat([past[1], v], dim=2)

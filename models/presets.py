@@ -47,6 +47,21 @@ PRESETS: dict[str, dict] = {
     "trained-like": {**_LLAMA, "vocab_size": 32768, "hidden_size": 128, "intermediate_size": 384,
                      "num_hidden_layers": 24, "num_attention_heads": 4, "num_key_value_heads": 2,
                      "max_position_embeddings": 4096, "rope_theta": 100000.0, "tie_word_embeddings": True},
+    # The families issue's benchmarks (examples/bench_families.py). A Mixtral-style mixture of 8 experts,
+    # top 2, each half small's FFN: the active parameters of small (plus a router of 8 columns a layer)
+    "small-moe": {**_LLAMA, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                  "vocab_size": 32000, "hidden_size": 512, "intermediate_size": 688, "num_hidden_layers": 8,
+                  "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 4096,
+                  "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": None},
+    # A Gemma-3-style model: 5 sliding layers (window 512, their own RoPE base) to 1 global, sandwich norms,
+    # per-head q/k norms, 12 layers of small's width; its context of 8192 holds 4,096 past positions
+    "small-gemma3": {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+                     "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+                     "bos_token_id": None, "eos_token_id": 0, "pad_token_id": 1, "vocab_size": 32000,
+                     "hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 12,
+                     "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64, "query_pre_attn_scalar": 64,
+                     "sliding_window": 512, "sliding_window_pattern": 6, "rope_theta": 1000000.0,
+                     "rope_local_base_freq": 10000.0, "max_position_embeddings": 8192},
 }
 
 CORPUS = """\

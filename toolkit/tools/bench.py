@@ -116,7 +116,8 @@ def _bench(artifact, runtimes, skipped, loaded, prompt_len, new_tokens, batch, r
             growth[name] = max(growth[name], w.peak - before)
             runs[name].append({**result.timings(), "other_cores": w.other_cores})
     data = {g.data_file: g.data_bytes for g in manifest.graphs.values() if g.data_file}  # the weights as stored
-    plan = memory_plan(cfg, manifest.precision, batch, prompt_len + new_tokens, sum(data.values()) or None)
+    plan = memory_plan(cfg, manifest.precision, batch, prompt_len + new_tokens, sum(data.values()) or None,
+                       manifest.dims)
     report = {"artifact": str(artifact), "profile": manifest.profile,
               "same_graphs_as": matching_profiles(manifest.variant, manifest.precision), "prompt_len": prompt_len, "new_tokens": new_tokens, "batch": batch,
               "repeats": repeats, "threads": options.threads, "cpu_count": os.cpu_count(),

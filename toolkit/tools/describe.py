@@ -11,27 +11,42 @@ from tk.models.artifact import Manifest, Precision, Variant
 from tk.models.options import PROFILES
 from tk.models.config import DecoderConfig
 from tk.models.dtypes import DTYPES
-from tk.models.loading import hf_shapes, read_config
+from tk.models.loading import hf_shapes, read_config, weight_map
 
 
 def parameter_count(cfg: DecoderConfig) -> int:
     return sum(math.prod(s) for s in hf_shapes(cfg).values())
 
 
+def active_parameter_count(cfg: DecoderConfig) -> int:
+    """The parameters one token runs through: all of them, less, in a mixture of experts, the experts
+    it does not take ((num_experts - experts_per_token) / num_experts of every routed expert)."""
+    shapes = hf_shapes(cfg)
+    experts = sum(math.prod(shapes[name]) for ours, parts in weight_map(cfg).items() if ".experts." in ours
+                  for name, _ in parts)
+    idle = experts * (cfg.num_experts - cfg.experts_per_token) // cfg.num_experts if cfg.moe else 0
+    return sum(math.prod(s) for s in shapes.values()) - idle
+
+
 def memory_plan(cfg: DecoderConfig, precision: Precision, batch: int, seq_len: int,
-                weights_bytes: int | None = None) -> dict:
-    """Weights + KV bytes (in the cache's dtype). KV = 2 * layers * batch * seq * kv_heads *
-    head_dim * bytes. Weights: `weights_bytes` (an artifact's, counted from its graphs), else the
-    checkpoint's parameters in the weights' dtype."""
-    dims = contract.GraphDims(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size, precision.kv)
+                weights_bytes: int | None = None, dims: contract.GraphDims | None = None) -> dict:
+    """Weights + KV bytes (in the cache's dtype). A dynamic cache holds every position of every layer:
+    KV = 2 * layers * batch * seq * kv_heads * head_dim * bytes; a static one (an artifact's `dims`)
+    holds each layer's capacity, a sliding layer's ring only its slots. Weights: `weights_bytes` (an
+    artifact's, counted from its graphs), else the checkpoint's parameters in the weights' dtype."""
+    dims = dims or contract.GraphDims(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size, precision.kv)
     weights = weights_bytes if weights_bytes is not None else int(parameter_count(cfg) * DTYPES[precision.weights].bytes)
-    kv = dims.kv_bytes_per_token(batch) * seq_len
+    static = dims.kv_capacity is not None
+    kv = dims.static_cache_bytes(batch) if static else dims.kv_bytes_per_token(batch) * seq_len
     # TensorRT: prefill.engine and decode.engine each embed the weights; refit only replaces an
     # engine's own weights, and no documented TensorRT API lets two engines read one device copy
     # (README, "Memory"), so on the GPU the weights are there twice.
     return {"dtype": precision.activations, "weights_dtype": precision.weights, "kv_dtype": precision.kv,
-            "batch": batch, "seq_len": seq_len, "weights_bytes": weights, "trt_weights_bytes": 2 * weights,
-            "kv_bytes_per_token": dims.kv_bytes_per_token(1), "kv_bytes": kv, "total_bytes": weights + kv}
+            "batch": batch, "seq_len": dims.kv_capacity if static else seq_len, "weights_bytes": weights,
+            "trt_weights_bytes": 2 * weights, "kv_bytes_per_token": dims.kv_bytes_per_token(1), "kv_bytes": kv,
+            "total_bytes": weights + kv, "kv_cache": "static" if static else "dynamic",
+            "kv_positions": dims.capacities() if static else [seq_len] * dims.num_layers,
+            "rings": [r is not None for r in dims.ring] if dims.ring else [False] * dims.num_layers}
 
 
 def weight_bytes_by_dtype(artifact: Path, manifest) -> dict[str, int]:
@@ -108,11 +123,20 @@ def inspect_path(path: str | Path, batch: int = 1, seq_len: int | None = None) -
     info.update({
         "architecture": cfg.architecture,
         "parameters": parameter_count(cfg),
+        "active_parameters": active_parameter_count(cfg),
         "config": cfg.to_dict(),
         "memory": memory_plan(cfg, precision, batch, seq_len, sum(info["weights_by_dtype"].values())
-                              if "weights_by_dtype" in info else None),
+                              if "weights_by_dtype" in info else None, manifest.dims if "graphs" in info else None),
     })
     return info
+
+
+def _positions(m: dict) -> str:
+    """Each layer's cache positions, grouped: '8 (ring) x2, 64 x1'."""
+    groups: dict[tuple, int] = {}
+    for n, ring in zip(m["kv_positions"], m["rings"]):
+        groups[(n, ring)] = groups.get((n, ring), 0) + 1
+    return ", ".join(f"{n}{' (ring)' if ring else ''} x{count}" for (n, ring), count in groups.items())
 
 
 def _mib(n: int) -> str:
@@ -121,14 +145,17 @@ def _mib(n: int) -> str:
 
 def format_info(info: dict) -> str:
     c, m = info["config"], info["memory"]
+    active = info["active_parameters"]
     lines = [
         f"{info['kind']}: {info['path']}",
-        f"architecture: {info['architecture']}  parameters: {info['parameters']:,}",
+        f"architecture: {info['architecture']}  parameters: {info['parameters']:,}"
+        + (f" ({active:,} active per token)" if active != info["parameters"] else ""),
         f"layers {c['num_layers']}  hidden {c['hidden_size']}  heads {c['num_heads']}  kv heads {c['num_kv_heads']}  "
         f"head_dim {c['head_dim']}  vocab {c['vocab_size']}  context {c['max_position_embeddings']}",
         f"memory (weights {m['weights_dtype']}, KV {m['kv_dtype']}, batch {m['batch']}, seq {m['seq_len']}): "
         f"weights {_mib(m['weights_bytes'])} + "
-        f"KV {_mib(m['kv_bytes'])} = {_mib(m['total_bytes'])}  (KV per token {m['kv_bytes_per_token']:,} B)",
+        f"KV {_mib(m['kv_bytes'])} = {_mib(m['total_bytes'])}  (KV per token {m['kv_bytes_per_token']:,} B; "
+        f"{m['kv_cache']} cache, positions per layer: {_positions(m)})",
         f"on ONNX Runtime both graphs share one memory-mapped copy of the weights; TensorRT's two engines hold "
         f"one each: {_mib(m['trt_weights_bytes'])} of weights on the GPU",
     ]
