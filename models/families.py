@@ -84,6 +84,12 @@ class Family:
     moe: Callable[[dict, int], dict] | None = None  # the experts' DecoderConfig fields from config.json
     experts: ExpertNames | None = None  # their tensors' names
     refuse: dict = field(default_factory=dict)  # HF key -> why a true value is not supported
+    # a multimodal checkpoint (Gemma 3 4B and up): the decoder's config is config.json's text_config, of
+    # this transformers model_type; its tensors sit under `prefix`, beside other towers' (`ignore`)
+    text_config: str | None = None
+    prefix: str = "model."
+    lm_head: str = "lm_head.weight"
+    ignore: tuple[str, ...] = ()
 
 
 _GRANITE_FLOATS = {"embedding_multiplier": ("embedding_multiplier", 1.0),
@@ -106,6 +112,13 @@ FAMILIES: dict[str, Family] = {
     "Gemma3ForCausalLM": Family(fixed={**_GEMMA, "norm_placement": "sandwich", "qk_norm": "head"}, **_GEMMA_2_3,
                                 layer_types=_gemma_layer_types("sliding_window_pattern", 6), softcaps=("final",),
                                 local_rope=True, refuse={"use_bidirectional_attention": "bidirectional attention"}),
+    # the text of Gemma 3's image-text checkpoints (4B, 12B, 27B), which never softcaps its logits
+    "Gemma3ForConditionalGeneration": Family(
+        fixed={**_GEMMA, "norm_placement": "sandwich", "qk_norm": "head"}, **_GEMMA_2_3,
+        layer_types=_gemma_layer_types("sliding_window_pattern", 6), local_rope=True,
+        refuse={"use_bidirectional_attention": "bidirectional attention"}, text_config="gemma3_text",
+        prefix="language_model.model.", lm_head="language_model.lm_head.weight",
+        ignore=("vision_tower.", "multi_modal_projector.")),
     "GraniteForCausalLM": Family(fixed={}, hf_bias="attention_bias", hf_floats=_GRANITE_FLOATS),
     "Olmo2ForCausalLM": Family(fixed={"qk_norm": "projection", "norm_placement": "post"}, hf_bias="attention_bias"),
     "SmolLM3ForCausalLM": Family(fixed={}, hf_bias="attention_bias", sliding="layer-types", tied=True,
@@ -144,6 +157,18 @@ def _rope_from_hf(hf: dict) -> tuple[float, dict | None, float, float | None]:
     legacy = dict(hf.get("rope_scaling") or {})
     local = hf.get("rope_local_base_freq")
     return (*_rope_params({**legacy, **params}, hf), None if local is None else float(local))
+
+
+def _text_config(hf: dict, model_type: str) -> dict:
+    """A multimodal checkpoint's decoder config: its text_config, every key it leaves out at the default of
+    its transformers config class (published Gemma 3 configs name a handful; a generic default, tk's or
+    another family's, would be wrong), under the checkpoint's architecture and tying."""
+    import transformers  # only here: the nested config's defaults are its class's
+
+    text = dict(hf.get("text_config") or {})
+    full = transformers.AutoConfig.for_model(text.pop("model_type", model_type), **text).to_dict()
+    tied = hf.get("tie_word_embeddings", full.get("tie_word_embeddings"))
+    return {**full, "architectures": hf["architectures"], "tie_word_embeddings": tied}
 
 
 def _eos_list(value) -> list[int]:
@@ -187,6 +212,8 @@ def config_from_hf(hf: dict) -> DecoderConfig:
             f"architecture {name} is not supported; supported: {', '.join(FAMILIES)}"
         )
     fam = FAMILIES[arch]
+    if fam.text_config:
+        hf = _text_config(hf, fam.text_config)
     for key, what in fam.refuse.items():
         if hf.get(key):
             raise UnsupportedModelError(f"{arch} with {key}=true ({what}) is not supported")

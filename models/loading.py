@@ -50,12 +50,13 @@ def weight_map(cfg: DecoderConfig) -> dict[str, list[tuple[str, int]]]:
     """Our parameter name -> the Hugging Face tensors concatenated (along dim 0) to make it,
     each with its number of rows. Fused families store the concatenation already."""
     C, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    m: dict[str, list[tuple[str, int]]] = {"embed.weight": [("model.embed_tokens.weight", V)],
-                                           "norm.weight": [("model.norm.weight", C)]}
+    fam = FAMILIES[cfg.architecture]
+    m: dict[str, list[tuple[str, int]]] = {"embed.weight": [(fam.prefix + "embed_tokens.weight", V)],
+                                           "norm.weight": [(fam.prefix + "norm.weight", C)]}
     if not cfg.tie_embeddings:
-        m["lm_head.weight"] = [("lm_head.weight", V)]
+        m["lm_head.weight"] = [(fam.lm_head, V)]
     for i in range(cfg.num_layers):
-        hf, us = f"model.layers.{i}.", f"layers.{i}."
+        hf, us = f"{fam.prefix}layers.{i}.", f"layers.{i}."
         for ours, theirs in _BLOCK_NORMS[cfg.norm_placement].items():
             m[us + ours + ".weight"] = [(hf + theirs + ".weight", C)]
         qkv = [("q", cfg.q_size), ("k", cfg.kv_size), ("v", cfg.kv_size)]
@@ -76,7 +77,7 @@ def weight_map(cfg: DecoderConfig) -> dict[str, list[tuple[str, int]]]:
         if not cfg.layer(i).moe:
             _ffn(m, us + "ffn.", hf + "mlp.", ("gate_proj", "up_proj", "down_proj"), I, C, cfg)
             continue
-        names = FAMILIES[cfg.architecture].experts
+        names = fam.experts
         if names is None:
             raise UnsupportedModelError(f"{cfg.architecture} has no mixture-of-experts tensor names; tk reads "
                                         f"experts of {', '.join(a for a, f in FAMILIES.items() if f.experts)}")
@@ -187,8 +188,9 @@ class CheckpointReader:
         files = _weight_files(self.folder)
         expected = hf_shapes(cfg)
         missing = [n for n in expected if n not in files]
+        others = FAMILIES[cfg.architecture].ignore  # a multimodal checkpoint's other towers
         unexpected = [n for n in files if n not in expected and not n.endswith(IGNORED_SUFFIXES)
-                      and not (cfg.tie_embeddings and n == "lm_head.weight")]
+                      and not (cfg.tie_embeddings and n == "lm_head.weight") and not n.startswith(others)]
         if missing:
             raise CheckpointError(f"checkpoint lacks {len(missing)} tensor(s) its config needs, e.g. {missing[0]}")
         if unexpected:

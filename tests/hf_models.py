@@ -86,14 +86,27 @@ WINDOWED = {
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=48, norm_topk_prob=True, tie_word_embeddings=False, use_sliding_window=False)),
 }
-LAYERS = {"gemma3": 3}  # fixtures deeper than 2 layers (Gemma 3's global layer is its third)
+# Gemma 3's image-text checkpoint (4B and up): the decoder's config nested as text_config, its tensors under
+# language_model., beside a vision tower tk ignores; no final softcap (Gemma3ForConditionalGeneration has none)
+MULTIMODAL = {
+    "gemma3_mm": ("Gemma3Config", "Gemma3ForConditionalGeneration", dict(
+        text_config=dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                         query_pre_attn_scalar=24, sliding_window_pattern=3, final_logit_softcapping=9.0,
+                         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                          "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=14),
+        mm_tokens_per_image=4, image_token_index=383, boi_token_index=381, eoi_token_index=382,
+        tie_word_embeddings=False)),
+}
+LAYERS = {"gemma3": 3, "gemma3_mm": 3}  # fixtures deeper than 2 layers (Gemma 3's global layer is its third)
 # A second Llama: linear rope scaling, tied embeddings, MQA.
 EXTRA = {
     "llama-linear-tied-mqa": ("LlamaConfig", "LlamaForCausalLM", dict(
         num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True,
         rope_scaling={"rope_type": "linear", "factor": 2.0})),
 }
-ALL = {**FAMILIES, **EXPORTED_ONCE, **WINDOWED, **EXTRA}
+ALL = {**FAMILIES, **EXPORTED_ONCE, **WINDOWED, **MULTIMODAL, **EXTRA}
 
 
 def jitter_(model: torch.nn.Module, seed: int) -> None:
@@ -115,8 +128,10 @@ def make_checkpoint(family: str, folder: Path, seed: int = 0, layers: int | None
     import transformers
 
     cfg_cls, model_cls, extra = ALL[family]
-    layers = layers or LAYERS.get(family, 2)
-    cfg = getattr(transformers, cfg_cls)(**{**_COMMON, "num_hidden_layers": layers}, **extra)
+    common = {**_COMMON, "num_hidden_layers": layers or LAYERS.get(family, 2)}
+    if "text_config" in extra:  # a multimodal checkpoint: the decoder's config is nested
+        extra, common = {**extra, "text_config": {**common, **extra["text_config"]}}, {}
+    cfg = getattr(transformers, cfg_cls)(**common, **extra)
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(cfg).eval()
     jitter_(model, seed)

@@ -16,7 +16,7 @@ import onnx
 import pytest
 import torch
 
-from hf_models import EXPORTED_ONCE, WINDOWED, hf_greedy
+from hf_models import EXPORTED_ONCE, MULTIMODAL, WINDOWED, hf_greedy
 from test_batching import SLOTS, _mix, _solo
 from test_ort_target import PROMPTS, _decode_both
 from tk.exporters.onnx_export import traced_layers
@@ -204,7 +204,7 @@ def _matrix(family: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", [_matrix(f) for f in WINDOWED])
+@pytest.mark.parametrize("family", [_matrix(f) for f in [*WINDOWED, *MULTIMODAL]])
 def test_family_matrix_portable_fastest_cpu_and_int4(checkpoints, tmp_path, family):
     """`pytest -m families`: every windowed and MoE family exported portable, --for ort-cpu (static
     cache of 256: rings filled by runs) and int4, each validated with tk parity's probes; transformers'

@@ -249,6 +249,21 @@ def test_gemma2_and_3_layer_kinds_as_transformers_derives_them():
         config_from_hf(_hf("Gemma3ForCausalLM", use_bidirectional_attention=True))
 
 
+def test_gemma3_image_text_checkpoint_reads_its_text_config_with_transformers_defaults():
+    """Gemma 3 4B and up: the decoder's config is text_config, which names a few keys; the rest are
+    Gemma3TextConfig's defaults (not tk's: vocab 262208, head_dim 256, scalar 256, theta 1e6 / 1e4), and
+    its logits are never softcapped (Gemma3ForConditionalGeneration has no final softcap)."""
+    cfg = config_from_hf({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+                          "text_config": {"model_type": "gemma3_text", "hidden_size": 2560, "num_hidden_layers": 12,
+                                          "sliding_window": 1024, "final_logit_softcapping": 30.0,
+                                          "rope_scaling": {"rope_type": "linear", "factor": 8.0}},
+                          "vision_config": {"hidden_size": 1152}})
+    assert (cfg.vocab_size, cfg.head_dim, cfg.attention_scale, cfg.num_kv_heads) == (262208, 256, 256 ** -0.5, 4)
+    assert (cfg.rope_theta, cfg.rope_local_theta, cfg.rope_scaling["factor"]) == (1e6, 1e4, 8.0)
+    assert cfg.windows == [1024] * 5 + [None] + [1024] * 5 + [None] and cfg.final_softcap is None
+    assert cfg.tie_embeddings and cfg.architecture == "Gemma3ForConditionalGeneration"
+
+
 def test_mixtures_of_experts_read_as_transformers_reads_them():
     """Mixtral routes every layer, renormalized; Qwen-MoE only the layers decoder_sparse_step and
     mlp_only_layers leave sparse, renormalized by norm_topk_prob, with Qwen2's gated shared expert."""
