@@ -45,7 +45,7 @@ def engine_problems(meta: dict, artifact: Path, env: dict) -> list[str]:
     """Every reason the engines cannot be used here, each a sentence a user can act on."""
     rebuild = f"rebuild them here with: tk build-engine {artifact} --force"
     problems = []
-    if meta.get("contract_version") != contract.CONTRACT_VERSION:
+    if meta.get("contract_version") not in contract.READS:
         problems.append(f"the engines follow graph contract version {meta.get('contract_version')} and this tk reads "
                         f"version {contract.CONTRACT_VERSION}; re-export and {rebuild}")
     if meta.get("tensorrt_version") != env["tensorrt_version"]:

@@ -42,7 +42,8 @@ def bad_checkpoints(tmp_path, tiny):
         (d / "config.json").write_text(json.dumps(cfg))
     make("unsupported", arch, "Error: architecture GPTNeoXForCausalLM is not supported; supported: LlamaForCausalLM, "
          "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM, GemmaForCausalLM, "
-         "GraniteForCausalLM, Olmo2ForCausalLM, SmolLM3ForCausalLM")
+         "Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, GraniteForCausalLM, "
+         "Olmo2ForCausalLM, SmolLM3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM")
 
     def corrupt(d):
         data = (d / "model.safetensors").read_bytes()

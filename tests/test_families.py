@@ -65,18 +65,23 @@ def test_layers_that_differ_are_all_traced():
     assert DecoderConfig(**base, rope_layers=[0] * 8).first_layers(4).rope_layers == [False] * 4
 
 
-@pytest.fixture(scope="module")
-def fused(tmp_path_factory, checkpoints):
-    """family -> its `--for ort-cpu` artifact (exported and validated once per module)."""
+def _exported_once(tmp_path_factory, checkpoints, kind: str, options):
+    """family -> its artifact exported with options(family), exported and validated on first use."""
     cache = {}
 
     def get(family: str):
         if family not in cache:
-            cache[family] = tmp_path_factory.mktemp(f"ort-cpu-{family}") / "artifact"
-            export_artifact(checkpoints(family), cache[family], profile="ort-cpu")
+            cache[family] = tmp_path_factory.mktemp(f"{kind}-{family}") / "artifact"
+            export_artifact(checkpoints(family), cache[family], **options(family))
         return cache[family]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def fused(tmp_path_factory, checkpoints):
+    """family -> its `--for ort-cpu` artifact (once per module)."""
+    return _exported_once(tmp_path_factory, checkpoints, "ort-cpu", lambda family: {"profile": "ort-cpu"})
 
 
 def _tokens(artifact, backend: str, n: int, prompt: list[int] = PROMPT, static: bool = False) -> list[int]:
@@ -128,16 +133,8 @@ def test_int4_granite_validates_and_fuses(checkpoints, tmp_path):
 
 @pytest.fixture(scope="module")
 def gate(tmp_path_factory, checkpoints):
-    """family -> its CI_GATES artifact (exported and validated once per module)."""
-    cache = {}
-
-    def get(family: str):
-        if family not in cache:
-            cache[family] = tmp_path_factory.mktemp(f"gate-{family}") / "artifact"
-            export_artifact(checkpoints(family), cache[family], **CI_GATES[family])
-        return cache[family]
-
-    return get
+    """family -> its CI_GATES artifact (once per module)."""
+    return _exported_once(tmp_path_factory, checkpoints, "gate", CI_GATES.get)
 
 
 @pytest.mark.slow

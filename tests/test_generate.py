@@ -138,9 +138,9 @@ def broken(tiny_artifact, tmp_path):
     return make
 
 
-def _old_contract(d):
+def _old_contract(d, version: int = 0):
     m = json.loads((d / contract.MANIFEST).read_text())
-    m["contract_version"] = 0
+    m["contract_version"] = version
     (d / contract.MANIFEST).write_text(json.dumps(m))
 
 
@@ -149,7 +149,7 @@ def _old_contract(d):
     (lambda d: (d / "decode.onnx").unlink(), ["--prompt", "hi"], "Error: {d} is missing decode.onnx; re-export the artifact"),
     (lambda d: (d / "manifest.json").unlink(), ["--prompt", "hi"],
      "Error: {d} has no manifest.json; it is not a tk artifact (tk export makes one)"),
-    (_old_contract, ["--prompt", "hi"], "Error: artifact has graph contract version 0, this tk reads version 2; "
+    (_old_contract, ["--prompt", "hi"], "Error: artifact has graph contract version 0, this tk reads version 3; "
      "re-export it with this version of tk (tk export)"),
     (None, ["--prompt-ids", "1,2,999"], "Error: token id 999 is outside the vocabulary (0..511)"),
     (None, ["--prompt", ""], "Error: empty prompt: give at least one token per prompt"),
@@ -162,6 +162,13 @@ def test_cli_generate_bad_input(broken, mutate, args, expected):
     result = run("generate", d, *args)
     assert result.exit_code in (1, 2)
     assert error_line(result).startswith(expected.format(d=d))
+
+
+def test_a_version_2_artifact_still_runs(broken):
+    """Contract version 3 added rings to static caches; a version-2 artifact (none) is a version-3 one."""
+    d = broken(lambda d: _old_contract(d, version=2))
+    result = run("generate", d, "--prompt-ids", "1,2,3", "--max-new-tokens", "4")
+    assert result.exit_code == 0, result.output
 
 
 def test_demo_runs_the_whole_path():
