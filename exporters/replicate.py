@@ -27,6 +27,9 @@ _LAYER_NAME = re.compile(r"^(model\.layers\.|past_key_values\.|present\.|hidden\
 _NAMESPACE = re.compile(r"model\.layers\.(\d+)[.:]")
 SHARED, EPILOGUE = -1, 1 << 30
 FINAL_WEIGHTS = frozenset({"model.norm.weight"})  # what only the epilogue reads
+# torch.export's data-dependent sizes (u0, u1, ...: how many tokens an expert takes, NonZero's count):
+# each copy of a layer gets its own, or ONNX Runtime would plan one buffer for sizes that differ
+_UNBACKED = re.compile(r"\bu\d+\b")
 
 
 def _name_layer(name: str) -> int | None:
@@ -168,7 +171,7 @@ def grow(ir_model, num_layers: int, external: dict, attach) -> str | None:
             for out, src in zip(copy.outputs, node.outputs):
                 out.name = _renamed(src.name, k) if src.is_graph_output() and _name_layer(src.name) == last \
                     else f"{src.name}_layer{k}"
-                out.type, out.shape = src.type, ir.Shape(list(src.shape)) if src.shape is not None else None
+                out.type, out.shape = src.type, _copied_shape(src.shape, k)
                 if src.is_graph_output():
                     graph.outputs.append(out)
             made[node] = copy
@@ -183,6 +186,16 @@ def grow(ir_model, num_layers: int, external: dict, attach) -> str | None:
                     node.replace_input_with(i, prev_layer[v.producer()].outputs[v.index()])
     attach(ir_model)
     return None
+
+
+def _copied_shape(shape, layer: int):
+    """A value's shape in the copy for `layer`: its data-dependent dims renamed for that layer."""
+    import onnx_ir as ir
+
+    if shape is None:
+        return None
+    return ir.Shape([ir.SymbolicDim(_UNBACKED.sub(lambda m: f"{m.group(0)}_layer{layer}", d.value))
+                     if isinstance(d, ir.SymbolicDim) and d.value and _UNBACKED.search(d.value) else d for d in shape])
 
 
 def _layer_value(graph, template, layer: int, made: dict):

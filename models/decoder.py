@@ -98,28 +98,24 @@ class Attention(nn.Module):
         self.softcap = cfg.attn_softcap
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
-        """Packed q, k, v (B, S, (H + 2 Hkv) D), projection-wide q/k norms applied."""
+        """Packed q, k, v (B, S, (H + 2 Hkv) D) with the q/k norms applied: over the whole projections
+        (before the head split: H*D and Hkv*D), or over each head's D (what a kernel taking packed qkv,
+        GroupQueryAttention, reads as well)."""
         qkv = self.wqkv(x)  # (B, S, (H + 2 Hkv) * D)
-        if self.norm_projections:  # before the head split: over H*D and Hkv*D
-            q, k, v = qkv.split(self.splits, dim=-1)
-            qkv = torch.cat([self.q_norm(q), self.k_norm(k), v], dim=-1)
-        return qkv
-
-    def project_normed(self, x: torch.Tensor) -> torch.Tensor:
-        """`project` with per-head q/k norms applied too (what a kernel taking packed qkv reads)."""
-        qkv = self.project(x)
-        if self.q_norm is None or self.norm_projections:
+        if self.q_norm is None:
             return qkv
-        B, S, _ = qkv.shape
         q, k, v = qkv.split(self.splits, dim=-1)
-        q = self.q_norm(q.view(B, S, self.n_heads, self.head_dim)).view(B, S, -1)  # over each head's D
+        if self.norm_projections:
+            return torch.cat([self.q_norm(q), self.k_norm(k), v], dim=-1)
+        B, S, _ = qkv.shape
+        q = self.q_norm(q.view(B, S, self.n_heads, self.head_dim)).view(B, S, -1)
         k = self.k_norm(k.view(B, S, self.n_kv, self.head_dim)).view(B, S, -1)
         return torch.cat([q, k, v], dim=-1)
 
     def forward(self, x, inputs: LayerInputs, past: tuple[torch.Tensor, torch.Tensor] | None,
                 write_index: torch.Tensor | None = None):
         B, S, _ = x.shape
-        qkv = self.project(x)  # (B, S, (H + 2 Hkv) * D)
+        qkv = self.project(x)  # (B, S, (H + 2 Hkv) * D), every q/k norm applied
         # One new token (S is a plain 1 when the decode graph is traced, a symbol for prefill):
         # moving a size-1 axis is a reshape, so all heads go to (B, H + 2 Hkv, 1, D) in one node
         # and split there: 2 nodes instead of 7 per layer in the decode graph.
@@ -129,8 +125,6 @@ class Attention(nn.Module):
             q, k, v = heads.split([self.n_heads, self.n_kv, self.n_kv], dim=1)  # (B, H, 1, D)
         else:
             q, k, v = (t.view(B, S, -1, self.head_dim).transpose(1, 2) for t in qkv.split(self.splits, dim=-1))
-        if self.q_norm is not None and not self.norm_projections:  # per head, over D: the same in either layout
-            q, k = self.q_norm(q), self.k_norm(k)
         if self.rope:
             q = apply_rope(q, inputs.cos, inputs.sin)  # (B, H, S, D)
             k = apply_rope(k, inputs.cos, inputs.sin)  # (B, Hkv, S, D)

@@ -180,7 +180,7 @@ def forward(model: Decoder, input_ids: torch.Tensor, attention_mask: torch.Tenso
         past = past_key_values[i] if past_key_values is not None else None
         if fused is not None and not inputs[i].circular:
             table = kind.rope or "global"  # a NoPE layer still passes a table (do_rotary=0 ignores it)
-            y, k, v = gqa(attn.project_normed(xn), past[0], past[1], fused.seqlens_k, fused.total,
+            y, k, v = gqa(attn.project(xn), past[0], past[1], fused.seqlens_k, fused.total,
                           fused.cos_cache[table], fused.sin_cache[table], fused.position_ids, fused.bias, attn.n_heads,
                           attn.n_kv, -1 if kind.window is None else kind.window, fused.static, attn.rope, attn.scale,
                           attn.softcap or 0.0)
