@@ -14,7 +14,9 @@ import pytest
 
 from hf_models import FAMILIES, hf_model_logits
 
-QUANT_CASES = [(f, w) for w in ("int4", "int8") for f in FAMILIES]
+# int4 on every family; int8 (the same graph rewrite, another integer type) on the two whose linears differ
+# most: Llama's biased GQA projections and Phi-3's fused ones (CI time: an export is ~15 s)
+QUANT_CASES = [(f, "int4") for f in FAMILIES] + [("llama", "int8"), ("phi3", "int8")]
 
 
 @pytest.fixture(scope="module")
