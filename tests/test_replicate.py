@@ -10,11 +10,14 @@ from hf_models import make_checkpoint
 
 LAYERS = 6
 VARIANTS = {  # family, export flags: together they cover both caches, both targets and the debug outputs, and
-    # experts (data-dependent sizes in every layer) with rings (Mixtral's window of 8: every layer's cache)
+    # (with -m families: ~90 s) experts, whose sizes are data-dependent in every layer, with rings (Mixtral's window
+    # of 8: every layer's cache)
     "llama-dynamic-debug-last": ("llama", dict(debug_outputs=True, prefill_logits="last")),
     "mistral-ort-fused": ("mistral", dict(target="ort")),
+    "qwen3-static-fp16": ("qwen3", dict(kv_cache="static", max_seq_len=48, dtype="fp16")),
     "mixtral-static-fp16": ("mixtral", dict(kv_cache="static", max_seq_len=48, dtype="fp16")),
 }
+MATRIX = {"mixtral-static-fp16"}  # run by pytest -m families (CI's time)
 
 
 def _run(artifact, steps: int = 5):
@@ -37,7 +40,8 @@ def _run(artifact, steps: int = 5):
     return out
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", [pytest.param(v, marks=pytest.mark.families) if v in MATRIX else v
+                                     for v in VARIANTS])
 def test_grown_graphs_equal_traced_ones(variant, tmp_path, monkeypatch):
     import tk.exporters.onnx_export as onnx_export
     from tk.toolkit.pipeline.export import export_artifact
@@ -56,6 +60,19 @@ def test_grown_graphs_equal_traced_ones(variant, tmp_path, monkeypatch):
     assert len(a) == len(b)
     for x, y in zip(a, b):
         np.testing.assert_array_equal(x, y)
+
+
+def test_a_copied_layer_gets_data_dependent_sizes_of_its_own():
+    """torch.export names an expert's token count u0, u1, ...; a copy of the layer must not share the name
+    (ONNX Runtime would plan one buffer for two sizes), while the contract's dims stay as they are."""
+    import onnx_ir as ir
+
+    from tk.exporters.replicate import _copied_shape
+
+    shape = ir.Shape([ir.SymbolicDim("u3"), ir.SymbolicDim("batch_size*sequence_length"), 4, ir.SymbolicDim("u12 + 1")])
+    assert [str(d) for d in _copied_shape(shape, 7)] == ["u3_layer7", "batch_size*sequence_length", "4",
+                                                         "u12_layer7 + 1"]
+    assert _copied_shape(None, 7) is None
 
 
 def test_layers_that_do_not_repeat_are_traced(tmp_path):
