@@ -163,7 +163,8 @@ class Manifest:
         """The sizes and variant of the graphs' I/O (the contract resolves every spec from them)."""
         from tk.models.config import DecoderConfig  # standard library only, as this module
 
-        return graph_dims(DecoderConfig.from_dict(self.config), self.precision, self.variant)
+        dims = graph_dims(DecoderConfig.from_dict(self.config), self.precision, self.variant)
+        return dims if self.contract_version != 2 else dataclasses.replace(dims, ring=None)  # before rings
 
     @property
     def dtype(self) -> str:

@@ -10,6 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from tk.models import contract
+from tk.models.artifact import Manifest
 from tk.models.errors import UsageProblem
 from tk.runtimes.base import InputError
 from tk.runtimes.generate import generate
@@ -169,6 +170,15 @@ def test_a_version_2_artifact_still_runs(broken):
     d = broken(lambda d: _old_contract(d, version=2))
     result = run("generate", d, "--prompt-ids", "1,2,3", "--max-new-tokens", "4")
     assert result.exit_code == 0, result.output
+
+
+def test_a_version_2_static_cache_has_no_rings(tiny_artifact):
+    """A version-2 static export of a sliding-window model kept full buffers: read as such, not as rings."""
+    raw = json.loads((tiny_artifact / contract.MANIFEST).read_text())
+    raw["config"]["sliding_window"] = 8
+    raw["variant"].update(cache="static", capacity=64)
+    assert Manifest.from_dict({**raw, "contract_version": 3}).dims.ring == (8, 8)
+    assert Manifest.from_dict({**raw, "contract_version": 2}).dims.ring is None
 
 
 def test_demo_runs_the_whole_path():
