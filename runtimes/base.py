@@ -84,6 +84,11 @@ class Runtime(ABC):
     # prefill them (dims.decode_prefills) may say "decode" (ORT on the CPU: one session).
     prefill_via: PrefillVia = "prefill"
 
+    @property
+    def all_prefill_logits(self) -> bool:
+        """A prefill's output holds every position's logits (not the last only: dims.prefill_logits)."""
+        return self.prefill_via == "prefill" and self.dims.prefill_logits == "all"
+
     def __init__(self, dims: contract.GraphDims, max_context: int):
         self.dims = dims  # the graphs this runtime runs, always
         self.layout = layout_for(dims)

@@ -31,6 +31,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from tk.runtimes.base import InputError, Runtime, RuntimeProblem, check_token_ids
+from tk.runtimes.logits import Processor, TokenLogprob, token_logprobs
 from tk.runtimes.rows import FinishReason, RowPolicy, TokenEvent, seen_matrix
 from tk.runtimes.sampling import Sampler, SamplingConfig
 from tk.runtimes.slots import Slots
@@ -50,7 +51,8 @@ class BatcherClosed(RuntimeProblem):
 class Request:
     """One prompt's generation. `on_event(TokenEvent)` hears each new token and, last, the finish
     (token None, finish_reason set), on the batcher's thread; `stop(tokens)` is asked after each
-    kept token. The batcher fills `tokens`, `finish_reason` and `error`; `done` is set at the end."""
+    kept token. The batcher fills `tokens`, `finish_reason` and `error` (and `prompt_scores`
+    where asked); `done` is set at the end. Log-probabilities are the raw logits' (runtimes/logits.py)."""
 
     prompt: Sequence[int]
     max_new_tokens: int
@@ -58,8 +60,12 @@ class Request:
     ignore_eos: bool = False
     on_event: Callable[[TokenEvent], None] | None = None
     stop: Callable[[list[int]], bool] | None = None
+    processors: Sequence[Processor] = ()  # change the logits before the sampler draws, in order
+    logprobs: int | None = None  # each new token's log-probability, with this many top alternatives
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (its first has none): `prompt_scores`
     id: int = -1
     tokens: list[int] = field(default_factory=list)
+    prompt_scores: list[TokenLogprob | None] | None = None  # filled at admission, before the first event
     finish_reason: FinishReason | None = None
     error: str | None = None
     done: threading.Event = field(default_factory=threading.Event)
@@ -232,7 +238,10 @@ class Batcher:
             self._admitting -= 1
             self._running[slot] = running
         try:
-            out = self._rows.admit(slot, request.prompt)
+            out = self._rows.admit(slot, request.prompt, every=request.prompt_logprobs is not None)
+            if request.prompt_logprobs is not None:  # position i's logits score prompt token i + 1
+                request.prompt_scores = [None, *token_logprobs(out.logits[0, :-1], request.prompt[1:],
+                                                               request.prompt_logprobs)]
         except Exception as e:  # noqa: BLE001
             return self._fail([slot], e)
         self._next(slot, out.logits[:, -1])
@@ -258,12 +267,15 @@ class Batcher:
     def _sample(self, slot: int, logits: np.ndarray) -> None:
         """Sample the slot's next token from its logits (1, V); tell the front end; maybe leave."""
         r = self._running[slot]
-        policy = r.policy
+        policy, request, raw = r.policy, r.request, logits
+        for process in request.processors:
+            logits = process(logits, policy.tokens)
         token = int(r.sampler(logits, policy.seen, [0], 1)[0])
         if not policy.add(token):
             return self._leave(slot, policy.finish_reason)
         self._last[slot] = token
-        self._tell(r.request, TokenEvent(0, token))
+        scored = None if request.logprobs is None else token_logprobs(raw, [token], request.logprobs)[0]
+        self._tell(request, TokenEvent(0, token, None, scored))
         if policy.finished():
             self._leave(slot, policy.finish_reason)
 

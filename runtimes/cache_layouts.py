@@ -181,19 +181,23 @@ class StaticLayout(_Layout):
             raise InputError(f"prefill: {T} tokens leave no room in the static cache of {self.capacity}; "
                              "export with a larger --max-seq-len")
 
-    def _prefill_row(self, rt, s: Session, row: int, ids: np.ndarray) -> StepOutput:
+    def _prefill_row(self, rt, s: Session, row: int, ids: np.ndarray, every: bool = False) -> StepOutput:
         """Prefill one row's tokens (1, L) through the decode graph (it takes a run of new tokens:
         contract.inputs' decode_prefills) into row `row` of the cache, from index 0, in runs of at
-        most max_run tokens (the row's mask is already 1 on 0 .. L - 1)."""
-        L, run = ids.shape[1], self.max_run or ids.shape[1]
+        most max_run tokens (the row's mask is already 1 on 0 .. L - 1). With `every`, one token
+        per run, to return every position's logits (1, L, V): the decode graph returns a run's last."""
+        L, run = ids.shape[1], 1 if every else self.max_run or ids.shape[1]
         rows = [b[row:row + 1] for b in s.cache]
+        logits = []
         for start in range(0, L, run):
             end = min(L, start + run)
             feeds = {"input_ids": ids[:, start:end], "attention_mask": s.mask[row:row + 1],
                      "position_ids": np.arange(start, end, dtype=np.int64)[None],
                      "write_indices": np.full(1, start, np.int64)}
             out, _ = rt._run(contract.DECODE, feeds, rows, None, in_place=True)
-        return out
+            if every:  # a copy: a backend may write the next run's logits into the same buffer
+                logits.append(np.array(out.logits[:, -1:], dtype=np.float32))
+        return StepOutput(np.concatenate(logits, axis=1)) if every else out
 
     def step(self, rt, s: Session, tokens: np.ndarray) -> StepOutput:
         if s.length >= self.capacity:  # (the longest row's length)
@@ -246,16 +250,19 @@ class StaticLayout(_Layout):
             self.free(s, slot)
         return s
 
-    def admit(self, rt, s: Session, slot: int, ids: np.ndarray) -> StepOutput:
-        """Prefill one prompt (1, T) alone, as `tk generate` of it would, into row `slot`."""
+    def admit(self, rt, s: Session, slot: int, ids: np.ndarray, every: bool = False) -> StepOutput:
+        """Prefill one prompt (1, T) alone, as `tk generate` of it would, into row `slot`. With
+        `every`, return each position's logits: where the prefill graph returns only the last
+        (`Runtime.all_prefill_logits` false), the prompt goes through the decode graph one token
+        per step instead (T steps: what a prompt's log-probabilities cost on such an artifact)."""
         T = ids.shape[1]
         self._check_prompt(T)
         s.mask[slot] = 0
         s.mask[slot, :T] = 1
         s.positions[slot] = T - 1
         s.static.write[slot] = T
-        if rt.prefill_via == "decode":
-            return self._prefill_row(rt, s, slot, ids)
+        if rt.prefill_via == "decode" or (every and not rt.all_prefill_logits):
+            return self._prefill_row(rt, s, slot, ids, every)
         out, present = _prefill(rt, ids, np.ones_like(ids))
         try:
             self._write_present(rt, s.cache, present, T, row=slot)

@@ -41,11 +41,13 @@ class Slots:
     def count(self) -> int:
         return self.session.batch
 
-    def admit(self, slot: int, prompt: Sequence[int]) -> StepOutput:
-        """Prefill `prompt` alone into `slot` (which must be free) -> its logits."""
+    def admit(self, slot: int, prompt: Sequence[int], every: bool = False) -> StepOutput:
+        """Prefill `prompt` alone into `slot` (which must be free) -> its logits: the last
+        position's, or with `every` each position's (1, T, V), even where the artifact's prefill
+        returns the last only (StaticLayout.admit)."""
         ids = np.asarray(prompt, dtype=np.int64).reshape(1, -1)
         check_token_ids(ids, self.runtime.dims.vocab_size)
-        return self.layout.admit(self.runtime, self.session, slot, ids)
+        return self.layout.admit(self.runtime, self.session, slot, ids, every)
 
     def free(self, slot: int) -> None:
         self.layout.free(self.session, slot)

@@ -23,6 +23,7 @@ def dims_of(config, kv_dtype: str) -> contract.GraphDims:
 
 class TorchRuntime(Runtime):
     name = "torch"
+    all_prefill_logits = True  # the model computes every position's logits, whatever the artifact's graphs return
 
     def __init__(self, model=None, device: str = "auto", debug: bool = False, *,
                  loader: Callable[[], object] | None = None, dims: contract.GraphDims | None = None,

@@ -33,9 +33,9 @@ WORDS = "the cat sat on a mat and then it ran far away into the dark wood where 
 
 @pytest.fixture(scope="module")
 def server(serve_artifact):
-    from tk.toolkit.serving.openai_server import open_server
+    from tk.toolkit.serving.openai_server import ServeOptions, open_server
 
-    srv, sock = open_server(serve_artifact, "ort", BackendOptions(), "127.0.0.1", 0, 4, 64, "tiny", 1.0)
+    srv, sock = open_server(serve_artifact, "ort", BackendOptions(), ServeOptions(port=0, slots=4, model_name="tiny", drain_s=1.0))
     sock.close()  # in_thread binds its own
     with srv.in_thread() as url:
         yield srv, url
@@ -204,9 +204,9 @@ def test_two_hundred_requests_with_hangups_and_garbage_leak_no_slot(server, solo
 
 
 def test_a_full_queue_gets_429(serve_artifact):
-    from tk.toolkit.serving.openai_server import open_server
+    from tk.toolkit.serving.openai_server import ServeOptions, open_server
 
-    srv, sock = open_server(serve_artifact, "ort", BackendOptions(), "127.0.0.1", 0, 1, 0, "tiny", 0.0)
+    srv, sock = open_server(serve_artifact, "ort", BackendOptions(), ServeOptions(port=0, slots=1, max_queue=0, model_name="tiny", drain_s=0.0))
     sock.close()
     with srv.in_thread() as url:
         host, port = url.removeprefix("http://").split(":")

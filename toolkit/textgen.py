@@ -6,6 +6,7 @@ knows none.
 
 from __future__ import annotations
 
+import functools
 import threading
 from pathlib import Path
 from typing import Callable, Sequence
@@ -28,14 +29,14 @@ class Tokenizer:
             from tokenizers import Tokenizer as _Tok
 
             tok = _Tok.from_file(str(folder / "tokenizer.json"))
-            self._encode = lambda text: tok.encode(text).ids
-            self._decode = lambda ids: tok.decode(ids, skip_special_tokens=True)
+            self._encode = lambda text, special: tok.encode(text, add_special_tokens=special).ids
+            self._decode = lambda ids, skip: tok.decode(ids, skip_special_tokens=skip)
         elif any((folder / f).is_file() for f in ("tokenizer.model", "vocab.json")):
             from transformers import AutoTokenizer
 
             tok = AutoTokenizer.from_pretrained(str(folder))
-            self._encode = lambda text: tok.encode(text)
-            self._decode = lambda ids: tok.decode(ids, skip_special_tokens=True)
+            self._encode = lambda text, special: tok.encode(text, add_special_tokens=special)
+            self._decode = lambda ids, skip: tok.decode(ids, skip_special_tokens=skip)
         else:
             raise ArtifactError(f"{folder} has no tokenizer files; pass --prompt-ids instead of --prompt")
 
@@ -47,8 +48,8 @@ class Tokenizer:
         except ArtifactError:
             return None
 
-    def encode(self, text: str) -> list[int]:
-        return self._encode(text)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._encode(text, add_special_tokens)
 
     def chat(self, message: str, system: str | None = None) -> list[int]:
         """The prompt ids of one user turn (after a system turn, if given), ready for the reply."""
@@ -56,28 +57,52 @@ class Tokenizer:
             {"role": "user", "content": message}]
         return self.chat_messages(messages)
 
-    def chat_messages(self, messages: list[dict]) -> list[int]:
-        """The prompt ids of a conversation as the checkpoint's chat template renders it, ready for
-        the assistant's reply: transformers' apply_chat_template with add_generation_prompt, from
-        chat_template.jinja or tokenizer_config.json."""
+    @property
+    def hf(self):
+        """transformers' tokenizer of the folder (chat templates, grammars), loaded on first use:
+        a server loads it at start (`tk serve`), so that no request waits for it."""
         with _HF_LOCK:  # transformers' lazy imports are not safe from two threads at once
             if self._hf is None:
                 from transformers import AutoTokenizer
 
                 self._hf = AutoTokenizer.from_pretrained(str(self.folder))
-        if not self._hf.chat_template:
+        return self._hf
+
+    def chat_messages(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """The prompt ids of a conversation as the checkpoint's chat template renders it, ready for
+        the assistant's reply: transformers' apply_chat_template with add_generation_prompt, from
+        chat_template.jinja or tokenizer_config.json."""
+        if not self.hf.chat_template:
             raise InputError(f"{self.folder} has no chat template (no chat_template.jinja, and no chat_template in "
                              "tokenizer_config.json): it is not an instruction-tuned checkpoint; use --prompt")
         from jinja2 import TemplateError
 
         try:
-            return list(self._hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                     return_dict=False))
+            return list(self._hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                     tokenize=True, return_dict=False))
         except TemplateError as e:  # the template's own raise_exception: roles out of order, say
             raise InputError(f"the chat template refused these messages: {e}") from None
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self._decode(list(ids))
+    def info(self, max_context: int) -> dict:
+        """vLLM's /tokenizer_info: the tokenizer's class and settings (tokenizer_config.json's), the
+        special tokens, the chat template and the context."""
+        import json
+
+        config = self.folder / "tokenizer_config.json"
+        settings = json.loads(config.read_text()) if config.is_file() else {}
+        settings.pop("added_tokens_decoder", None)  # hundreds of entries: /tokenize names any token
+        hf = self.hf
+        return {**settings, "tokenizer_class": type(hf).__name__, "model_max_length": max_context,
+                "vocab_size": len(hf), "eos_token": hf.eos_token, "bos_token": hf.bos_token,
+                "pad_token": hf.pad_token, "chat_template": hf.chat_template}
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._decode(list(ids), skip_special_tokens)
+
+    @functools.lru_cache(maxsize=65536)
+    def token_text(self, token: int) -> str:
+        """One token's text as log-probabilities name it: its decode alone, special tokens included."""
+        return self._decode([token], False)
 
 
 def parse_ids(text: str) -> list[int]:
@@ -107,9 +132,9 @@ class TextStream:
         self.shown = 0  # characters of `text` handed out
         self.stopped = False
 
-    def add(self, token: int) -> str:
+    def add(self, token: int, check_stops: bool = True) -> str:
         """The new text this token makes safe to show ("" while it is pending); sets `stopped` when a
-        stop string appears (the text is then cut before it)."""
+        stop string appears (the text is then cut before it), unless `check_stops` is off."""
         self.tokens.append(token)
         decode = self.tokenizer.decode
         before = decode(self.tokens[self.prefix : self.read])
@@ -118,7 +143,7 @@ class TextStream:
             self.text += now[len(before):]
             self.prefix, self.read = self.read, len(self.tokens)
         hold = max((len(s) for s in self.stops), default=1) - 1
-        if self.stops:
+        if self.stops and check_stops:
             window = self.text[max(0, self.shown - hold):]
             cut, found = stop_at(window, self.stops)
             if found:

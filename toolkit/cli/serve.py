@@ -28,17 +28,29 @@ def batcher_options(f):
 @click.option("--model-name", help="The `model` clients send [default: the artifact folder's name].")
 @click.option("--drain", default=10.0, show_default=True, type=click.FloatRange(min=0),
               help="Seconds in-flight requests get to finish at shutdown before they are cancelled.")
+@click.option("--api-key", envvar="TK_API_KEY", help="Require `Authorization: Bearer KEY` on every endpoint but "
+                                                     "/health (also from $TK_API_KEY).")
+@click.option("--max-body-bytes", default=8 * 2**20, show_default=True, type=click.IntRange(min=1024),
+              help="Larger request bodies are refused (HTTP 413).")
 @backend_options(prepack=True)
 def serve(artifact: Path, backend: str, host: str, port: int, slots: int, max_queue: int, model_name: str | None,
-          drain: float, threads: int | None, device: str, provider: str, prepack: bool) -> None:
+          drain: float, api_key: str | None, max_body_bytes: int, threads: int | None, device: str, provider: str,
+          prepack: bool) -> None:
     """Serve an ARTIFACT (static cache) over the OpenAI API, with continuous batching."""
-    from tk.toolkit.serving.openai_server import open_server
+    from tk.toolkit.serving.openai_server import ServeOptions, open_server
 
-    server, sock = open_server(artifact, backend, BackendOptions(threads, device, provider, prepack),
-                               host, port, slots, max_queue, model_name, drain)
+    if host not in LOOPBACK:
+        click.echo(f"tk serve: warning: --host {host} is reachable from other machines"
+                   f"{'' if api_key else ' and no --api-key is set: anyone who reaches it can use it'}; "
+                   "--host 127.0.0.1 keeps it on this one", err=True)
+    options = ServeOptions(host, port, slots, max_queue, model_name, drain, api_key, max_body_bytes)
+    server, sock = open_server(artifact, backend, BackendOptions(threads, device, provider, prepack), options)
     url = f"http://{host}:{sock.getsockname()[1]}"
     click.echo(f"tk serve: {server.model_name} on {url}/v1 ({backend}, {slots} slots); Ctrl-C stops", err=True)
     server.run(sock)
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 @click.command()

@@ -16,11 +16,14 @@ from __future__ import annotations
 import os
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import numpy as np
 
 from tk.runtimes.base import InputError
 from tk.runtimes.batching import Batcher, Request
+from tk.runtimes.logits import Penalties, Processor, logit_bias, min_tokens
 from tk.runtimes.rows import FinishReason, TokenEvent
 from tk.runtimes.sampling import SamplingConfig
 from tk.toolkit.textgen import TextStream, Tokenizer
@@ -51,12 +54,52 @@ class Params:
     seed: int | None = None  # None: a fresh random seed
     ignore_eos: bool = False
     stop: Sequence[str] = ()
+    min_tokens: int = 0  # no EOS, and no stop string, before this many tokens (vLLM's)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: int | None = None  # each token's log-probability, with this many alternatives
+    prompt_logprobs: int | None = None  # the prompt's tokens' too
+    constraint: Constraint | None = None  # a grammar the text must follow (toolkit/serving/structured.py)
 
-    def sampling(self) -> SamplingConfig:
-        """The request's sampling (UsageProblem names a value no API schema caught)."""
+    def sampling(self, choice: int = 0) -> SamplingConfig:
+        """The sampling of one of the request's choices (UsageProblem names a value no API schema
+        caught). Choice 0 draws from `seed` itself (what `tk generate --seed` draws); choice j > 0
+        from a stream of its own, derived from (seed, j)."""
         seed = self.seed if self.seed is not None else int.from_bytes(os.urandom(4), "little")
+        if choice:
+            seed = int(np.random.SeedSequence([seed, choice]).generate_state(1, np.uint64)[0]) >> 1
         return SamplingConfig(temperature=self.temperature, top_k=0 if self.top_k == -1 else self.top_k,
                               top_p=self.top_p, repetition_penalty=self.repetition_penalty, seed=seed)
+
+    def processors(self, vocab_size: int, eos_ids: Sequence[int], grammar=None) -> list[Processor]:
+        """The logits processors these parameters ask for, in vLLM's order (penalties, bias,
+        min_tokens), then the grammar's mask, last, so that nothing re-allows a token it bans."""
+        out: list[Processor] = []
+        if self.presence_penalty or self.frequency_penalty:
+            out.append(Penalties(self.presence_penalty, self.frequency_penalty, vocab_size))
+        if self.logit_bias:
+            out.append(logit_bias(self.logit_bias, vocab_size))
+        if self.min_tokens:
+            out.append(min_tokens(self.min_tokens, eos_ids))
+        if grammar is not None:
+            out.append(grammar)
+        return out
+
+
+class Grammar(Protocol):
+    """One generation's grammar: a processor (it bans the tokens the grammar forbids next) that
+    also says when the grammar is complete (nothing may follow but EOS)."""
+
+    def __call__(self, logits: np.ndarray, tokens: Sequence[int]) -> np.ndarray: ...
+
+    def complete(self, tokens: Sequence[int]) -> bool: ...
+
+
+class Constraint(Protocol):
+    """A grammar a request's text must follow: `start()` gives each of its generations a matcher."""
+
+    def start(self) -> Grammar: ...
 
 
 class Metrics:
@@ -80,14 +123,16 @@ class Job(ABC):
     on a completed finish), and `listening()` may say the client is gone (the job then cancels)."""
 
     def __init__(self, batcher: Batcher, prompt: Sequence[int], params: Params, tokenizer: Tokenizer | None,
-                 metrics: Metrics):
+                 metrics: Metrics, choice: int = 0):
         if params.stop and tokenizer is None:
             raise InputError("stop needs the artifact's tokenizer")
-        self.batcher, self.prompt, self.metrics = batcher, list(prompt), metrics
+        self.batcher, self.prompt, self.metrics, self.min_tokens = batcher, list(prompt), metrics, params.min_tokens
         self.text = TextStream(tokenizer, params.stop) if tokenizer is not None else None
         self.last = time.perf_counter()  # the last token's time (at first: submission)
-        self.request = Request(self.prompt, params.max_tokens, params.sampling(), params.ignore_eos,
-                               self._on_event, self._stopped)
+        self.grammar = params.constraint.start() if params.constraint is not None else None
+        processors = params.processors(batcher.runtime.dims.vocab_size, sorted(batcher.eos), self.grammar)
+        self.request = Request(self.prompt, params.max_tokens, params.sampling(choice), params.ignore_eos,
+                               self._on_event, self._stopped, processors, params.logprobs, params.prompt_logprobs)
 
     def submit(self) -> Request:
         """Hand the request to the batcher (QueueFull, BatcherClosed, InputError as it raises them)."""
@@ -106,7 +151,10 @@ class Job(ABC):
         """Hand one event and its new text to the client (the front end's transport)."""
 
     def _stopped(self, tokens: list[int]) -> bool:  # asked by the batcher right after on_event heard a token
-        return self.text is not None and self.text.stopped
+        """A stop string appeared, or the grammar is complete (nothing may follow but EOS: the row
+        ends here, with or without ignore_eos)."""
+        return (self.text is not None and self.text.stopped) or (self.grammar is not None and
+                                                                 self.grammar.complete(tokens))
 
     def _on_event(self, event: TokenEvent) -> None:  # the batcher's thread
         now = time.perf_counter()
@@ -117,7 +165,8 @@ class Job(ABC):
         else:
             if not self.listening():
                 return self.cancel()
-            piece = self.text.add(event.token) if self.text is not None else ""
+            armed = len(self.request.tokens) >= self.min_tokens  # vLLM: no stop string before min_tokens
+            piece = self.text.add(event.token, armed) if self.text is not None else ""
             self.metrics.token(len(self.request.tokens) == 1, now - self.last)
             self.last = now
         self.deliver(piece, event)

@@ -1,24 +1,28 @@
-"""The OpenAI API's shapes for `tk serve`: request bodies (pydantic), errors, responses and
-server-sent-event chunks. No server here (toolkit/serving/openai_server.py); pydantic comes with FastAPI.
+"""The OpenAI API's shapes for `tk serve`, apart from the request bodies (openai_schemas.py): errors,
+what a body asks of each generation, and the responses and server-sent-event chunks, with
+log-probabilities in OpenAI's two shapes (completions: `tokens`/`token_logprobs`/`top_logprobs`/
+`text_offset`; chat: `content` entries with `bytes` and `top_logprobs`). No server here
+(toolkit/serving/openai_server.py).
 
-Beyond OpenAI's fields, vLLM's names: `top_k`, `repetition_penalty`, `ignore_eos`, and
-`return_token_ids` (each choice, and each streamed chunk, then carries its `token_ids`).
+One request may ask for several choices: each prompt of a list, `n` times; choice `i * n + j` is
+prompt i's j-th, as vLLM numbers them. Each choice is one batcher request (its own seed stream).
 """
 
 from __future__ import annotations
 
 import json
 import time
-from typing import Literal, Union
+from dataclasses import dataclass, field
+from typing import Sequence
 
 from tk.runtimes.base import InputError
+from tk.runtimes.logits import TokenLogprob
 from tk.runtimes.rows import FinishReason
+from tk.toolkit.serving import frontend
+from tk.toolkit.serving.openai_schemas import LIMITS
 
 FINISH = {FinishReason.EOS: "stop", FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}  # as OpenAI's
-UNSUPPORTED = {"n": "tk serve returns one choice per request (n=1)",
-               "presence_penalty": "not supported; use repetition_penalty",
-               "frequency_penalty": "not supported; use repetition_penalty",
-               "logprobs": "not supported by tk serve", "echo": "not supported by tk serve"}
+_TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none"}
 
 
 class ApiError(Exception):
@@ -33,89 +37,102 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
-def schemas():
-    """(Completion, Chat): the request bodies, OpenAI's fields and vLLM's extras."""
-    from pydantic import BaseModel, ConfigDict, Field
-
-    class Body(BaseModel):
-        model_config = ConfigDict(extra="ignore")
-        model: str
-        max_tokens: int | None = Field(None, gt=0)
-        max_completion_tokens: int | None = Field(None, gt=0)
-        temperature: float = Field(1.0, ge=0, le=2)
-        top_p: float = Field(1.0, gt=0, le=1)
-        n: Literal[1] = 1
-        stream: bool = False
-        stream_options: dict | None = None
-        stop: Union[str, list[str], None] = None
-        seed: int | None = Field(None, ge=0)
-        presence_penalty: Literal[0, 0.0] = 0
-        frequency_penalty: Literal[0, 0.0] = 0
-        logprobs: Literal[None, False, 0] = None
-        top_k: int = Field(0, ge=-1)  # vLLM: -1 (or 0) is off
-        repetition_penalty: float = Field(1.0, gt=0)
-        ignore_eos: bool = False
-        return_token_ids: bool = False
-
-    class Completion(Body):
-        prompt: Union[str, list[int], list[str]]
-        echo: Literal[False] = False
-
-    class Message(BaseModel):
-        role: str
-        content: Union[str, list[dict]]
-
-    class Chat(Body):
-        messages: list[Message] = Field(min_length=1)
-
-    return Completion, Chat
+def invalid(errors: list[dict], model_name: str) -> ApiError:
+    """The 400 for a body pydantic refused: its most telling error, in one line naming the field."""
+    if not errors:
+        return ApiError(400, "the body is not valid")
+    err = next((e for e in errors if not e["type"].endswith("_type") and e["type"] != "literal_error"), errors[0])
+    loc = [str(p) for p in err["loc"] if p != "body" and not ("[" in str(p) or str(p).lower() in _TYPE_NAMES)]
+    where, param = ".".join(loc), (loc[0] if loc else None)
+    if err["type"] == "json_invalid":
+        return ApiError(400, f"the body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}")
+    if err["type"] == "extra_forbidden":
+        return ApiError(400, f"{where}: tk serve does not implement this field; leave it out", param)
+    if param == "model" and err["type"] == "literal_error":
+        return ApiError(400, f"model {err['input']!r} is not served here; this server serves {model_name!r} "
+                             "(GET /v1/models)", "model", code="model_not_found")
+    return ApiError(400, f"{where or 'body'}: {err['msg']}", param)
 
 
-def parse(raw: bytes, schema, model_name: str):
-    """A request body, or the 400 that names its first bad field."""
-    from pydantic import ValidationError
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt of a request: its ids, and its text where the client sent text (echo returns it)."""
 
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "the body must be a JSON object")
-    try:
-        parsed = schema.model_validate(body)
-    except ValidationError as e:
-        err = e.errors()[0]
-        param = str(err["loc"][0]) if err["loc"] else None
-        raise ApiError(400, f"{'.'.join(map(str, err['loc']))}: {UNSUPPORTED.get(param, err['msg'])}", param) from None
-    if parsed.model != model_name:
-        raise ApiError(400, f"model {parsed.model!r} is not served here; this server serves {model_name!r} "
-                            "(GET /v1/models)", "model")
-    return parsed
+    ids: list[int]
+    text: str | None = None
 
 
-def prompt_ids(body, chat: bool, tokenizer) -> list[int]:
-    """The prompt's token ids: the chat template over the messages, or the prompt encoded (or given as ids)."""
+def prompts(body, chat: bool, tokenizer) -> list[Prompt]:
+    """The request's prompts: the chat template over the messages, or each prompt encoded (or given as ids)."""
     try:
         if chat:
-            messages = [{"role": m.role, "content": m.content if isinstance(m.content, str) else
-                         "".join(p.get("text", "") for p in m.content if p.get("type") == "text")}
-                        for m in body.messages]
-            return tokenizer.chat_messages(messages)
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise ApiError(400, "prompt: one prompt per request (send a request for each)", "prompt")
-            prompt = prompt[0]
-        return tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            return [Prompt(tokenizer.chat_messages(messages(body.messages)))]
+        given = body.prompt
+        if isinstance(given, str) or (given and isinstance(given[0], int)):
+            given = [given]
+        return [Prompt(tokenizer.encode(p), p) if isinstance(p, str) else Prompt(list(p)) for p in given]
     except InputError as e:
         raise ApiError(400, str(e), "messages" if chat else "prompt") from None
 
 
-class Reply:
-    """One request's response objects: the whole completion, or its stream of chunks."""
+def messages(given) -> list[dict]:
+    """Chat messages as the template takes them (text parts joined)."""
+    return [{"role": m.role, "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content),
+             **({"name": m.name} if m.name else {})} for m in given]
 
-    def __init__(self, ident: str, model: str, chat: bool, token_ids: bool):
-        self.ident, self.model, self.chat, self.token_ids = ident, model, chat, token_ids
+
+def stops(body) -> list[str]:
+    return [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+
+
+def params(body, chat: bool, prompt_len: int, max_context: int, constraint) -> frontend.Params:
+    """What the body asks of each of its generations, OpenAI's defaults where it gives none (16 new
+    tokens for completions, the rest of the context for chat)."""
+    budget = body.max_completion_tokens or body.max_tokens or (max(1, max_context - prompt_len) if chat else 16)
+    if chat:
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        prompt_logprobs = None
+    else:
+        logprobs = body.logprobs
+        prompt_logprobs = logprobs if body.echo and logprobs is not None else None
+    return frontend.Params(
+        max_tokens=budget, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
+        repetition_penalty=body.repetition_penalty, seed=body.seed, ignore_eos=body.ignore_eos, stop=stops(body),
+        min_tokens=body.min_tokens, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+        logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()}, logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs, constraint=constraint)
+
+
+def choices_problem(count: int, capacity: int) -> str | None:
+    cap = min(LIMITS["choices"], capacity)
+    if count > cap:
+        return (f"this request asks for {count} choices (prompts x n); this server takes at most {cap} per request: "
+                "send fewer prompts or a smaller n")
+    return None
+
+
+@dataclass
+class Choice:
+    """One choice's state as its events arrive: its text so far, its tokens and their log-probabilities."""
+
+    index: int
+    prompt: Prompt
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    scores: list[TokenLogprob] = field(default_factory=list)
+    reason: FinishReason | None = None
+    offset: int = 0  # characters of text before the next token (completions' text_offset)
+
+
+class Reply:
+    """One request's response objects: the whole completion, or its stream of chunks. A token of
+    the log-probabilities is named by the tokenizer's `token_text` (its decode alone)."""
+
+    def __init__(self, ident: str, model: str, chat: bool, body, tokenizer):
+        self.ident, self.model, self.chat, self.tokenizer = ident, model, chat, tokenizer
+        self.token_text = tokenizer.token_text
+        self.token_ids, self.echo = body.return_token_ids, (not chat and body.echo)
+        self.logprobs = (body.logprobs if chat else body.logprobs is not None)
 
     def _envelope(self, chunk: bool, choices: list) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
@@ -125,24 +142,73 @@ class Reply:
     def usage(prompt: int, completion: int) -> dict:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    def complete(self, text: str, reason: str, tokens: list[int], usage: dict) -> dict:
-        body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text, "logprobs": None}
-        choice = {"index": 0, "finish_reason": FINISH.get(reason, reason), **body}
+    # --- log-probabilities ---
+
+    def _completion_logprobs(self, c: Choice, scores: Sequence[TokenLogprob | None], tokens: Sequence[int]) -> dict:
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token, s in zip(tokens, scores):
+            text = self.token_text(token)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(None if s is None else s.logprob)
+            top = None if s is None else {self.token_text(t): lp for t, lp in s.top}
+            if top is not None:
+                top.setdefault(text, s.logprob)  # the chosen token always, as vLLM does
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(c.offset)
+            c.offset += len(text)
+        return out
+
+    def _entry(self, token: int, logprob: float) -> dict:
+        text = self.token_text(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", errors="replace"))}
+
+    def _chat_logprobs(self, scores: Sequence[TokenLogprob]) -> dict:
+        return {"content": [{**self._entry(s.token, s.logprob), "top_logprobs": [self._entry(t, lp) for t, lp in s.top]}
+                            for s in scores], "refusal": None}
+
+    def _logprobs(self, c: Choice, scores, tokens):
+        if not self.logprobs:
+            return None
+        return self._chat_logprobs(scores) if self.chat else self._completion_logprobs(c, scores, tokens)
+
+    def echoed(self, c: Choice, prompt_scores) -> tuple[str, list, list[int]]:
+        """What echo puts before a choice's completion: the prompt's text, scores and ids."""
+        if not self.echo:
+            return "", [], []
+        text = c.prompt.text if c.prompt.text is not None else self.tokenizer.decode(c.prompt.ids)
+        return text, (prompt_scores or [None] * len(c.prompt.ids)), c.prompt.ids
+
+    # --- whole responses ---
+
+    def complete(self, choices: list[Choice], prompt_scores: dict[int, list], usage: dict) -> dict:
+        out = []
+        for c in choices:
+            head, head_scores, head_ids = self.echoed(c, prompt_scores.get(c.index))
+            body = {"message": {"role": "assistant", "content": c.text}} if self.chat else {"text": head + c.text}
+            lp = self._logprobs(c, [*head_scores, *c.scores], [*head_ids, *c.tokens])
+            choice = {"index": c.index, **body, "logprobs": lp, "finish_reason": FINISH[c.reason]}
+            if self.token_ids:
+                choice["token_ids"] = c.tokens
+                if self.echo:
+                    choice["prompt_token_ids"] = head_ids
+            out.append(choice)
+        return {**self._envelope(False, out), "usage": usage}
+
+    # --- streams ---
+
+    def role(self, index: int) -> str:
+        """The first chunk of a chat choice's stream."""
+        return sse(self._envelope(True, [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                          "logprobs": None, "finish_reason": None}]))
+
+    def chunk(self, c: Choice, text: str, reason: FinishReason | None, tokens: list[int],
+              scores: Sequence[TokenLogprob | None], usage: dict | None = None) -> str:
+        body = {"delta": {"content": text} if text else {}} if self.chat else {"text": text}
+        choice = {"index": c.index, **body, "logprobs": self._logprobs(c, scores, tokens) if tokens else None,
+                  "finish_reason": None if reason is None else FINISH[reason]}
         if self.token_ids:
             choice["token_ids"] = tokens
-        return {**self._envelope(False, [choice]), "usage": usage}
-
-    def role(self) -> str:
-        """The first chunk of a chat stream."""
-        return sse(self._envelope(True, [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                          "finish_reason": None}]))
-
-    def chunk(self, text: str, reason: str | None, tokens: list[int]) -> str:
-        body = {"delta": {"content": text} if text else {}} if self.chat else {"text": text, "logprobs": None}
-        choice = {"index": 0, "finish_reason": FINISH.get(reason, reason), **body}
-        if self.token_ids:
-            choice["token_ids"] = tokens
-        return sse(self._envelope(True, [choice]))
+        return sse({**self._envelope(True, [choice]), **({"usage": usage} if usage else {})})
 
     def usage_chunk(self, usage: dict) -> str:
         return sse({**self._envelope(True, []), "usage": usage})

@@ -16,15 +16,19 @@ import threading
 import time
 import uuid
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Union
 
 from tk.models.errors import TkError, UsageProblem
 from tk.runtimes.base import InputError
 from tk.runtimes.batching import Batcher, BatcherClosed, QueueFull
 from tk.runtimes.cache_layouts import slots_problem
 from tk.runtimes.rows import FinishReason
-from tk.toolkit.serving import frontend, openai_api
-from tk.toolkit.serving.frontend import METRICS
+from tk.toolkit.serving import frontend, openai_api, structured
+from tk.toolkit.serving.edge import DEFAULT_BODY_LIMIT, BodyLimit, CountRequests, PrometheusMetrics, bearer_check
 from tk.toolkit.serving.openai_api import ApiError
+from tk.toolkit.serving.openai_run import HttpJob, Run
+from tk.toolkit.serving.openai_schemas import schemas
 from tk.toolkit.textgen import Tokenizer
 
 MISSING = "the serving stack is not installed; pip install 'tk[serve]' (fastapi, uvicorn, prometheus-client)"
@@ -39,183 +43,250 @@ def _require():
         raise UsageProblem(MISSING) from None
 
 
-class _HttpJob(frontend.Job):
-    """One HTTP request's generation: its pieces of text go to the event loop's queue."""
-
-    def __init__(self, server: "Server", prompt: list[int], params: frontend.Params, loop: asyncio.AbstractEventLoop):
-        super().__init__(server.batcher, prompt, params, server.tokenizer, server.metrics)
-        self.loop, self.queue = loop, asyncio.Queue()
-
-    def deliver(self, piece, event) -> None:  # the batcher's thread
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, (piece, event.token, event.finish_reason))
+ERRORS = {400: "A field is wrong or not implemented (the message names it)", 401: "A missing or wrong API key",
+          413: "The body is over the server's limit", 429: "Every slot is busy and the queue is full",
+          503: "The server is shutting down"}
 
 
-class _Prometheus(frontend.Metrics):
-    """The server's metrics (frontend.METRICS' names) in a registry of its own."""
+def _documented(*codes: int, stream: bool = False) -> dict:
+    """The responses an endpoint declares in /openapi.json besides its 200 (OpenAI's error body)."""
+    error = {"content": {"application/json": {"schema": {"type": "object", "properties": {"error": {
+        "type": "object", "properties": {"message": {"type": "string"}, "type": {"type": "string"}}}}}}}}
+    out = {code: {"description": ERRORS[code], **error} for code in codes}
+    if stream:
+        out[200] = {"description": "The response, or with stream: true its server-sent events",
+                    "content": {"application/json": {}, "text/event-stream": {"schema": {"type": "string"}}}}
+    return out
 
-    def __init__(self, batcher: Batcher):
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-        self.registry = reg = CollectorRegistry()
-        Gauge("tk_queue_depth", METRICS["tk_queue_depth"], registry=reg).set_function(lambda: batcher.waiting)
-        Gauge("tk_active_slots", METRICS["tk_active_slots"], registry=reg).set_function(lambda: batcher.running)
-        Gauge("tk_slots", METRICS["tk_slots"], registry=reg).set(batcher.slots)
-        counter = lambda name, *labels: Counter(name, METRICS[name], labels, registry=reg)  # noqa: E731
-        buckets = frontend.LATENCY_BUCKETS
-        histogram = lambda name: Histogram(name, METRICS[name], buckets=buckets, registry=reg)  # noqa: E731
-        self.requests = counter("tk_requests", "endpoint", "status")
-        self.reasons = counter("tk_requests_finished", "reason")
-        self.prompt, self.generated = counter("tk_prompt_tokens"), counter("tk_generation_tokens")
-        self.ttft, self.itl = histogram("tk_time_to_first_token_seconds"), histogram("tk_inter_token_latency_seconds")
+def _version() -> str:
+    from importlib import metadata
 
-    def submitted(self, prompt_tokens: int) -> None:
-        self.prompt.inc(prompt_tokens)
+    try:
+        return metadata.version("tk")
+    except metadata.PackageNotFoundError:
+        return "unknown"
 
-    def token(self, first: bool, seconds: float) -> None:
-        (self.ttft if first else self.itl).observe(seconds)
-        self.generated.inc()
 
-    def finished(self, reason: FinishReason, tokens: int) -> None:
-        self.reasons.labels(reason.value).inc()
+async def run_in_threadpool(fn, *args):
+    """`fn(*args)` on Starlette's worker threads (imported here: the serving stack is optional)."""
+    from starlette.concurrency import run_in_threadpool as run
+
+    return await run(fn, *args)
+
+
+def _typed(endpoint, **annotations):
+    """An endpoint whose parameters take these types, before FastAPI reads its signature (the body
+    schemas are built at run time, and this module's annotations are strings that FastAPI would
+    resolve in the module's globals)."""
+    names = endpoint.__code__.co_varnames[:endpoint.__code__.co_argcount]
+    endpoint.__annotations__.update({k: v for k, v in annotations.items() if k in names})
+    return endpoint
 
 
 class Server:
-    """The FastAPI app over one batcher: `app`; `run(host, port)` serves until interrupted."""
+    """The FastAPI app over one batcher: `app`; `run(sock)` serves until interrupted."""
 
-    def __init__(self, batcher: Batcher, tokenizer: Tokenizer, model_name: str, drain_s: float = 10.0):
+    def __init__(self, batcher: Batcher, tokenizer: Tokenizer, model_name: str, drain_s: float = 10.0,
+                 api_key: str | None = None, max_body: int = DEFAULT_BODY_LIMIT):
         _require()
         self.batcher, self.tokenizer, self.model_name, self.drain_s = batcher, tokenizer, model_name, drain_s
+        self.api_key, self.max_body = api_key, max_body
         self.created = int(time.time())
-        self.Completion, self.Chat = openai_api.schemas()
-        self.metrics = _Prometheus(batcher)
+        self.schemas = schemas(model_name, batcher.runtime.dims.vocab_size, batcher.runtime.max_context)
+        self.metrics = PrometheusMetrics(batcher)
+        self.constraints = structured.Compiler(tokenizer, batcher.runtime.dims.vocab_size, sorted(batcher.eos))
         self.app = self._app()
-
-    def default_max_tokens(self, body, prompt_len: int) -> int:
-        """OpenAI's defaults: 16 for completions, the rest of the context for chat."""
-        return 16 if isinstance(body, self.Completion) else max(1, self.batcher.runtime.max_context - prompt_len)
-
-    def params(self, body, prompt_len: int) -> frontend.Params:
-        """The body's generation parameters, OpenAI's defaults where it gives none."""
-        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        budget = body.max_completion_tokens or body.max_tokens or self.default_max_tokens(body, prompt_len)
-        return frontend.Params(max_tokens=budget, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
-                               repetition_penalty=body.repetition_penalty, seed=body.seed,
-                               ignore_eos=body.ignore_eos, stop=stops)
 
     # --- the app ---
 
     def _app(self):
-        from fastapi import FastAPI
-        from fastapi.responses import JSONResponse, Response, StreamingResponse
+        from fastapi import Depends, FastAPI, Request
+        from fastapi.exceptions import RequestValidationError
+        from fastapi.responses import JSONResponse, Response
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
         from starlette.exceptions import HTTPException
 
-        app = FastAPI(title="tk serve")
+        app = FastAPI(title="tk serve", version=_version(), description="The OpenAI API over tk's continuous batcher")
+        S = self.schemas
 
         @app.exception_handler(ApiError)
         async def api_error(request, exc: ApiError):
             return JSONResponse(exc.body(), status_code=exc.status)
 
+        @app.exception_handler(RequestValidationError)
+        async def invalid_body(request, exc: RequestValidationError):
+            err = openai_api.invalid(list(exc.errors()), self.model_name)
+            return JSONResponse(err.body(), status_code=err.status)
+
+        @app.exception_handler(Exception)  # a bug: its traceback goes to the log (Starlette re-raises it)
+        async def bug(request, exc: Exception):
+            return JSONResponse(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error").body(),
+                                status_code=500)
+
         @app.exception_handler(HTTPException)
         async def http_error(request, exc: HTTPException):
             return JSONResponse(ApiError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
 
-        app.add_middleware(_CountRequests, counter=self.metrics.requests)
+        app.add_middleware(CountRequests, counter=self.metrics.requests)
+        app.add_middleware(BodyLimit, limit=self.max_body)  # outermost: before anything reads the body
+        guard = [Depends(bearer_check(self.api_key))] if self.api_key else []
+        keyed = (401,) if self.api_key else ()
 
-        @app.get("/health")
+        @app.get("/health")  # open even with an API key: load balancers probe it
         async def health():
             ok = self.batcher.alive
             return JSONResponse({"status": "ok" if ok else "stopped"}, status_code=200 if ok else 503)
 
-        @app.get("/metrics")
+        @app.get("/metrics", dependencies=guard, responses=_documented(*keyed))
         async def metrics():
             return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-        @app.get("/v1/models")
+        @app.get("/v1/models", dependencies=guard, responses=_documented(*keyed))
         async def models():
             return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
                                                 "owned_by": "tk", "max_model_len": self.batcher.runtime.max_context}]}
 
-        async def completions(request):  # Starlette routes: the body is parsed here, errors are 400s
-            return await self._generate(request, self.Completion, False, StreamingResponse, JSONResponse)
+        async def completions(request: Request, body):
+            return await self._generate(request, body, False)
 
-        async def chat(request):
-            return await self._generate(request, self.Chat, True, StreamingResponse, JSONResponse)
+        async def chat(request: Request, body):
+            return await self._generate(request, body, True)
 
-        app.add_route("/v1/completions", completions, methods=["POST"])
-        app.add_route("/v1/chat/completions", chat, methods=["POST"])
+        async def tokenize(body):
+            return await run_in_threadpool(self._tokenize, body)
+
+        async def detokenize(body):
+            return {"prompt": await run_in_threadpool(self.tokenizer.decode, body.tokens, False)}
+
+        generation = _documented(400, *keyed, 413, 429, 503, stream=True)
+        for path, endpoint, schema, responses in (
+                ("/v1/completions", completions, S.Completion, generation),
+                ("/v1/chat/completions", chat, S.Chat, generation),
+                ("/tokenize", tokenize, Union[S.TokenizeChat, S.Tokenize], _documented(400, *keyed, 413)),
+                ("/detokenize", detokenize, S.Detokenize, _documented(400, *keyed, 413))):
+            app.add_api_route(path, _typed(endpoint, body=schema, request=Request), methods=["POST"],
+                              dependencies=guard, responses=responses)
+
+        @app.get("/tokenizer_info", dependencies=guard, responses=_documented(*keyed))
+        async def tokenizer_info():
+            return self.tokenizer.info(self.batcher.runtime.max_context)
 
         return app
 
-    async def _generate(self, request, schema, chat: bool, stream_cls, json_cls):
-        body = openai_api.parse(await request.body(), schema, self.model_name)
-        prompt = openai_api.prompt_ids(body, chat, self.tokenizer)
+    def _tokenize(self, body) -> dict:
+        """vLLM's /tokenize: a prompt's ids (or a conversation's, through the chat template)."""
         try:
-            job = _HttpJob(self, prompt, self.params(body, len(prompt)), asyncio.get_running_loop())
-        except TkError as e:  # a sampling value the schema let through
-            raise ApiError(400, str(e)) from None
+            if hasattr(body, "messages"):
+                ids = self.tokenizer.chat_messages(openai_api.messages(body.messages), body.add_generation_prompt)
+            else:
+                ids = self.tokenizer.encode(body.prompt, body.add_special_tokens)
+        except InputError as e:
+            raise ApiError(400, str(e), "messages" if hasattr(body, "messages") else "prompt") from None
+        strs = [self.tokenizer.token_text(t) for t in ids] if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": self.batcher.runtime.max_context, "tokens": ids,
+                "token_strs": strs}
+
+    def _prepare(self, body, chat: bool):
+        """The request's prompts and its grammar (on a worker thread: tokenizing, chat templates and
+        compiling a grammar take time the event loop must not spend)."""
+        return openai_api.prompts(body, chat, self.tokenizer), self.constraints.compile(body)
+
+    async def _generate(self, http, body, chat: bool):
+        from fastapi.responses import JSONResponse, StreamingResponse
+
+        prompts, constraint = await run_in_threadpool(self._prepare, body, chat)
+        if problem := openai_api.choices_problem(len(prompts) * body.n, self.batcher.slots + self.batcher.max_queue):
+            raise ApiError(400, problem, "n")
+        loop, queue, jobs = asyncio.get_running_loop(), asyncio.Queue(), []
         try:
-            job.submit()
-        except QueueFull as e:
-            raise ApiError(429, str(e), kind="requests", code="rate_limit_exceeded") from None
-        except BatcherClosed as e:
-            raise ApiError(503, str(e), kind="server_error") from None
+            for i, prompt in enumerate(prompts):
+                params = openai_api.params(body, chat, len(prompt.ids), self.batcher.runtime.max_context, constraint)
+                self.batcher.check(prompt.ids, params.max_tokens)  # every prompt before any runs
+                jobs += [HttpJob(self.batcher, prompt.ids, params, self.tokenizer, self.metrics, loop, queue, i * body.n + j, j) for j in range(body.n)]
         except InputError as e:  # the prompt (and max_tokens) do not fit, or a token id is out of range
             raise ApiError(400, str(e), "messages" if chat else "prompt") from None
-        reply = openai_api.Reply(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", self.model_name, chat,
-                                 body.return_token_ids)
+        except TkError as e:  # a sampling value the schema let through
+            raise ApiError(400, str(e)) from None
+        self._submit(jobs)
+        choices = [openai_api.Choice(job.index, prompts[job.index // body.n]) for job in jobs]
+        reply = openai_api.Reply(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", self.model_name, chat, body,
+                                 self.tokenizer)
+        run = Run(jobs, choices, queue, sum(len(p.ids) for p in prompts))
         if body.stream:
-            usage = bool((body.stream_options or {}).get("include_usage"))
-            watch = asyncio.ensure_future(self._cancel_when_gone(request, job))  # even before the stream starts
-            return stream_cls(self._events(job, reply, usage, watch), media_type="text/event-stream")
-        return json_cls(await self._complete(request, job, reply))
+            options = body.stream_options
+            watch = asyncio.ensure_future(self._cancel_when_gone(http, run))  # even before the stream starts
+            return StreamingResponse(self._events(run, reply, options, watch), media_type="text/event-stream")
+        return JSONResponse(await self._complete(http, run, reply))
 
-    def _usage(self, job: _HttpJob) -> dict:
-        return openai_api.Reply.usage(len(job.prompt), len(job.request.tokens))
+    def _submit(self, jobs: list[HttpJob]) -> None:
+        """All of a request's choices, or none (a full queue or a closing batcher refuses the rest)."""
+        try:
+            for job in jobs:
+                job.submit()
+        except (QueueFull, BatcherClosed, InputError) as e:
+            for job in jobs:
+                job.cancel()
+            if isinstance(e, QueueFull):
+                raise ApiError(429, str(e), kind="requests", code="rate_limit_exceeded") from None
+            if isinstance(e, BatcherClosed):
+                raise ApiError(503, str(e), kind="server_error") from None
+            raise ApiError(400, str(e), "prompt") from None
 
-    async def _complete(self, http, job: _HttpJob, reply: openai_api.Reply):
+    async def _complete(self, http, run: Run, reply: openai_api.Reply):
         gone = asyncio.ensure_future(_disconnected(http))
         try:
-            while True:
-                getter = asyncio.ensure_future(job.queue.get())
+            while run.pending:
+                getter = asyncio.ensure_future(run.queue.get())
                 await asyncio.wait({getter, gone}, return_when=asyncio.FIRST_COMPLETED)
                 if not getter.done():  # the client went away: nobody to answer
                     getter.cancel()
-                    job.cancel()
+                    run.cancel()
                     return None
-                reason = getter.result()[2]
-                if reason is not None:
-                    break
+                run.take(*getter.result())
+        except asyncio.CancelledError:  # the server stops (uvicorn cancels its handlers): so do the choices
+            run.cancel()
+            raise
         finally:
             gone.cancel()
-        if reason == FinishReason.ERROR:
-            raise ApiError(500, f"the batcher failed this request: {job.request.error}", kind="server_error")
-        return reply.complete(job.text.text, reason, list(job.request.tokens), self._usage(job))
+        run.raise_failure()
+        return reply.complete(run.choices, run.prompt_scores(), run.usage())
 
-    async def _cancel_when_gone(self, http, job: _HttpJob) -> None:
+    async def _cancel_when_gone(self, http, run: Run) -> None:
         await _disconnected(http)
-        job.cancel()
+        run.cancel()
 
-    async def _events(self, job: _HttpJob, reply: openai_api.Reply, usage: bool, watch):
+    async def _events(self, run: Run, reply: openai_api.Reply, options, watch):
+        usage_at_end = options is not None and options.include_usage
+        continuous = options is not None and options.continuous_usage_stats
         try:
             if reply.chat:
-                yield reply.role()
-            while True:
-                text, token, reason = await job.queue.get()
-                if reason == FinishReason.ERROR:
-                    yield openai_api.sse(ApiError(500, job.request.error or "error", kind="server_error").body())
+                for c in run.choices:
+                    yield reply.role(c.index)
+            while run.pending:
+                index, piece, event = await run.queue.get()
+                c = run.choices[index]
+                if reply.echo and not c.tokens and c.reason is None and not getattr(c, "echoed", False):
+                    head, scores, ids = reply.echoed(c, run.jobs[index].request.prompt_scores)
+                    c.echoed = True
+                    yield reply.chunk(c, head, None, ids, scores)
+                run.take(index, piece, event)
+                if event.token is None and not event.finish_reason.completed:
+                    yield openai_api.sse(run.failure(index).body())
+                    run.cancel()
                     break
-                if reason is not None:
-                    yield reply.chunk(text, reason, [])
-                    if usage:
-                        yield reply.usage_chunk(self._usage(job))
-                    break
-                if text or reply.token_ids:
-                    yield reply.chunk(text, None, [token])
+                usage = run.usage() if continuous else None
+                if event.token is None:
+                    yield reply.chunk(c, piece, event.finish_reason, [], [], usage)
+                elif piece or reply.token_ids or reply.logprobs:
+                    yield reply.chunk(c, piece, None, [event.token], [event.logprob], usage)
+            else:
+                if usage_at_end:
+                    yield reply.usage_chunk(run.usage())
             yield "data: [DONE]\n\n"
-        finally:  # the client went away mid-stream (or the stream ended): its slot is freed
+        finally:  # the client went away mid-stream (or the stream ended): its slots are freed
             watch.cancel()
-            job.cancel()
+            run.cancel()
 
     # --- running ---
 
@@ -268,25 +339,6 @@ class _Stopped(Exception):
     """A stop signal, once uvicorn has shut down."""
 
 
-class _CountRequests:
-    """Counts responses by path and status: plain ASGI (Starlette's BaseHTTPMiddleware would hide a
-    client's disconnect from a streaming response, and the request would run on)."""
-
-    def __init__(self, app, counter):
-        self.app, self.counter = app, counter
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-
-        async def counted(message):
-            if message["type"] == "http.response.start":
-                self.counter.labels(scope["path"], str(message["status"])).inc()
-            await send(message)
-
-        await self.app(scope, receive, counted)
-
-
 async def _disconnected(request) -> None:
     """Returns when the client of a request whose body was read disconnects."""
     while (await request.receive())["type"] != "http.disconnect":
@@ -308,11 +360,25 @@ def bind(host: str, port: int):
     return sock
 
 
-def open_server(artifact, backend: str, options, host: str, port: int, slots: int, max_queue: int,
-                model_name: str | None, drain_s: float):
-    """Load the artifact on the backend, start its batcher and bind the socket: (Server, socket).
-    Everything that can fail (a missing package, a dynamic-cache artifact, a busy port) fails here,
-    before the server says it listens."""
+@dataclass(frozen=True)
+class ServeOptions:
+    """How `tk serve` listens and what it takes: its address, the batcher's limits, the name clients
+    send, the drain at shutdown, the API key (None: none asked) and the body limit."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    slots: int = 8
+    max_queue: int = 64
+    model_name: str | None = None
+    drain_s: float = 10.0
+    api_key: str | None = None
+    max_body: int = DEFAULT_BODY_LIMIT
+
+
+def open_server(artifact, backend: str, backend_options, options: ServeOptions = ServeOptions()):
+    """Load the artifact on the backend, its tokenizer (transformers' too: no request waits for it),
+    start its batcher and bind the socket: (Server, socket). Everything that can fail (a missing
+    package, a dynamic-cache artifact, a busy port) fails here, before the server says it listens."""
     import dataclasses
     from pathlib import Path
 
@@ -325,11 +391,13 @@ def open_server(artifact, backend: str, options, host: str, port: int, slots: in
     if problem := slots_problem(manifest.dims):
         raise UsageProblem(f"{artifact}: {problem}")
     tokenizer = Tokenizer(artifact)
-    runtime = open_runtime(artifact, backend, dataclasses.replace(options, static_cache=True))
-    sock = bind(host, port)
+    tokenizer.hf  # noqa: B018  (loaded now, not on the first chat request's event loop)
+    runtime = open_runtime(artifact, backend, dataclasses.replace(backend_options, static_cache=True))
+    sock = bind(options.host, options.port)
     try:
-        batcher = Batcher(runtime, slots, max_queue, manifest.eos_token_ids).start()
+        batcher = Batcher(runtime, options.slots, options.max_queue, manifest.eos_token_ids).start()
     except BaseException:
         sock.close()
         raise
-    return Server(batcher, tokenizer, model_name or artifact.resolve().name, drain_s), sock
+    name = options.model_name or artifact.resolve().name
+    return Server(batcher, tokenizer, name, options.drain_s, options.api_key, options.max_body), sock

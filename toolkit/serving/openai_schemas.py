@@ -1,0 +1,157 @@
+"""The request bodies `tk serve` takes (pydantic, so that FastAPI validates them and documents them
+in /openapi.json): OpenAI's completions and chat completions, vLLM's extras (`top_k`,
+`repetition_penalty`, `min_tokens`, `ignore_eos`, `return_token_ids`, `structured_outputs` and
+the older `guided_*`), and vLLM's tokenizer endpoints.
+
+Every body forbids fields it does not name: a field tk does not implement (`tools`, `suffix`,
+`best_of`, ...) gets a 400 naming it, never a silent 200. The served model's name, its vocabulary
+and context are in the schemas (an enum, token id ranges, token budgets), and every list has a cap
+(LIMITS), so the document says what the server accepts. (No `from __future__ import annotations`:
+the models are built inside a function, and pydantic and FastAPI read their annotations as objects.)
+"""
+
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, Optional, Union
+
+# Caps on what one request may list (each a 400 beyond): OpenAI's own are lower for `stop` (4).
+LIMITS = {"prompts": 1024, "n": 128, "stop": 16, "stop_chars": 512, "messages": 1024, "logit_bias": 1024,
+          "choices": 512, "logprobs": 20}
+
+
+@dataclass
+class Schemas:
+    """The models of one server: Completion, Chat, Tokenize (text), TokenizeChat, Detokenize."""
+
+    Completion: Any
+    Chat: Any
+    Tokenize: Any
+    TokenizeChat: Any
+    Detokenize: Any
+
+
+def schemas(model_name: str, vocab_size: int, max_context: int) -> Schemas:
+    from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+    token = Field(ge=0, lt=vocab_size)
+    TokenId = Annotated[int, token]
+    budget = Field(None, ge=1, le=max(1, max_context - 1))
+    Model = Optional[Literal[model_name]]  # type: ignore[valid-type]  (optional: vLLM's default is the one served)
+
+    class Strict(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+    class StreamOptions(Strict):
+        include_usage: bool = False
+        continuous_usage_stats: bool = False  # vLLM's: usage on every chunk
+
+    class JsonSchema(Strict):
+        name: str = Field("response", max_length=64)
+        schema_: dict = Field(alias="schema")
+        description: Optional[str] = None
+        strict: Optional[bool] = None
+
+    class ResponseFormat(Strict):
+        type: Literal["text", "json_object", "json_schema"]
+        json_schema: Optional[JsonSchema] = None
+
+        @model_validator(mode="after")
+        def _schema_given(self):
+            if (self.type == "json_schema") != (self.json_schema is not None):
+                raise ValueError("json_schema is required with type json_schema, and only then")
+            return self
+
+    class StructuredOutputs(Strict):  # vLLM's: exactly one of them
+        json_: Union[dict, str, None] = Field(None, alias="json")
+        regex: Optional[str] = None
+        choice: Optional[list[str]] = Field(None, min_length=1, max_length=LIMITS["prompts"])
+        grammar: Optional[str] = None  # a Lark grammar (llguidance's dialect)
+        json_object: Optional[bool] = None
+
+    Stop = Union[Annotated[str, Field(max_length=LIMITS["stop_chars"])],
+                 Annotated[list[Annotated[str, Field(max_length=LIMITS["stop_chars"])]],
+                           Field(max_length=LIMITS["stop"])], None]
+
+    class Body(Strict):
+        model: Model = None
+        max_tokens: Optional[int] = budget
+        max_completion_tokens: Optional[int] = budget
+        min_tokens: int = Field(0, ge=0, le=max_context)
+        temperature: float = Field(1.0, ge=0, le=2)
+        top_p: float = Field(1.0, gt=0, le=1)
+        top_k: int = Field(0, ge=-1)  # vLLM: -1 (or 0) is off
+        repetition_penalty: float = Field(1.0, gt=0, le=10)
+        presence_penalty: float = Field(0.0, ge=-2, le=2)
+        frequency_penalty: float = Field(0.0, ge=-2, le=2)
+        logit_bias: Optional[dict[str, Annotated[float, Field(ge=-100, le=100)]]] = \
+            Field(None, max_length=LIMITS["logit_bias"])
+        n: int = Field(1, ge=1, le=LIMITS["n"])
+        stream: bool = False
+        stream_options: Optional[StreamOptions] = None
+        stop: Stop = None
+        seed: Optional[int] = Field(None, ge=0, le=2**63 - 1)
+        ignore_eos: bool = False
+        return_token_ids: bool = False
+        user: Optional[str] = Field(None, max_length=256)  # OpenAI's end-user id: recorded nowhere
+        response_format: Optional[ResponseFormat] = None
+        structured_outputs: Optional[StructuredOutputs] = None
+        guided_json: Union[dict, str, None] = None  # vLLM's older names for structured_outputs
+        guided_regex: Optional[str] = None
+        guided_choice: Optional[list[str]] = Field(None, min_length=1, max_length=LIMITS["prompts"])
+        guided_grammar: Optional[str] = None
+
+        @field_validator("logit_bias")
+        @classmethod
+        def _bias_keys(cls, bias):
+            for key in bias or {}:
+                if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab_size:
+                    raise ValueError(f"keys are token ids in 0 .. {vocab_size - 1}, got {key!r}")
+            return bias
+
+    class Completion(Body):
+        prompt: Union[str, Annotated[list[str], Field(min_length=1, max_length=LIMITS["prompts"])],
+                      Annotated[list[TokenId], Field(min_length=1, max_length=max_context)],
+                      Annotated[list[Annotated[list[TokenId], Field(min_length=1, max_length=max_context)]],
+                                Field(min_length=1, max_length=LIMITS["prompts"])]]
+        echo: bool = False
+        logprobs: Optional[int] = Field(None, ge=0, le=LIMITS["logprobs"])
+
+    class TextPart(Strict):
+        type: Literal["text"]
+        text: str
+
+    class Message(Strict):
+        role: Literal["system", "developer", "user", "assistant"]
+        content: Union[str, list[TextPart]]
+        name: Optional[str] = Field(None, max_length=256)
+
+    Messages = Annotated[list[Message], Field(min_length=1, max_length=LIMITS["messages"])]
+
+    class Chat(Body):
+        messages: Messages
+        logprobs: bool = False
+        top_logprobs: Optional[int] = Field(None, ge=0, le=LIMITS["logprobs"])
+
+        @model_validator(mode="after")
+        def _top_needs_logprobs(self):
+            if self.top_logprobs and not self.logprobs:
+                raise ValueError("top_logprobs needs logprobs: true")
+            return self
+
+    class Tokenize(Strict):  # vLLM's TokenizeCompletionRequest
+        model: Model = None
+        prompt: str
+        add_special_tokens: bool = True
+        return_token_strs: bool = False
+
+    class TokenizeChat(Strict):  # vLLM's TokenizeChatRequest
+        model: Model = None
+        messages: Messages
+        add_generation_prompt: bool = True
+        add_special_tokens: bool = False
+        return_token_strs: bool = False
+
+    class Detokenize(Strict):
+        model: Model = None
+        tokens: Annotated[list[TokenId], Field(max_length=max_context * 4)]
+
+    return Schemas(Completion, Chat, Tokenize, TokenizeChat, Detokenize)
