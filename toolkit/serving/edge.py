@@ -3,7 +3,7 @@ BaseHTTPMiddleware would hide a client's disconnect from a streaming response, a
 would run on) and the API key's check.
 
 - `BodyLimit`: a body over `limit` bytes gets a 413 before it is parsed (by its Content-Length, or
-  as it arrives when chunked); the body read is then replayed to the app.
+  as it arrives when chunked); the body read is then replayed to the app, as JSON.
 - `CountRequests`: responses by route template and status (an unknown path counts as "unmatched":
   a client cannot grow the metric's series by inventing URLs).
 - `bearer_check(key)`: a FastAPI dependency that answers 401 unless `Authorization: Bearer KEY`.
@@ -70,6 +70,10 @@ class BodyLimit:
             replayed = True
             return {"type": "http.request", "body": body, "more_body": False}
 
+        # every endpoint takes JSON: a body is read as JSON whatever its Content-Type says (`curl -d`
+        # sends form-urlencoded; FastAPI would otherwise not parse it)
+        headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+        scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
         await self.app(scope, replay, send)
 
 
