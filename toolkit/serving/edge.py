@@ -7,6 +7,7 @@ would run on) and the API key's check.
 - `CountRequests`: responses by route template and status (an unknown path counts as "unmatched":
   a client cannot grow the metric's series by inventing URLs).
 - `bearer_check(key)`: a FastAPI dependency that answers 401 unless `Authorization: Bearer KEY`.
+- `documented(*codes)`: the error responses an endpoint declares in /openapi.json.
 - `PrometheusMetrics`: what the server counts (frontend.METRICS' names), in a registry of its own.
 """
 
@@ -109,6 +110,22 @@ def bearer_check(key: str):
             raise ApiError(401, "a valid API key is required: send Authorization: Bearer <key> (tk serve --api-key)",
                            kind="authentication_error", code="invalid_api_key")
     return check
+
+
+ERRORS = {400: "A field is wrong or not implemented (the message names it)", 401: "A missing or wrong API key",
+          413: "The body is over the server's limit", 429: "Every slot is busy and the queue is full",
+          503: "The server is shutting down"}
+
+
+def documented(*codes: int, stream: bool = False) -> dict:
+    """The responses an endpoint declares in /openapi.json besides its 200 (OpenAI's error body)."""
+    error = {"content": {"application/json": {"schema": {"type": "object", "properties": {"error": {
+        "type": "object", "properties": {"message": {"type": "string"}, "type": {"type": "string"}}}}}}}}
+    out = {code: {"description": ERRORS[code], **error} for code in codes}
+    if stream:
+        out[200] = {"description": "The response, or with stream: true its server-sent events",
+                    "content": {"application/json": {}, "text/event-stream": {"schema": {"type": "string"}}}}
+    return out
 
 
 class PrometheusMetrics(frontend.Metrics):

@@ -1,12 +1,15 @@
 """`tk serve`: the OpenAI API over the continuous batcher, on FastAPI and uvicorn.
 
 `POST /v1/completions` and `/v1/chat/completions` (the artifact's chat template), `stream: true`
-as server-sent events, `GET /v1/models`, `/health` and Prometheus `/metrics`. Each HTTP request
-becomes one job (toolkit/serving/frontend.py: its batcher `Request`, its text and stop strings,
-its metrics), whose pieces of text the batcher's thread hands to the event loop. Errors are
-OpenAI's JSON shape: 400 naming the field, 429 when the queue is full, 503 while shutting down.
-A client that goes away cancels its request, which frees its slot before the next step. The
-API's shapes are toolkit/serving/openai_api.py's.
+as server-sent events, vLLM's `POST /tokenize`, `/detokenize` and `GET /tokenizer_info`, `GET
+/v1/models`, `/health` and Prometheus `/metrics`. A request's bodies are the pydantic models of
+openai_schemas.py (FastAPI validates them and documents them in /openapi.json); its prompts are
+tokenized and its grammar compiled on a worker thread; each of its choices becomes one batcher job
+(openai_run.py; frontend.py: its `Request`, its text and stop strings, its metrics), whose events
+the batcher's thread hands to the event loop. The edge (edge.py) limits bodies, checks the API
+key and counts requests by route. Errors are OpenAI's JSON shape: 400 naming the field, 401, 413,
+429 when the queue is full, 503 while shutting down. A client that goes away cancels its request,
+which frees its slots before the next step. The response shapes are openai_api.py's.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from tk.runtimes.batching import Batcher, BatcherClosed, QueueFull
 from tk.runtimes.cache_layouts import slots_problem
 from tk.runtimes.rows import FinishReason
 from tk.toolkit.serving import frontend, openai_api, structured
-from tk.toolkit.serving.edge import DEFAULT_BODY_LIMIT, BodyLimit, CountRequests, PrometheusMetrics, bearer_check
+from tk.toolkit.serving.edge import (DEFAULT_BODY_LIMIT, BodyLimit, CountRequests, PrometheusMetrics, bearer_check,
+                                     documented)
 from tk.toolkit.serving.openai_api import ApiError
 from tk.toolkit.serving.openai_run import HttpJob, Run
 from tk.toolkit.serving.openai_schemas import schemas
@@ -41,22 +45,6 @@ def _require():
         import uvicorn  # noqa: F401
     except ImportError:
         raise UsageProblem(MISSING) from None
-
-
-ERRORS = {400: "A field is wrong or not implemented (the message names it)", 401: "A missing or wrong API key",
-          413: "The body is over the server's limit", 429: "Every slot is busy and the queue is full",
-          503: "The server is shutting down"}
-
-
-def _documented(*codes: int, stream: bool = False) -> dict:
-    """The responses an endpoint declares in /openapi.json besides its 200 (OpenAI's error body)."""
-    error = {"content": {"application/json": {"schema": {"type": "object", "properties": {"error": {
-        "type": "object", "properties": {"message": {"type": "string"}, "type": {"type": "string"}}}}}}}}
-    out = {code: {"description": ERRORS[code], **error} for code in codes}
-    if stream:
-        out[200] = {"description": "The response, or with stream: true its server-sent events",
-                    "content": {"application/json": {}, "text/event-stream": {"schema": {"type": "string"}}}}
-    return out
 
 
 def _version() -> str:
@@ -138,11 +126,11 @@ class Server:
             ok = self.batcher.alive
             return JSONResponse({"status": "ok" if ok else "stopped"}, status_code=200 if ok else 503)
 
-        @app.get("/metrics", dependencies=guard, responses=_documented(*keyed))
+        @app.get("/metrics", dependencies=guard, responses=documented(*keyed))
         async def metrics():
             return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-        @app.get("/v1/models", dependencies=guard, responses=_documented(*keyed))
+        @app.get("/v1/models", dependencies=guard, responses=documented(*keyed))
         async def models():
             return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
                                                 "owned_by": "tk", "max_model_len": self.batcher.runtime.max_context}]}
@@ -159,16 +147,16 @@ class Server:
         async def detokenize(body):
             return {"prompt": await run_in_threadpool(self.tokenizer.decode, body.tokens, False)}
 
-        generation = _documented(400, *keyed, 413, 429, 503, stream=True)
+        generation = documented(400, *keyed, 413, 429, 503, stream=True)
         for path, endpoint, schema, responses in (
                 ("/v1/completions", completions, S.Completion, generation),
                 ("/v1/chat/completions", chat, S.Chat, generation),
-                ("/tokenize", tokenize, Union[S.TokenizeChat, S.Tokenize], _documented(400, *keyed, 413)),
-                ("/detokenize", detokenize, S.Detokenize, _documented(400, *keyed, 413))):
+                ("/tokenize", tokenize, Union[S.TokenizeChat, S.Tokenize], documented(400, *keyed, 413)),
+                ("/detokenize", detokenize, S.Detokenize, documented(400, *keyed, 413))):
             app.add_api_route(path, _typed(endpoint, body=schema, request=Request), methods=["POST"],
                               dependencies=guard, responses=responses)
 
-        @app.get("/tokenizer_info", dependencies=guard, responses=_documented(*keyed))
+        @app.get("/tokenizer_info", dependencies=guard, responses=documented(*keyed))
         async def tokenizer_info():
             return self.tokenizer.info(self.batcher.runtime.max_context)
 

@@ -1,0 +1,260 @@
+"""tk serve for the clients people bring (issue 23): log-probabilities and echo as lm-evaluation-harness
+asks for them, prompt lists and n, vLLM's tokenizer endpoints, structured outputs under continuous
+batching, and the edge (413, 401, capped lists, metrics by route, bodies in /openapi.json). Every
+server and client on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from tk.models.artifact import Manifest
+from tk.runtimes.sampling import SamplingConfig
+from tk.toolkit.backends import BackendOptions, open_runtime
+from tk.toolkit.serving.frontend import Params
+from tk.toolkit.textgen import Tokenizer, generate_text
+
+pytest.importorskip("fastapi", reason="the serving stack: pip install -e '.[serve]'")
+pytest.importorskip("llguidance", reason="structured outputs need llguidance: pip install -e '.[serve]'")
+jsonschema = pytest.importorskip("jsonschema", reason="a test extra: pip install -e '.[test]'")
+pytestmark = pytest.mark.slow
+KEY = "sk-test"
+TEXTS = ["the cat sat on the mat", "Numbers: 1 2 3 4 5 6", "def f(x): return x * 2"]
+
+
+def _serve(artifact, backend: str, **options):
+    from tk.toolkit.serving.openai_server import ServeOptions, open_server
+
+    srv, sock = open_server(artifact, backend, BackendOptions(),
+                            ServeOptions(port=0, slots=8, max_queue=128, model_name="tiny", drain_s=1.0, **options))
+    sock.close()  # in_thread binds its own
+    return srv
+
+
+@pytest.fixture(scope="module")
+def server(serve_artifact):
+    srv = _serve(serve_artifact, "ort", api_key=KEY, max_body=64 * 1024)
+    with srv.in_thread() as url:
+        yield srv, url
+    srv.batcher.close()
+
+
+def _call(url, path, body=None, key=KEY, raw: bytes | None = None):
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url + path, data, headers), timeout=120) as r:
+            text = r.read().decode()
+            return r.status, (json.loads(text) if r.headers["content-type"].startswith("application/json") else text)
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.fixture(scope="module")
+def reference(serve_artifact):
+    """transformers' float32 log-softmax of the checkpoint, as lm-eval's `hf` backend computes it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(Manifest.read(serve_artifact).source["path"], dtype=torch.float32)
+
+    def log_softmax(ids: list[int]) -> np.ndarray:
+        with torch.inference_mode():
+            return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1).numpy()
+    return log_softmax
+
+
+@pytest.mark.parametrize("tokenized", [True, False])
+def test_echo_logprobs_are_the_models_log_softmax_as_lm_eval_reads_them(server, reference, tokenized):
+    """lm-eval's log-likelihood request: a batch of prompts, echo, logprobs 1, one new token, greedy;
+    it sums token_logprobs[ctxlen:-1] and calls a continuation greedy when each token is its top."""
+    srv, url = server
+    ids = [srv.tokenizer.encode(t) for t in TEXTS]
+    body = {"model": "tiny", "prompt": ids if tokenized else TEXTS, "echo": True, "logprobs": 1, "max_tokens": 1,
+            "temperature": 0, "seed": 1234, "return_token_ids": True}
+    status, reply = _call(url, "/v1/completions", body)
+    assert status == 200, reply
+    assert [c["index"] for c in reply["choices"]] == [0, 1, 2]
+    assert reply["usage"]["prompt_tokens"] == sum(map(len, ids))
+    for c, prompt, text in zip(reply["choices"], ids, TEXTS):
+        lp, (new,) = c["logprobs"], c["token_ids"]
+        assert c["prompt_token_ids"] == prompt and c["text"].startswith(text)
+        assert len(lp["tokens"]) == len(prompt) + 1 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        want = reference(prompt + [new])
+        expect = want[np.arange(len(prompt)), prompt[1:] + [new]]  # each prompt token's, then the new one's
+        np.testing.assert_allclose(np.array(lp["token_logprobs"][1:]), expect, atol=1e-4)
+        for row, top in zip(want, lp["top_logprobs"][1:]):
+            assert max(top.values()) == pytest.approx(float(row.max()), abs=1e-4)  # lm-eval's is_greedy reads this
+        assert new == int(want[len(prompt) - 1].argmax())
+        assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+
+
+def test_streamed_chat_logprobs_and_top_alternatives(server, reference):
+    srv, url = server
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi "},
+                                                                                        {"type": "text", "text": "there"}]}]
+    body = {"messages": messages, "max_tokens": 6, "temperature": 0, "logprobs": True, "top_logprobs": 3,
+            "stream": True, "return_token_ids": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    status, text = _call(url, "/v1/chat/completions", body)
+    assert status == 200
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    assert text.rstrip().endswith("data: [DONE]") and events[-1]["usage"]["completion_tokens"] == 6
+    tokens = [t for e in events for c in e["choices"] for t in c.get("token_ids") or []]
+    entries = [x for e in events for c in e["choices"] if c["logprobs"] for x in c["logprobs"]["content"]]
+    prompt = srv.tokenizer.chat_messages([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}])
+    want = reference(prompt + tokens)[len(prompt) - 1:-1]
+    assert len(entries) == len(tokens) == 6
+    for entry, token, row in zip(entries, tokens, want):
+        assert entry["logprob"] == pytest.approx(float(row[token]), abs=1e-4) and len(entry["top_logprobs"]) == 3
+        assert [t["logprob"] for t in entry["top_logprobs"]] == pytest.approx(np.sort(row)[::-1][:3].tolist(), abs=1e-4)
+        assert entry["bytes"] == list(entry["token"].encode())
+
+
+def test_n_choices_and_prompt_lists_each_equal_their_solo_run(server, serve_artifact):
+    srv, url = server
+    body = {"prompt": TEXTS[:2], "n": 3, "max_tokens": 12, "temperature": 0.9, "top_k": 20, "seed": 7,
+            "ignore_eos": True, "return_token_ids": True}
+    status, reply = _call(url, "/v1/completions", body)
+    assert status == 200 and [c["index"] for c in reply["choices"]] == list(range(6))
+    m, params = Manifest.read(serve_artifact), Params(max_tokens=12, temperature=0.9, top_k=20, seed=7)
+    runtime = open_runtime(serve_artifact, "ort", BackendOptions(static_cache=True))
+    for c in reply["choices"]:
+        prompt, choice = srv.tokenizer.encode(TEXTS[c["index"] // 3]), c["index"] % 3
+        result, texts = generate_text(runtime, srv.tokenizer, [prompt], 12, params.sampling(choice), m.eos_token_ids,
+                                      ignore_eos=True)
+        assert c["token_ids"] == result.rows[0].tokens and c["text"] == texts[0]
+    assert params.sampling(0).seed == 7  # choice 0 is what `tk generate --seed 7` draws
+    assert len({tuple(c["token_ids"]) for c in reply["choices"][:3]}) == 3  # each choice its own stream
+
+
+def test_logit_bias_and_min_tokens_reach_the_sampler(server):
+    _, url = server
+    status, reply = _call(url, "/v1/completions", {"prompt": "the cat", "max_tokens": 5, "temperature": 0,
+                                                   "logit_bias": {"42": 100}, "return_token_ids": True})
+    assert status == 200 and reply["choices"][0]["token_ids"] == [42] * 5
+
+
+def test_the_tokenizer_endpoints_in_vllms_shapes(server):
+    srv, url = server
+    status, out = _call(url, "/tokenize", {"prompt": TEXTS[0], "return_token_strs": True})
+    assert status == 200 and out["tokens"] == srv.tokenizer.encode(TEXTS[0]) and out["count"] == len(out["tokens"])
+    assert "".join(out["token_strs"]) == TEXTS[0] and out["max_model_len"] == srv.batcher.runtime.max_context
+    _, chat = _call(url, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]})
+    assert chat["tokens"] == srv.tokenizer.chat_messages([{"role": "user", "content": "hi"}])
+    assert _call(url, "/detokenize", {"tokens": out["tokens"]}) == (200, {"prompt": TEXTS[0]})
+    status, info = _call(url, "/tokenizer_info")
+    assert status == 200 and info["eos_token"] == "<|endoftext|>" and info["chat_template"]
+    assert _call(url, "/detokenize", {"tokens": [10**6]})[0] == 400
+
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "role", "tags", "address"],
+          "properties": {"name": {"type": "string", "maxLength": 8},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "role": {"enum": ["admin", "user", "guest"]}, "ok": {"type": "boolean"},
+                         "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 2},
+                         "address": {"type": "object", "additionalProperties": False, "required": ["city"],
+                                     "properties": {"city": {"type": "string", "maxLength": 6},
+                                                    "zip": {"type": "string", "pattern": "^[0-9]{5}$"}}}}}
+
+
+def _schema(i: int) -> dict:
+    """64 schemas: PERSON with its properties in a rotated order, some enums and bounds of their own."""
+    props = list(PERSON["properties"].items())
+    props = props[i % len(props):] + props[:i % len(props)]
+    schema = json.loads(json.dumps({**PERSON, "properties": dict(props)}))
+    schema["properties"]["role"]["enum"] = ["admin", "user", "guest", f"r{i}"][: 2 + i % 3]
+    schema["properties"]["age"]["maximum"] = 10 + i
+    return schema
+
+
+@pytest.mark.parametrize("backend", ["ort", "torch"])
+def test_structured_outputs_under_continuous_batching(serve_artifact, backend):
+    """64 concurrent JSON-schema requests (chat and completions, greedy and sampled) all validate;
+    a regex, a choice and json_object hold; unconstrained requests sharing their steps equal their
+    solo runs token for token (a request's mask never touches another's row)."""
+    srv = _serve(serve_artifact, backend)
+    m = Manifest.read(serve_artifact)
+    runtime = open_runtime(serve_artifact, "ort", BackendOptions(static_cache=True))
+    try:
+        with srv.in_thread() as url:
+            def constrained(i):
+                fmt = {"type": "json_schema", "json_schema": {"name": f"p{i}", "schema": _schema(i), "strict": True}}
+                common = {"max_tokens": 100, "temperature": 0.8 if i % 2 else 0, "seed": i, "response_format": fmt}
+                if i % 4 == 0:  # a chat prompt: about 25 tokens of the 128
+                    return _call(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": f"person {i}"}],
+                                                               **common}, key=None)
+                return _call(url, "/v1/completions", {"prompt": f"person {i}:", **common, "max_tokens": 120}, key=None)
+
+            def free(i):
+                return _call(url, "/v1/completions", {"prompt": TEXTS[i % 3], "max_tokens": 30, "temperature": 0.7,
+                                                      "seed": i, "ignore_eos": True, "return_token_ids": True}, key=None)
+
+            with ThreadPoolExecutor(24) as pool:
+                jobs = [pool.submit(constrained, i) for i in range(64)] + [pool.submit(free, i) for i in range(8)]
+                results = [j.result() for j in jobs]
+            for i, (status, reply) in enumerate(results[:64]):
+                assert status == 200 and reply["choices"][0]["finish_reason"] == "stop", (i, reply.get("choices", reply))
+                c = reply["choices"][0]
+                jsonschema.validate(json.loads(c["message"]["content"] if "message" in c else c["text"]), _schema(i))
+            for i, (status, reply) in enumerate(results[64:]):
+                sampling = Params(max_tokens=30, temperature=0.7, seed=i).sampling()
+                solo, _ = generate_text(runtime, srv.tokenizer, [srv.tokenizer.encode(TEXTS[i % 3])], 30, sampling,
+                                        m.eos_token_ids, ignore_eos=True)
+                assert reply["choices"][0]["token_ids"] == solo.rows[0].tokens, i
+            regex = r"[A-Z][a-z]{2,6} [0-9]{3}-[0-9]{4}"
+            _, out = _call(url, "/v1/completions", {"prompt": "call", "max_tokens": 30, "guided_regex": regex}, key=None)
+            assert re.fullmatch(regex, out["choices"][0]["text"]), out
+            words = ["positive", "negative", "neutral"]
+            _, out = _call(url, "/v1/completions", {"prompt": "mood:", "max_tokens": 30, "temperature": 1, "seed": 3,
+                                                    "structured_outputs": {"choice": words}}, key=None)
+            assert out["choices"][0]["text"] in words and out["choices"][0]["finish_reason"] == "stop"
+            _, out = _call(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "json"}], "max_tokens": 60,
+                                                         "temperature": 0, "response_format": {"type": "json_object"}},
+                           key=None)
+            text = out["choices"][0]["message"]["content"]
+            assert text.startswith("{") and (out["choices"][0]["finish_reason"] == "length"
+                                             or isinstance(json.loads(text), dict))
+    finally:
+        srv.batcher.close()
+
+
+def test_the_edge_refuses_with_413_401_and_400_and_stays_up(server):
+    srv, url = server
+    big = json.dumps({"prompt": "x" * (70 * 1024)}).encode()
+    status, reply = _call(url, "/v1/completions", raw=big)
+    assert status == 413 and "limit" in reply["error"]["message"]
+    assert _call(url, "/v1/completions", {"prompt": "hi"}, key=None)[0] == 401
+    assert _call(url, "/v1/completions", {"prompt": "hi"}, key="wrong")[0] == 401
+    assert _call(url, "/v1/models", key=None)[0] == 401 and _call(url, "/v1/models")[0] == 200
+    assert json.loads(urllib.request.urlopen(url + "/health", timeout=10).read()) == {"status": "ok"}  # open
+    for path in ("/nowhere/1", "/nowhere/2", "/v1/completions/x"):
+        assert _call(url, path, {"prompt": "x"})[0] == 404
+    _, metrics = _call(url, "/metrics")
+    endpoints = set(re.findall(r'tk_requests_total\{endpoint="([^"]+)"', metrics))
+    assert "unmatched" in endpoints and not any(e.startswith("/nowhere") for e in endpoints)
+    status, reply = _call(url, "/v1/completions", {"prompt": "hi", "messages": []})
+    assert status == 400 and reply["error"]["param"] == "messages" and "does not implement" in reply["error"]["message"]
+    assert _call(url, "/v1/completions", {"prompt": "the cat", "max_tokens": 2})[0] == 200
+
+
+def test_openapi_documents_every_body_and_the_key(server):
+    _, url = server
+    doc = json.loads(urllib.request.urlopen(url + "/openapi.json", timeout=10).read())
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+        op = doc["paths"][path]["post"]
+        assert op["requestBody"]["required"] and "401" in op["responses"] and "400" in op["responses"], path
+        assert op["security"]
+    completion = doc["components"]["schemas"]["Completion"]
+    assert completion["additionalProperties"] is False and "logprobs" in completion["properties"]
+    assert "security" not in doc["paths"]["/health"]["get"]
+
+
+def test_tokenizing_runs_off_the_event_loop_with_the_tokenizer_loaded_at_start(server):
+    srv, _ = server
+    assert srv.tokenizer._hf is not None  # open_server loaded transformers' tokenizer: no request waits for it
