@@ -89,4 +89,5 @@ class Penalties:
         for token in tokens[self.counted:]:
             self.counts[0, token] += 1
         self.counted = len(tokens)
-        return logits - self.presence * (self.counts > 0) - self.frequency * self.counts
+        penalty = self.presence * (self.counts > 0) + self.frequency * self.counts
+        return logits - penalty.astype(np.float32)

@@ -161,3 +161,31 @@ def test_the_backends_batch_and_prompt_limits_are_refusals(serve_artifact):
     runtime.deactivate()
     with Batcher(runtime, slots=2) as batcher, pytest.raises(InputError, match="longer than the ort backend's 8"):
         batcher.submit(Request(list(range(5, 14)), 4))
+
+
+@pytest.mark.parametrize("backend,variant", [("ort", "portable"), ("torch", "portable"), ("ort", "fast")])
+def test_log_probabilities_of_prompt_and_tokens_equal_the_reference(serve_artifact, backend, variant, request):
+    """A request's prompt and token log-probabilities are the log-softmax of the reference's logits,
+    also where the prefill returns only the last position's (the fast variant: the prompt then goes
+    through the decode graph one token per step), and with processors changing what it samples."""
+    from tk.runtimes.logits import log_softmax, logit_bias
+
+    artifact = request.getfixturevalue("fast_artifact") if variant == "fast" else serve_artifact
+    m = Manifest.read(artifact)
+    prompt = np.random.default_rng(5).integers(3, m.dims.vocab_size, size=23).tolist()
+    with Batcher(open_runtime(artifact, backend, SLOTS), slots=2, eos_ids=m.eos_token_ids) as batcher:
+        heard = []
+        r = Request(prompt, 6, SamplingConfig(), True, heard.append, processors=[logit_bias({7: 50.0}, m.dims.vocab_size)],
+                    logprobs=3, prompt_logprobs=2)
+        assert wait_all([batcher.submit(r)], 60)
+    assert r.tokens == [7] * 6  # the bias decided the tokens; the log-probabilities stay the model's own
+    with open_runtime(serve_artifact, "torch", SLOTS) as ref:
+        ids = np.array([prompt + r.tokens])
+        want = log_softmax(ref.start(ids, np.ones_like(ids))[0].logits[0])
+    assert r.prompt_scores[0] is None and len(r.prompt_scores) == len(prompt)
+    scores = [s for s in r.prompt_scores[1:]] + [e.logprob for e in heard if e.token is not None]
+    tokens = prompt[1:] + r.tokens
+    np.testing.assert_allclose([s.logprob for s in scores], want[np.arange(len(tokens)), tokens], atol=1e-4)
+    for s, row in zip(scores, want):
+        assert [t for t, _ in s.top] == np.argsort(-row, kind="stable")[:len(s.top)].tolist()
+    assert {len(s.top) for s in scores} == {2, 3}  # the prompt's top 2, the new tokens' top 3

@@ -1,0 +1,39 @@
+"""Logits processors and log-probabilities (runtimes/logits.py): pure numpy, each against its definition."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tk.runtimes.logits import Penalties, log_softmax, logit_bias, min_tokens, token_logprobs
+
+
+def _logits(seed=0, v=50):
+    return (np.random.default_rng(seed).standard_normal((1, v)) * 8).astype(np.float32)  # far from flat
+
+
+def test_log_probabilities_are_the_log_softmax_with_the_top_alternatives():
+    x = np.concatenate([_logits(s) for s in range(70)])  # over one chunk of positions
+    want = x.astype(np.float64) - np.log(np.exp(x.astype(np.float64)).sum(-1, keepdims=True))
+    np.testing.assert_allclose(log_softmax(x), want, atol=1e-5)
+    tokens = np.random.default_rng(1).integers(0, 50, 70).tolist()
+    scored = token_logprobs(x, tokens, top=4)
+    for row, token, s in zip(want, tokens, scored):
+        assert s.token == token and abs(s.logprob - row[token]) < 1e-5
+        assert [t for t, _ in s.top] == np.argsort(-row)[:4].tolist()
+    assert token_logprobs(x[:1], [3])[0].top == ()
+
+
+def test_bias_min_tokens_and_penalties_change_what_they_say():
+    x = _logits()
+    biased = logit_bias({3: 100.0, 4: -100.0}, 50)(x, [])
+    np.testing.assert_allclose(biased[0, 3:6] - x[0, 3:6], [100, -100, 0], atol=1e-4)
+    assert (biased[0, 5:] == x[0, 5:]).all() and biased.dtype == np.float32
+    early = min_tokens(2, [0, 1])
+    assert np.isneginf(early(x, [7])[0, :2]).all() and (early(x, [7, 8]) == x).all()
+    assert (x == _logits()).all()  # nothing changed its input: the raw logits stay for log-probabilities
+    pen = Penalties(presence=0.5, frequency=0.25, vocab_size=50)
+    out = pen(x, [9, 9, 10])
+    np.testing.assert_allclose((x - out)[0, 9:12], [0.5 + 0.5, 0.5 + 0.25, 0], atol=1e-6)
+    assert out.dtype == np.float32
+    out = pen(x, [9, 9, 10, 9])  # counts only the tokens it has not seen
+    np.testing.assert_allclose((x - out)[0, 9], 0.5 + 0.75, atol=1e-6)
