@@ -124,7 +124,8 @@ def documented(*codes: int, stream: bool = False) -> dict:
     out = {code: {"description": ERRORS[code], **error} for code in codes}
     if stream:
         out[200] = {"description": "The response, or with stream: true its server-sent events",
-                    "content": {"application/json": {}, "text/event-stream": {"schema": {"type": "string"}}}}
+                    "content": {"application/json": {}, "text/event-stream": {"schema": {  # one event
+                        "type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}}}}
     return out
 
 

@@ -87,8 +87,9 @@ def stops(body) -> list[str]:
 
 def params(body, chat: bool, prompt_len: int, max_context: int, constraint) -> frontend.Params:
     """What the body asks of each of its generations, OpenAI's defaults where it gives none (16 new
-    tokens for completions, the rest of the context for chat)."""
-    budget = body.max_completion_tokens or body.max_tokens or (max(1, max_context - prompt_len) if chat else 16)
+    tokens for completions, or fewer where the context has less room; the rest of the context for chat)."""
+    room = max(1, max_context - prompt_len)
+    budget = body.max_completion_tokens or body.max_tokens or (room if chat else min(16, room))
     if chat:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         prompt_logprobs = None

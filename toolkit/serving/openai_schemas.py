@@ -29,16 +29,24 @@ class Schemas:
     Detokenize: Any
 
 
-def schemas(model_name: str, vocab_size: int, max_context: int) -> Schemas:
-    from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+def _integral(value):
+    """JSON Schema's integer includes 2.0: take it as 2 (strict models refuse floats, bools and strings)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
-    token = Field(ge=0, lt=vocab_size)
-    TokenId = Annotated[int, token]
-    budget = Field(None, ge=1, le=max(1, max_context - 1))
+
+def schemas(model_name: str, vocab_size: int, max_context: int) -> Schemas:
+    from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+
+    def Int(**bounds):  # the bounds inside, so that the JSON schema says minimum/maximum (not pydantic's ge/le)
+        return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
+
+    TokenId = Int(ge=0, lt=vocab_size)
+    Text = Annotated[str, Field(min_length=1)]  # an empty prompt has no token to start from
+    Budget = Int(ge=1, le=max(1, max_context - 1))
     Model = Optional[Literal[model_name]]  # type: ignore[valid-type]  (optional: vLLM's default is the one served)
 
-    class Strict(BaseModel):
-        model_config = ConfigDict(extra="forbid")
+    class Strict(BaseModel):  # no coercion either: `"seed": false` or `"max_tokens": "5"` is a 400, as the schema says
+        model_config = ConfigDict(extra="forbid", strict=True)
 
     class StreamOptions(Strict):
         include_usage: bool = False
@@ -63,7 +71,7 @@ def schemas(model_name: str, vocab_size: int, max_context: int) -> Schemas:
     class StructuredOutputs(Strict):  # vLLM's: exactly one of them
         json_: Union[dict, str, None] = Field(None, alias="json")
         regex: Optional[str] = None
-        choice: Optional[list[str]] = Field(None, min_length=1, max_length=LIMITS["prompts"])
+        choice: Optional[list[Text]] = Field(None, min_length=1, max_length=LIMITS["prompts"])
         grammar: Optional[str] = None  # a Lark grammar (llguidance's dialect)
         json_object: Optional[bool] = None
 
@@ -73,22 +81,23 @@ def schemas(model_name: str, vocab_size: int, max_context: int) -> Schemas:
 
     class Body(Strict):
         model: Model = None
-        max_tokens: Optional[int] = budget
-        max_completion_tokens: Optional[int] = budget
-        min_tokens: int = Field(0, ge=0, le=max_context)
+        max_tokens: Optional[Budget] = None
+        max_completion_tokens: Optional[Budget] = None
+        min_tokens: Int(ge=0, le=max_context) = 0
         temperature: float = Field(1.0, ge=0, le=2)
         top_p: float = Field(1.0, gt=0, le=1)
-        top_k: int = Field(0, ge=-1)  # vLLM: -1 (or 0) is off
+        top_k: Int(ge=-1) = 0  # vLLM: -1 (or 0) is off
         repetition_penalty: float = Field(1.0, gt=0, le=10)
         presence_penalty: float = Field(0.0, ge=-2, le=2)
         frequency_penalty: float = Field(0.0, ge=-2, le=2)
-        logit_bias: Optional[dict[str, Annotated[float, Field(ge=-100, le=100)]]] = \
-            Field(None, max_length=LIMITS["logit_bias"])
-        n: int = Field(1, ge=1, le=LIMITS["n"])
+        logit_bias: Optional[Annotated[dict[Annotated[str, Field(pattern=r"^(0|[1-9][0-9]*)$")],
+                                            Annotated[float, Field(ge=-100, le=100)]],
+                                       Field(max_length=LIMITS["logit_bias"])]] = None
+        n: Int(ge=1, le=LIMITS["n"]) = 1
         stream: bool = False
         stream_options: Optional[StreamOptions] = None
         stop: Stop = None
-        seed: Optional[int] = Field(None, ge=0, le=2**63 - 1)
+        seed: Optional[Int(ge=0, le=2**63 - 1)] = None
         ignore_eos: bool = False
         return_token_ids: bool = False
         user: Optional[str] = Field(None, max_length=256)  # OpenAI's end-user id: recorded nowhere
@@ -96,24 +105,24 @@ def schemas(model_name: str, vocab_size: int, max_context: int) -> Schemas:
         structured_outputs: Optional[StructuredOutputs] = None
         guided_json: Union[dict, str, None] = None  # vLLM's older names for structured_outputs
         guided_regex: Optional[str] = None
-        guided_choice: Optional[list[str]] = Field(None, min_length=1, max_length=LIMITS["prompts"])
+        guided_choice: Optional[list[Text]] = Field(None, min_length=1, max_length=LIMITS["prompts"])
         guided_grammar: Optional[str] = None
 
         @field_validator("logit_bias")
         @classmethod
         def _bias_keys(cls, bias):
             for key in bias or {}:
-                if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab_size:
+                if not int(key) < vocab_size:
                     raise ValueError(f"keys are token ids in 0 .. {vocab_size - 1}, got {key!r}")
             return bias
 
     class Completion(Body):
-        prompt: Union[str, Annotated[list[str], Field(min_length=1, max_length=LIMITS["prompts"])],
+        prompt: Union[Text, Annotated[list[Text], Field(min_length=1, max_length=LIMITS["prompts"])],
                       Annotated[list[TokenId], Field(min_length=1, max_length=max_context)],
                       Annotated[list[Annotated[list[TokenId], Field(min_length=1, max_length=max_context)]],
                                 Field(min_length=1, max_length=LIMITS["prompts"])]]
         echo: bool = False
-        logprobs: Optional[int] = Field(None, ge=0, le=LIMITS["logprobs"])
+        logprobs: Optional[Int(ge=0, le=LIMITS["logprobs"])] = None
 
     class TextPart(Strict):
         type: Literal["text"]
@@ -129,7 +138,7 @@ def schemas(model_name: str, vocab_size: int, max_context: int) -> Schemas:
     class Chat(Body):
         messages: Messages
         logprobs: bool = False
-        top_logprobs: Optional[int] = Field(None, ge=0, le=LIMITS["logprobs"])
+        top_logprobs: Optional[Int(ge=0, le=LIMITS["logprobs"])] = None
 
         @model_validator(mode="after")
         def _top_needs_logprobs(self):

@@ -91,7 +91,7 @@ class Server:
     def _app(self):
         from fastapi import Depends, FastAPI, Request
         from fastapi.exceptions import RequestValidationError
-        from fastapi.responses import JSONResponse, Response
+        from fastapi.responses import JSONResponse, PlainTextResponse, Response
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
         from starlette.exceptions import HTTPException
 
@@ -114,7 +114,8 @@ class Server:
 
         @app.exception_handler(HTTPException)
         async def http_error(request, exc: HTTPException):
-            return JSONResponse(ApiError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
+            return JSONResponse(ApiError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code,
+                                headers=exc.headers)  # a 405's Allow
 
         app.add_middleware(CountRequests, counter=self.metrics.requests)
         app.add_middleware(BodyLimit, limit=self.max_body)  # outermost: before anything reads the body
@@ -126,7 +127,7 @@ class Server:
             ok = self.batcher.alive
             return JSONResponse({"status": "ok" if ok else "stopped"}, status_code=200 if ok else 503)
 
-        @app.get("/metrics", dependencies=guard, responses=documented(*keyed))
+        @app.get("/metrics", dependencies=guard, responses=documented(*keyed), response_class=PlainTextResponse)
         async def metrics():
             return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
