@@ -116,6 +116,23 @@ def test_streamed_chat_logprobs_and_top_alternatives(server, reference):
         assert entry["bytes"] == list(entry["token"].encode())
 
 
+def test_a_streamed_echo_with_logprobs_equals_the_whole_response(server):
+    """Streamed, each choice's chunks (its prompt first, then its tokens) add up to the whole reply."""
+    _, url = server
+    body = {"prompt": TEXTS, "echo": True, "logprobs": 2, "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    _, whole = _call(url, "/v1/completions", body)
+    _, text = _call(url, "/v1/completions", {**body, "stream": True})
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    for want in whole["choices"]:
+        chunks = [c for e in events for c in e["choices"] if c["index"] == want["index"]]
+        assert "".join(c["text"] for c in chunks) == want["text"]
+        assert chunks[0]["prompt_token_ids"] == want["prompt_token_ids"]
+        assert [t for c in chunks for t in c.get("token_ids", [])] == want["token_ids"]
+        streamed = {k: [x for c in chunks if c["logprobs"] for x in c["logprobs"][k]] for k in want["logprobs"]}
+        assert streamed == want["logprobs"] and chunks[-1]["finish_reason"] == "length"
+
+
 def test_n_choices_and_prompt_lists_each_equal_their_solo_run(server, serve_artifact):
     srv, url = server
     body = {"prompt": TEXTS[:2], "n": 3, "max_tokens": 12, "temperature": 0.9, "top_k": 20, "seed": 7,

@@ -123,6 +123,7 @@ class Choice:
     scores: list[TokenLogprob] = field(default_factory=list)
     reason: FinishReason | None = None
     offset: int = 0  # characters of text before the next token (completions' text_offset)
+    echoed: bool = False  # a stream sent its prompt (echo)
 
 
 class Reply:
@@ -172,7 +173,7 @@ class Reply:
             return None
         return self._chat_logprobs(scores) if self.chat else self._completion_logprobs(c, scores, tokens)
 
-    def echoed(self, c: Choice, prompt_scores) -> tuple[str, list, list[int]]:
+    def head(self, c: Choice, prompt_scores) -> tuple[str, list, list[int]]:
         """What echo puts before a choice's completion: the prompt's text, scores and ids."""
         if not self.echo:
             return "", [], []
@@ -184,7 +185,7 @@ class Reply:
     def complete(self, choices: list[Choice], prompt_scores: dict[int, list], usage: dict) -> dict:
         out = []
         for c in choices:
-            head, head_scores, head_ids = self.echoed(c, prompt_scores.get(c.index))
+            head, head_scores, head_ids = self.head(c, prompt_scores.get(c.index))
             body = {"message": {"role": "assistant", "content": c.text}} if self.chat else {"text": head + c.text}
             lp = self._logprobs(c, [*head_scores, *c.scores], [*head_ids, *c.tokens])
             choice = {"index": c.index, **body, "logprobs": lp, "finish_reason": FINISH[c.reason]}
@@ -203,12 +204,13 @@ class Reply:
                                           "logprobs": None, "finish_reason": None}]))
 
     def chunk(self, c: Choice, text: str, reason: FinishReason | None, tokens: list[int],
-              scores: Sequence[TokenLogprob | None], usage: dict | None = None) -> str:
+              scores: Sequence[TokenLogprob | None], usage: dict | None = None, prompt: bool = False) -> str:
+        """One chunk of choice `c`: its new text and tokens (with `prompt`, the echoed prompt's)."""
         body = {"delta": {"content": text} if text else {}} if self.chat else {"text": text}
         choice = {"index": c.index, **body, "logprobs": self._logprobs(c, scores, tokens) if tokens else None,
                   "finish_reason": None if reason is None else FINISH[reason]}
         if self.token_ids:
-            choice["token_ids"] = tokens
+            choice["prompt_token_ids" if prompt else "token_ids"] = tokens
         return sse({**self._envelope(True, [choice]), **({"usage": usage} if usage else {})})
 
     def usage_chunk(self, usage: dict) -> str:

@@ -255,10 +255,10 @@ class Server:
             while run.pending:
                 index, piece, event = await run.queue.get()
                 c = run.choices[index]
-                if reply.echo and not c.tokens and c.reason is None and not getattr(c, "echoed", False):
-                    head, scores, ids = reply.echoed(c, run.jobs[index].request.prompt_scores)
+                if reply.echo and not c.echoed:  # before its first event: the prompt's scores are in
+                    head, scores, ids = reply.head(c, run.jobs[index].request.prompt_scores)
                     c.echoed = True
-                    yield reply.chunk(c, head, None, ids, scores)
+                    yield reply.chunk(c, head, None, ids, scores, prompt=True)
                 run.take(index, piece, event)
                 if event.token is None and not event.finish_reason.completed:
                     yield openai_api.sse(run.failure(index).body())
