@@ -178,6 +178,7 @@ class Runtime(ABC):
         dst[rows_of(dst_row), :, dst_at:dst_at + count] = self._to_numpy(src)[rows_of(src_row), :, src_at:src_at + count]
 
     row_views = True  # `_leading` views a buffer's first rows without a copy (else slots run every row)
+    row_slices = True  # a cache buffer slices to any one row (`b[r:r + 1]`): numpy arrays and torch tensors
 
     def _leading(self, buf, n: int):
         """The first `n` batch rows of a cache buffer, sharing its memory."""

@@ -139,16 +139,18 @@ class Batcher:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def check(self, prompt: Sequence[int], max_new_tokens: int) -> None:
-        """Refuse what no slot can hold (InputError, a one-line message for a 400)."""
+    def check(self, prompt: Sequence[int], max_new_tokens: int, prompt_logprobs: bool = False) -> None:
+        """Refuse what no slot can hold, or no slot can score (InputError, a one-line message for a 400)."""
         RowPolicy.check(len(prompt), max_new_tokens, self.runtime.max_context)
+        if prompt_logprobs and (problem := Slots.prompt_logits_problem(self.runtime)):
+            raise InputError(problem)
         check_token_ids(np.asarray(prompt, dtype=np.int64), self.runtime.dims.vocab_size)
         if self.runtime.max_prompt is not None and len(prompt) > self.runtime.max_prompt:
             raise InputError(f"a prompt of {len(prompt)} tokens is longer than the {self.runtime.name} backend's "
                              f"{self.runtime.max_prompt}; shorten it (or rebuild with a larger --max-input-len)")
 
     def submit(self, request: Request) -> Request:
-        self.check(request.prompt, request.max_new_tokens)
+        self.check(request.prompt, request.max_new_tokens, request.prompt_logprobs is not None)
         with self._cv:
             if self._closing or not self.alive:
                 raise BatcherClosed("the batcher is shutting down and takes no new requests")
@@ -271,18 +273,18 @@ class Batcher:
         for process in request.processors:
             logits = process(logits, policy.tokens)
         token = int(r.sampler(logits, policy.seen, [0], 1)[0])
-        if not policy.add(token):
-            return self._leave(slot, policy.finish_reason)
-        self._last[slot] = token
         scored = None if request.logprobs is None else token_logprobs(raw, [token], request.logprobs)[0]
+        if not policy.add(token):  # EOS: not kept, but its log-probability is told with the finish (lm-eval reads it)
+            return self._leave(slot, policy.finish_reason, scored)
+        self._last[slot] = token
         self._tell(request, TokenEvent(0, token, None, scored))
         if policy.finished():
             self._leave(slot, policy.finish_reason)
 
-    def _leave(self, slot: int, reason: FinishReason) -> None:
+    def _leave(self, slot: int, reason: FinishReason, scored: TokenLogprob | None = None) -> None:
         request = self._running.pop(slot).request
         self._rows.free(slot)
-        self._finish(request, reason)
+        self._finish(request, reason, scored)
 
     def _fail(self, slots: list[int], error: Exception) -> None:
         log.error("the batcher failed a step of %d request(s)", len(slots), exc_info=error)
@@ -290,11 +292,11 @@ class Batcher:
             self._running[slot].request.error = f"{type(error).__name__}: {error}"
             self._leave(slot, FinishReason.ERROR)
 
-    def _finish(self, request: Request, reason: FinishReason) -> None:
+    def _finish(self, request: Request, reason: FinishReason, scored: TokenLogprob | None = None) -> None:
         request.finish_reason = reason
         with self._cv:  # cancel() finishes a queued request on its caller's thread
             self.finished[reason] += 1
-        self._tell(request, TokenEvent(0, None, reason))
+        self._tell(request, TokenEvent(0, None, reason, scored))
         request.done.set()
 
     @staticmethod

@@ -110,6 +110,10 @@ class OrtRuntime(Runtime):
         return self.device != "cuda"  # a device OrtValue has no view of its first rows
 
     @property
+    def row_slices(self) -> bool:
+        return self.device != "cuda"
+
+    @property
     def prefill_via(self) -> PrefillVia:
         """"decode" (each row through the decode graph, into its row of the cache: needs row views)
         where the export and the provider allow it and it was not declined; else "prefill"."""

@@ -50,7 +50,8 @@ class TokenEvent:
     row: int  # the prompt's index in its batch (a batcher's request is one prompt alone: 0)
     token: int | None  # the new token; None on the row's last event (EOS, which is not kept, or any finish)
     finish_reason: FinishReason | None = None  # set on a row's last event
-    logprob: TokenLogprob | None = None  # the new token's, where its request asked for log-probabilities
+    # the new token's, where its request asked for log-probabilities; on a finish by EOS, the EOS token's
+    logprob: TokenLogprob | None = None
 
 
 def seen_matrix(sampling: SamplingConfig, vocab_size: int, rows: int) -> np.ndarray | None:

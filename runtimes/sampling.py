@@ -12,6 +12,9 @@ import numpy as np
 from tk.models.errors import UsageProblem
 
 
+GREEDY_BELOW = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     temperature: float = 0.0  # 0: greedy
@@ -34,7 +37,8 @@ class SamplingConfig:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperature 0, or one so small that dividing by it overflows float32 (vLLM's 1e-5)."""
+        return self.temperature < GREEDY_BELOW
 
 
 class Sampler:
@@ -75,4 +79,5 @@ class Sampler:
             probs /= probs.sum(-1, keepdims=True)
         u = self.rng.random(probs.shape[0]) if total is None or rows is None else self.rng.random(total)[rows]
         cdf = np.cumsum(probs, -1)
-        return np.minimum((cdf < u[:, None]).sum(-1), probs.shape[-1] - 1).astype(np.int64)
+        u = u * cdf[:, -1]  # below the total that float32 summed: the first token whose cdf reaches u has mass
+        return (cdf < u[:, None]).sum(-1).astype(np.int64)

@@ -41,6 +41,15 @@ class Slots:
     def count(self) -> int:
         return self.session.batch
 
+    @staticmethod
+    def prompt_logits_problem(runtime: Runtime) -> str | None:
+        """Why this runtime cannot give a prompt's every position's logits (None: it can)."""
+        if runtime.all_prefill_logits or runtime.row_slices:
+            return None
+        return (f"this artifact's prefill returns the last position's logits only, and the {runtime.name} backend "
+                "cannot run a prompt through its decode graph instead: prompt log-probabilities need an export "
+                "with --prefill-logits all")
+
     def admit(self, slot: int, prompt: Sequence[int], every: bool = False) -> StepOutput:
         """Prefill `prompt` alone into `slot` (which must be free) -> its logits: the last
         position's, or with `every` each position's (1, T, V), even where the artifact's prefill

@@ -130,6 +130,7 @@ class _Buffer:
 
 
 class TrtRuntime(Runtime):
+    row_slices = False  # its buffers view their leading rows only
     name = "trt"
 
     def __init__(self, artifact: str | Path):

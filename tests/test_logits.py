@@ -37,3 +37,24 @@ def test_bias_min_tokens_and_penalties_change_what_they_say():
     assert out.dtype == np.float32
     out = pen(x, [9, 9, 10, 9])  # counts only the tokens it has not seen
     np.testing.assert_allclose((x - out)[0, 9], 0.5 + 0.75, atol=1e-6)
+
+
+def test_the_sampler_never_draws_a_banned_token_and_a_tiny_temperature_is_greedy():
+    from tk.runtimes.sampling import Sampler, SamplingConfig
+
+    x = np.full((1, 50), -np.inf, dtype=np.float32)
+    x[0, [3, 49]] = [0.0, -30.0]  # the last token: a mass far below float32's epsilon of the total
+    draws = {int(Sampler(SamplingConfig(temperature=1.0, seed=s))(x)[0]) for s in range(2000)}
+    assert draws <= {3, 49}
+    x = _logits()
+    assert Sampler(SamplingConfig(temperature=1e-300, seed=1))(x)[0] == x.argmax()  # not NaN, not token 0
+
+
+def test_a_backend_that_cannot_score_a_prompt_says_how_to_export_one():
+    from types import SimpleNamespace
+
+    from tk.runtimes.slots import Slots
+
+    trt = SimpleNamespace(name="trt", all_prefill_logits=False, row_slices=False)
+    assert "--prefill-logits all" in Slots.prompt_logits_problem(trt)
+    assert Slots.prompt_logits_problem(SimpleNamespace(name="ort", all_prefill_logits=False, row_slices=True)) is None

@@ -151,6 +151,8 @@ def test_models_health_and_a_chat_reply(server, solo):
     ({"model": "tiny", "prompt": "the cat", "max_tokens": 0}, "max_tokens"),
     ({"model": "gpt-9", "prompt": "the cat", "max_tokens": 4}, "model"),
     ({"model": "tiny", "prompt": "the cat", "n": 0}, "n"),
+    ({"model": "tiny", "prompt": "the cat", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"model": "tiny", "prompt": "the cat", "seed": False}, "seed"),  # strict: no boolean taken as a number
     ({"model": "tiny", "prompt": "the cat", "suffix": "!"}, "suffix"),  # not implemented: named, never ignored
     ({"model": "tiny", "prompt": "the cat", "tools": []}, "tools"),
     ({"model": "tiny", "prompt": "the cat", "logprobs": 21}, "logprobs"),

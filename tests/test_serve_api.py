@@ -93,6 +93,23 @@ def test_echo_logprobs_are_the_models_log_softmax_as_lm_eval_reads_them(server, 
             assert max(top.values()) == pytest.approx(float(row.max()), abs=1e-4)  # lm-eval's is_greedy reads this
         assert new == int(want[len(prompt) - 1].argmax())
         assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+        assert [c["text"][o:o + len(t)] for o, t in zip(lp["text_offset"], lp["tokens"])] == lp["tokens"]
+
+
+def test_a_completion_ended_by_eos_scores_the_eos_too(server, reference):
+    """A greedy continuation that ends at once by EOS still has one scored token after the prompt:
+    lm-eval reads token_logprobs[ctxlen:-1], which would otherwise drop the prompt's last token."""
+    srv, url = server
+    prompt, eos = srv.tokenizer.encode(TEXTS[0]), 0
+    body = {"prompt": [prompt], "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0,
+            "logit_bias": {str(eos): 100}, "return_token_ids": True}
+    _, reply = _call(url, "/v1/completions", body)
+    c = reply["choices"][0]
+    assert c["finish_reason"] == "stop" and c["token_ids"] == [] and len(c["logprobs"]["token_logprobs"]) == len(prompt) + 1
+    assert c["logprobs"]["token_logprobs"][-1] == pytest.approx(float(reference(prompt)[-1, eos]), abs=1e-4)
+    # min_tokens bans EOS until that many tokens were kept, then the same bias ends the row
+    _, reply = _call(url, "/v1/completions", {**body, "echo": False, "max_tokens": 10, "min_tokens": 3})
+    assert len(reply["choices"][0]["token_ids"]) == 3 and reply["choices"][0]["finish_reason"] == "stop"
 
 
 def test_streamed_chat_logprobs_and_top_alternatives(server, reference):
@@ -161,7 +178,8 @@ def test_the_tokenizer_endpoints_in_vllms_shapes(server):
     srv, url = server
     status, out = _call(url, "/tokenize", {"prompt": TEXTS[0], "return_token_strs": True})
     assert status == 200 and out["tokens"] == srv.tokenizer.encode(TEXTS[0]) and out["count"] == len(out["tokens"])
-    assert "".join(out["token_strs"]) == TEXTS[0] and out["max_model_len"] == srv.batcher.runtime.max_context
+    assert out["token_strs"] == srv.tokenizer.hf.convert_ids_to_tokens(out["tokens"])  # vLLM's: the raw tokens
+    assert out["max_model_len"] == srv.batcher.runtime.max_context
     _, chat = _call(url, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]})
     assert chat["tokens"] == srv.tokenizer.chat_messages([{"role": "user", "content": "hi"}])
     assert _call(url, "/detokenize", {"tokens": out["tokens"]}) == (200, {"prompt": TEXTS[0]})
@@ -246,6 +264,7 @@ def test_the_edge_refuses_with_413_401_and_400_and_stays_up(server):
     big = json.dumps({"prompt": "x" * (70 * 1024)}).encode()
     status, reply = _call(url, "/v1/completions", raw=big)
     assert status == 413 and "limit" in reply["error"]["message"]
+    assert 'endpoint="unmatched",status="413"' in _call(url, "/metrics")[1]  # refused before routing, counted
     assert _call(url, "/v1/completions", {"prompt": "hi"}, key=None)[0] == 401
     assert _call(url, "/v1/completions", {"prompt": "hi"}, key="wrong")[0] == 401
     assert _call(url, "/v1/models", key=None)[0] == 401 and _call(url, "/v1/models")[0] == 200

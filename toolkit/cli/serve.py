@@ -29,7 +29,8 @@ def batcher_options(f):
 @click.option("--drain", default=10.0, show_default=True, type=click.FloatRange(min=0),
               help="Seconds in-flight requests get to finish at shutdown before they are cancelled.")
 @click.option("--api-key", envvar="TK_API_KEY", help="Require `Authorization: Bearer KEY` on every endpoint but "
-                                                     "/health (also from $TK_API_KEY).")
+                                                     "/health and the API's documentation, /docs and /openapi.json "
+                                                     "(also from $TK_API_KEY).")
 @click.option("--max-body-bytes", default=8 * 2**20, show_default=True, type=click.IntRange(min=1024),
               help="Larger request bodies are refused (HTTP 413).")
 @backend_options(prepack=True)

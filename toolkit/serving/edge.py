@@ -86,13 +86,25 @@ class CountRequests:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
 
+        started = False
+
+        def count(status: int) -> None:
+            route = scope.get("route")  # set by the router on this scope when a route matched
+            self.counter.labels(getattr(route, "path", UNMATCHED), str(status)).inc()
+
         async def counted(message):
+            nonlocal started
             if message["type"] == "http.response.start":
-                route = scope.get("route")  # set by the router on this scope when a route matched
-                self.counter.labels(getattr(route, "path", UNMATCHED), str(message["status"])).inc()
+                started = True
+                count(message["status"])
             await send(message)
 
-        await self.app(scope, receive, counted)
+        try:
+            await self.app(scope, receive, counted)
+        except Exception:  # a bug: Starlette's outer error middleware answers its 500
+            if not started:
+                count(500)
+            raise
 
 
 def bearer_check(key: str):

@@ -124,15 +124,24 @@ class Choice:
     reason: FinishReason | None = None
     offset: int = 0  # characters of text before the next token (completions' text_offset)
     echoed: bool = False  # a stream sent its prompt (echo)
+    eos: int | None = None  # the EOS token that ended it, where its log-probability was asked for (not kept)
+
+    def scored(self) -> list[int]:
+        """The tokens its log-probabilities cover: the kept ones, then the EOS that ended it."""
+        return [*self.tokens, *([] if self.eos is None else [self.eos])]
+
+
+CONTEXT = 4  # tokens before a token that its text is decoded after
 
 
 class Reply:
     """One request's response objects: the whole completion, or its stream of chunks. A token of
-    the log-probabilities is named by the tokenizer's `token_text` (its decode alone)."""
+    the log-probabilities is named by its text as it reads after the tokens before it (a window of
+    CONTEXT: a SentencePiece token keeps its leading space, a special token reads as ""), so that
+    `text_offset` follows the returned text; its alternatives are named the same way."""
 
     def __init__(self, ident: str, model: str, chat: bool, body, tokenizer):
         self.ident, self.model, self.chat, self.tokenizer = ident, model, chat, tokenizer
-        self.token_text = tokenizer.token_text
         self.token_ids, self.echo = body.return_token_ids, (not chat and body.echo)
         self.logprobs = (body.logprobs if chat else body.logprobs is not None)
 
@@ -146,13 +155,24 @@ class Reply:
 
     # --- log-probabilities ---
 
-    def _completion_logprobs(self, c: Choice, scores: Sequence[TokenLogprob | None], tokens: Sequence[int]) -> dict:
-        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    def _named(self, before: Sequence[int], tokens: Sequence[int], scores: Sequence[TokenLogprob | None]):
+        """(text, score, {alternative: its text}) of each token, read after the tokens before it."""
+        decode, window = self.tokenizer.decode, list(before[-CONTEXT:])
         for token, s in zip(tokens, scores):
-            text = self.token_text(token)
+            base = decode(window)
+
+            def text(t: int) -> str:
+                full = decode([*window, t])
+                return full[len(base):] if full.startswith(base) else self.tokenizer.token_text(t)
+            yield text(token), s, ({} if s is None else {t: text(t) for t, _ in s.top})
+            window = [*window, token][-CONTEXT:]
+
+    def _completion_logprobs(self, c: Choice, before, tokens, scores) -> dict:
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for text, s, names in self._named(before, tokens, scores):
             out["tokens"].append(text)
             out["token_logprobs"].append(None if s is None else s.logprob)
-            top = None if s is None else {self.token_text(t): lp for t, lp in s.top}
+            top = None if s is None else {names[t]: lp for t, lp in s.top}
             if top is not None:
                 top.setdefault(text, s.logprob)  # the chosen token always, as vLLM does
             out["top_logprobs"].append(top)
@@ -160,18 +180,20 @@ class Reply:
             c.offset += len(text)
         return out
 
-    def _entry(self, token: int, logprob: float) -> dict:
-        text = self.token_text(token)
+    @staticmethod
+    def _entry(text: str, logprob: float) -> dict:
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", errors="replace"))}
 
-    def _chat_logprobs(self, scores: Sequence[TokenLogprob]) -> dict:
-        return {"content": [{**self._entry(s.token, s.logprob), "top_logprobs": [self._entry(t, lp) for t, lp in s.top]}
-                            for s in scores], "refusal": None}
+    def _chat_logprobs(self, before, tokens, scores) -> dict:
+        return {"content": [{**self._entry(text, s.logprob), "top_logprobs": [self._entry(names[t], lp) for t, lp in s.top]}
+                            for text, s, names in self._named(before, tokens, scores)], "refusal": None}
 
-    def _logprobs(self, c: Choice, scores, tokens):
-        if not self.logprobs:
+    def _logprobs(self, c: Choice, before, tokens, scores):
+        if not self.logprobs or not tokens:
             return None
-        return self._chat_logprobs(scores) if self.chat else self._completion_logprobs(c, scores, tokens)
+        if self.chat:
+            return self._chat_logprobs(before, tokens, scores)
+        return self._completion_logprobs(c, before, tokens, scores)
 
     def head(self, c: Choice, prompt_scores) -> tuple[str, list, list[int]]:
         """What echo puts before a choice's completion: the prompt's text, scores and ids."""
@@ -187,7 +209,8 @@ class Reply:
         for c in choices:
             head, head_scores, head_ids = self.head(c, prompt_scores.get(c.index))
             body = {"message": {"role": "assistant", "content": c.text}} if self.chat else {"text": head + c.text}
-            lp = self._logprobs(c, [*head_scores, *c.scores], [*head_ids, *c.tokens])
+            before = [] if self.echo else c.prompt.ids
+            lp = self._logprobs(c, before, [*head_ids, *c.scored()], [*head_scores, *c.scores])
             choice = {"index": c.index, **body, "logprobs": lp, "finish_reason": FINISH[c.reason]}
             if self.token_ids:
                 choice["token_ids"] = c.tokens
@@ -203,14 +226,15 @@ class Reply:
         return sse(self._envelope(True, [{"index": index, "delta": {"role": "assistant", "content": ""},
                                           "logprobs": None, "finish_reason": None}]))
 
-    def chunk(self, c: Choice, text: str, reason: FinishReason | None, tokens: list[int],
+    def chunk(self, c: Choice, text: str, reason: FinishReason | None, before: list[int], tokens: list[int],
               scores: Sequence[TokenLogprob | None], usage: dict | None = None, prompt: bool = False) -> str:
-        """One chunk of choice `c`: its new text and tokens (with `prompt`, the echoed prompt's)."""
+        """One chunk of choice `c`: its new text, and its new tokens after the ones `before` (with
+        `prompt`, the echoed prompt's; at a finish by EOS, that EOS, scored but not kept)."""
         body = {"delta": {"content": text} if text else {}} if self.chat else {"text": text}
-        choice = {"index": c.index, **body, "logprobs": self._logprobs(c, scores, tokens) if tokens else None,
+        choice = {"index": c.index, **body, "logprobs": self._logprobs(c, before, tokens, scores),
                   "finish_reason": None if reason is None else FINISH[reason]}
         if self.token_ids:
-            choice["prompt_token_ids" if prompt else "token_ids"] = tokens
+            choice["prompt_token_ids" if prompt else "token_ids"] = tokens if reason is None else []
         return sse({**self._envelope(True, [choice]), **({"usage": usage} if usage else {})})
 
     def usage_chunk(self, usage: dict) -> str:

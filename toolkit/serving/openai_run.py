@@ -38,6 +38,9 @@ class Run:
         if event.token is None:
             c.reason = event.finish_reason
             self.pending -= 1
+            if event.logprob is not None:  # the EOS that ended it, scored
+                c.eos = event.logprob.token
+                c.scores.append(event.logprob)
         else:
             c.tokens.append(event.token)
             if event.logprob is not None:

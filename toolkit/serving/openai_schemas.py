@@ -108,6 +108,13 @@ def schemas(model_name: str, vocab_size: int, max_context: int) -> Schemas:
         guided_choice: Optional[list[Text]] = Field(None, min_length=1, max_length=LIMITS["prompts"])
         guided_grammar: Optional[str] = None
 
+        @field_validator("stream_options")  # (field validators: the 400 names the field; `stream` comes first)
+        @classmethod
+        def _options_need_a_stream(cls, options, info):
+            if options is not None and not info.data.get("stream"):
+                raise ValueError("stream_options needs stream: true")
+            return options
+
         @field_validator("logit_bias")
         @classmethod
         def _bias_keys(cls, bias):
@@ -140,11 +147,12 @@ def schemas(model_name: str, vocab_size: int, max_context: int) -> Schemas:
         logprobs: bool = False
         top_logprobs: Optional[Int(ge=0, le=LIMITS["logprobs"])] = None
 
-        @model_validator(mode="after")
-        def _top_needs_logprobs(self):
-            if self.top_logprobs and not self.logprobs:
+        @field_validator("top_logprobs")
+        @classmethod
+        def _top_needs_logprobs(cls, top, info):
+            if top and not info.data.get("logprobs"):
                 raise ValueError("top_logprobs needs logprobs: true")
-            return self
+            return top
 
     class Tokenize(Strict):  # vLLM's TokenizeCompletionRequest
         model: Model = None
@@ -156,7 +164,6 @@ def schemas(model_name: str, vocab_size: int, max_context: int) -> Schemas:
         model: Model = None
         messages: Messages
         add_generation_prompt: bool = True
-        add_special_tokens: bool = False
         return_token_strs: bool = False
 
     class Detokenize(Strict):

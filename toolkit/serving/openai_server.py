@@ -117,8 +117,8 @@ class Server:
             return JSONResponse(ApiError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code,
                                 headers=exc.headers)  # a 405's Allow
 
-        app.add_middleware(CountRequests, counter=self.metrics.requests)
-        app.add_middleware(BodyLimit, limit=self.max_body)  # outermost: before anything reads the body
+        app.add_middleware(BodyLimit, limit=self.max_body)  # before anything reads the body
+        app.add_middleware(CountRequests, counter=self.metrics.requests)  # outermost: counts the 413s too
         guard = [Depends(bearer_check(self.api_key))] if self.api_key else []
         keyed = (401,) if self.api_key else ()
 
@@ -172,31 +172,36 @@ class Server:
                 ids = self.tokenizer.encode(body.prompt, body.add_special_tokens)
         except InputError as e:
             raise ApiError(400, str(e), "messages" if hasattr(body, "messages") else "prompt") from None
-        strs = [self.tokenizer.token_text(t) for t in ids] if body.return_token_strs else None
+        strs = self.tokenizer.hf.convert_ids_to_tokens(ids) if body.return_token_strs else None  # vLLM's: raw tokens
         return {"count": len(ids), "max_model_len": self.batcher.runtime.max_context, "tokens": ids,
                 "token_strs": strs}
 
-    def _prepare(self, body, chat: bool):
-        """The request's prompts and its grammar (on a worker thread: tokenizing, chat templates and
-        compiling a grammar take time the event loop must not spend)."""
-        return openai_api.prompts(body, chat, self.tokenizer), self.constraints.compile(body)
+    def _prepare(self, body, chat: bool, loop, queue) -> tuple[list[openai_api.Prompt], list[HttpJob]]:
+        """The request's prompts and its jobs, each prompt checked before any runs (on a worker
+        thread: tokenizing, chat templates, compiling a grammar and starting its matchers take time
+        the event loop must not spend)."""
+        prompts, constraint = openai_api.prompts(body, chat, self.tokenizer), self.constraints.compile(body)
+        if problem := openai_api.choices_problem(len(prompts) * body.n, self.batcher.slots + self.batcher.max_queue):
+            raise ApiError(400, problem, "n")
+        jobs = []
+        try:
+            for i, prompt in enumerate(prompts):
+                params = openai_api.params(body, chat, len(prompt.ids), self.batcher.runtime.max_context, constraint)
+                self.batcher.check(prompt.ids, params.max_tokens, params.prompt_logprobs is not None)
+                jobs += [HttpJob(self.batcher, prompt.ids, params, self.tokenizer, self.metrics, loop, queue,
+                                 i * body.n + j, j) for j in range(body.n)]
+        except InputError as e:  # the prompt (and max_tokens) do not fit, a token id is out of range, ...
+            raise ApiError(400, str(e), "echo" if "log-probabilities" in str(e) else
+                           "messages" if chat else "prompt") from None
+        except TkError as e:  # a sampling value the schema let through
+            raise ApiError(400, str(e)) from None
+        return prompts, jobs
 
     async def _generate(self, http, body, chat: bool):
         from fastapi.responses import JSONResponse, StreamingResponse
 
-        prompts, constraint = await run_in_threadpool(self._prepare, body, chat)
-        if problem := openai_api.choices_problem(len(prompts) * body.n, self.batcher.slots + self.batcher.max_queue):
-            raise ApiError(400, problem, "n")
-        loop, queue, jobs = asyncio.get_running_loop(), asyncio.Queue(), []
-        try:
-            for i, prompt in enumerate(prompts):
-                params = openai_api.params(body, chat, len(prompt.ids), self.batcher.runtime.max_context, constraint)
-                self.batcher.check(prompt.ids, params.max_tokens)  # every prompt before any runs
-                jobs += [HttpJob(self.batcher, prompt.ids, params, self.tokenizer, self.metrics, loop, queue, i * body.n + j, j) for j in range(body.n)]
-        except InputError as e:  # the prompt (and max_tokens) do not fit, or a token id is out of range
-            raise ApiError(400, str(e), "messages" if chat else "prompt") from None
-        except TkError as e:  # a sampling value the schema let through
-            raise ApiError(400, str(e)) from None
+        queue = asyncio.Queue()
+        prompts, jobs = await run_in_threadpool(self._prepare, body, chat, asyncio.get_running_loop(), queue)
         self._submit(jobs)
         choices = [openai_api.Choice(job.index, prompts[job.index // body.n]) for job in jobs]
         reply = openai_api.Reply(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", self.model_name, chat, body,
@@ -238,8 +243,8 @@ class Server:
             raise
         finally:
             gone.cancel()
-        run.raise_failure()
-        return reply.complete(run.choices, run.prompt_scores(), run.usage())
+        run.raise_failure()  # the response's texts are decoded off the event loop
+        return await run_in_threadpool(reply.complete, run.choices, run.prompt_scores(), run.usage())
 
     async def _cancel_when_gone(self, http, run: Run) -> None:
         await _disconnected(http)
@@ -258,7 +263,7 @@ class Server:
                 if reply.echo and not c.echoed:  # before its first event: the prompt's scores are in
                     head, scores, ids = reply.head(c, run.jobs[index].request.prompt_scores)
                     c.echoed = True
-                    yield reply.chunk(c, head, None, ids, scores, prompt=True)
+                    yield reply.chunk(c, head, None, [], ids, scores, prompt=True)
                 run.take(index, piece, event)
                 if event.token is None and not event.finish_reason.completed:
                     yield openai_api.sse(run.failure(index).body())
@@ -266,9 +271,11 @@ class Server:
                     break
                 usage = run.usage() if continuous else None
                 if event.token is None:
-                    yield reply.chunk(c, piece, event.finish_reason, [], [], usage)
+                    eos = [] if c.eos is None else [c.eos]
+                    yield reply.chunk(c, piece, event.finish_reason, c.prompt.ids + c.tokens, eos, c.scores[-1:] if eos
+                                      else [], usage)
                 elif piece or reply.token_ids or reply.logprobs:
-                    yield reply.chunk(c, piece, None, [event.token], [event.logprob], usage)
+                    yield reply.chunk(c, piece, None, c.prompt.ids + c.tokens[:-1], [event.token], [event.logprob], usage)
             else:
                 if usage_at_end:
                     yield reply.usage_chunk(run.usage())

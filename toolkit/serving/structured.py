@@ -87,6 +87,8 @@ class Compiler:
         if found is None:
             return None
         field, kind, spec = found
+        if not self.eos_ids:
+            raise ApiError(400, f"{field}: structured outputs need the model's EOS token, and this artifact names none")
         llg, tok = self._llg()
         try:
             if kind == "json" and isinstance(spec, str):
@@ -103,8 +105,8 @@ class Compiler:
                 grammar = llg.LLMatcher.grammar_from_lark(spec)
             limits = llg.LLParserLimits(verbose_errors=False)
             failed, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, tok, limits=limits)
-        except (ValueError, TypeError, json.JSONDecodeError) as e:
-            failed, messages = True, [str(e)]
+        except Exception as e:  # noqa: BLE001: a client's schema may be nested too deep to build (RecursionError, ...)
+            failed, messages = True, [f"{type(e).__name__}: {e}"]
         if failed:
             raise ApiError(400, f"{field}: not a valid {kind.replace('_', ' ')} constraint: "
                                 f"{_one_line(messages[0]) if messages else 'refused'}", field)
