@@ -259,8 +259,9 @@ def test_tk_serve_refuses_what_it_cannot_serve(tiny_artifact, serve_artifact):
     assert out.exit_code == 2 and "tk export MODEL -o OUT --for serve" in out.output and "Traceback" not in out.output
     out = CliRunner().invoke(main, ["serve", str(serve_artifact), "--slots", "0"])
     assert out.exit_code == 2 and "--slots" in out.output
-    # a host other than loopback is warned about (the dynamic artifact is refused before anything binds)
-    out = CliRunner().invoke(main, ["serve", str(tiny_artifact), "--host", "0.0.0.0", "--port", "0"])
+    # a host other than loopback is warned about: the dynamic artifact is refused before anything binds, and
+    # 192.0.2.1 (TEST-NET-1, RFC 5737) is no interface of any machine, so nothing could bind to it anyway
+    out = CliRunner().invoke(main, ["serve", str(tiny_artifact), "--host", "192.0.2.1", "--port", "0"])
     assert "reachable from other machines" in out.output and "no --api-key" in out.output and out.exit_code == 2
     out = CliRunner().invoke(main, ["serve", str(serve_artifact), "--max-body-bytes", "10"])
     assert out.exit_code == 2 and "--max-body-bytes" in out.output
