@@ -294,3 +294,13 @@ def test_openapi_documents_every_body_and_the_key(server):
 def test_tokenizing_runs_off_the_event_loop_with_the_tokenizer_loaded_at_start(server):
     srv, _ = server
     assert srv.tokenizer._hf is not None  # open_server loaded transformers' tokenizer: no request waits for it
+
+
+def test_a_backend_that_cannot_score_prompts_refuses_echo_with_logprobs_in_one_line(server, monkeypatch):
+    srv, url = server
+    kind = type(srv.batcher.runtime)  # as TensorRT is, or ORT on CUDA: no row slices, last-position logits only
+    monkeypatch.setattr(kind, "row_slices", False)
+    monkeypatch.setattr(kind, "all_prefill_logits", False)
+    status, reply = _call(url, "/v1/completions", {"prompt": "the cat", "echo": True, "logprobs": 1, "max_tokens": 1})
+    assert status == 400 and reply["error"]["param"] == "echo" and "--prefill-logits all" in reply["error"]["message"]
+    assert _call(url, "/v1/completions", {"prompt": "the cat", "logprobs": 1, "max_tokens": 1})[0] == 200

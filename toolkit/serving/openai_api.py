@@ -18,6 +18,7 @@ from typing import Sequence
 from tk.runtimes.base import InputError
 from tk.runtimes.logits import TokenLogprob
 from tk.runtimes.rows import FinishReason
+from tk.runtimes.slots import Slots
 from tk.toolkit.serving import frontend
 from tk.toolkit.serving.openai_schemas import LIMITS
 
@@ -102,6 +103,13 @@ def params(body, chat: bool, prompt_len: int, max_context: int, constraint) -> f
         min_tokens=body.min_tokens, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()}, logprobs=logprobs,
         prompt_logprobs=prompt_logprobs, constraint=constraint)
+
+
+def echo_problem(body, chat: bool, runtime) -> str | None:
+    """Why this runtime cannot score the prompts a body asks to echo with log-probabilities (None: it can)."""
+    if chat or not body.echo or body.logprobs is None:
+        return None
+    return Slots.prompt_logits_problem(runtime)
 
 
 def choices_problem(count: int, capacity: int) -> str | None:

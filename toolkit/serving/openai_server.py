@@ -183,6 +183,8 @@ class Server:
         prompts, constraint = openai_api.prompts(body, chat, self.tokenizer), self.constraints.compile(body)
         if problem := openai_api.choices_problem(len(prompts) * body.n, self.batcher.slots + self.batcher.max_queue):
             raise ApiError(400, problem, "n")
+        if problem := openai_api.echo_problem(body, chat, self.batcher.runtime):
+            raise ApiError(400, problem, "echo")
         jobs = []
         try:
             for i, prompt in enumerate(prompts):
@@ -191,8 +193,7 @@ class Server:
                 jobs += [HttpJob(self.batcher, prompt.ids, params, self.tokenizer, self.metrics, loop, queue,
                                  i * body.n + j, j) for j in range(body.n)]
         except InputError as e:  # the prompt (and max_tokens) do not fit, a token id is out of range, ...
-            raise ApiError(400, str(e), "echo" if "log-probabilities" in str(e) else
-                           "messages" if chat else "prompt") from None
+            raise ApiError(400, str(e), "messages" if chat else "prompt") from None
         except TkError as e:  # a sampling value the schema let through
             raise ApiError(400, str(e)) from None
         return prompts, jobs
