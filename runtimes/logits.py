@@ -16,8 +16,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-# A request's processor: (logits (1, V) float32, the tokens it kept so far) -> logits (1, V).
-# It may return a new array or its input changed; it runs on the batcher's thread, before sampling.
+# A request's processor: (logits (1, V) float32, the tokens it kept so far) -> logits (1, V), a new
+# array: its input stays as it was (the raw logits give the log-probabilities). It runs on the
+# batcher's thread, before sampling.
 Processor = Callable[[np.ndarray, Sequence[int]], np.ndarray]
 ROWS_AT_ONCE = 64  # prompt positions per log-softmax (a long prompt's (T, V) float32 would double)
 
