@@ -120,6 +120,9 @@ def choices_problem(count: int, capacity: int) -> str | None:
     return None
 
 
+CONTEXT = 4  # tokens before a token that its text is decoded after
+
+
 @dataclass
 class Choice:
     """One choice's state as its events arrive: its text so far, its tokens and their log-probabilities."""
@@ -134,12 +137,14 @@ class Choice:
     echoed: bool = False  # a stream sent its prompt (echo)
     eos: int | None = None  # the EOS token that ended it, where its log-probability was asked for (not kept)
 
+    def before(self, newest: int = 0) -> list[int]:
+        """The CONTEXT tokens before its `newest` last ones (what their texts are read after)."""
+        kept = self.tokens[:len(self.tokens) - newest]
+        return (self.prompt.ids[-CONTEXT:] + kept[-CONTEXT:])[-CONTEXT:]
+
     def scored(self) -> list[int]:
         """The tokens its log-probabilities cover: the kept ones, then the EOS that ended it."""
         return [*self.tokens, *([] if self.eos is None else [self.eos])]
-
-
-CONTEXT = 4  # tokens before a token that its text is decoded after
 
 
 class Reply:

@@ -273,10 +273,10 @@ class Server:
                 usage = run.usage() if continuous else None
                 if event.token is None:
                     eos = [] if c.eos is None else [c.eos]
-                    yield reply.chunk(c, piece, event.finish_reason, c.prompt.ids + c.tokens, eos, c.scores[-1:] if eos
+                    yield reply.chunk(c, piece, event.finish_reason, c.before(), eos, c.scores[-1:] if eos
                                       else [], usage)
                 elif piece or reply.token_ids or reply.logprobs:
-                    yield reply.chunk(c, piece, None, c.prompt.ids + c.tokens[:-1], [event.token], [event.logprob], usage)
+                    yield reply.chunk(c, piece, None, c.before(1), [event.token], [event.logprob], usage)
             else:
                 if usage_at_end:
                     yield reply.usage_chunk(run.usage())
