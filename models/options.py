@@ -111,7 +111,9 @@ class ExportOptions:
         if debug_outputs and (kv_cache == "static" or target != "portable"):
             raise UsageProblem("--debug-outputs works with the dynamic cache and the portable target; drop "
                                "--kv-cache static and --target for a debug export")
-        prefills = target == Target.ORT.value and kv_cache == "static" and prefill_logits == "last"
+        # a static decode graph takes a run of new tokens per row (contract.inputs): serving's chunked
+        # prefill and cached prefixes continue a prompt through it; the fused one where it prefills too
+        prefills = kv_cache == "static" and (target != Target.ORT.value or prefill_logits == "last")
         variant = Variant(target, kv_cache, max_seq_len, prefill_logits, debug_outputs, opset, prefills)
         precision = Precision.of(dtype or "fp32")
         if weights is not None:

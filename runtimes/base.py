@@ -66,6 +66,16 @@ def check_token_ids(input_ids: np.ndarray, vocab_size: int) -> None:
         raise InputError(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
 
 
+def artifact_identity(backend: str, artifact) -> str:
+    """`Runtime.identity` of a backend over an artifact: its manifest (which records every graph's and
+    weight file's sha256) and where it lies, so a re-export in place is another identity."""
+    import hashlib
+    from pathlib import Path
+
+    manifest = Path(artifact).resolve() / contract.MANIFEST
+    return f"{backend}:{manifest.parent}:{hashlib.sha256(manifest.read_bytes()).hexdigest()}"
+
+
 def shape_and_dtype(array: np.ndarray) -> tuple[tuple, str]:
     return array.shape, str(array.dtype)
 
@@ -98,6 +108,13 @@ class Runtime(ABC):
         self.max_batch: int | None = None  # the most rows one run may take (TensorRT: its engines' profiles)
         self.max_prompt: int | None = None  # the longest prefill (the same)
         self.active = False
+
+    @property
+    def identity(self) -> str:
+        """What this runtime's keys and values come from: equal only for the same weights and graphs
+        (a prefix cache is keyed by it). The default names this object; backends over an artifact
+        name the artifact's files."""
+        return f"{self.name}:{id(self)}"
 
     def activate(self) -> "Runtime":
         if not self.active:
@@ -176,6 +193,11 @@ class Runtime(ABC):
         """Copy `count` positions of a (B, H, T, D) present tensor, from its position src_at, into a
         static buffer from its position dst_at: every row, or row src_row of src into row dst_row."""
         dst[rows_of(dst_row), :, dst_at:dst_at + count] = self._to_numpy(src)[rows_of(src_row), :, src_at:src_at + count]
+
+    def _read_positions(self, buf, row: int, start: int, end: int):
+        """A copy of row `row`'s positions start .. end - 1 of a static buffer, (1, H, n, D), that
+        `_copy_positions` takes as its source (a prefix cache's block: runtimes/batching.py)."""
+        return np.array(self._to_numpy(buf)[row:row + 1, :, start:end])
 
     row_views = True  # `_leading` views a buffer's first rows without a copy (else slots run every row)
     row_slices = True  # a cache buffer slices to any one row (`b[r:r + 1]`): numpy arrays and torch tensors

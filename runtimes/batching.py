@@ -1,14 +1,21 @@
 """Continuous batching over a static-capacity cache's slots, written once for every backend.
 
-`Batcher` runs a loop on a thread of its own. Between decode steps it lets cancelled requests
-leave and admits waiting ones, each prefilled alone into a free slot (the lowest: the step
-computes only up to the last busy slot), exactly as `tk generate` of that prompt alone would
-prefill it; every step then decodes all running requests together, each at its own length and
-write index (runtimes/slots.py). Each request samples with a `Sampler` of its own (its seed,
-temperature, top-k/p, repetition penalty), so its tokens do not depend on what else shares its
-steps, and ends by the same `RowPolicy` as its solo run (runtimes/rows.py: EOS, its token budget,
-its front end's stop); or it is cancelled, or fails alone. Either way it leaves at once and frees
-its slot.
+`Batcher` runs a loop on a thread of its own: each step the scheduler (runtimes/scheduler.py,
+pure) plans which requests leave, which take a free slot (the lowest: a step computes only up to
+the last busy slot), one decode token for every running request and, within the step's token
+budget (`step_tokens`), prefill chunks of the prompts coming in; the loop runs the plan on the
+slots (runtimes/slots.py) and tells the scheduler what happened. So a long prompt comes in a
+chunk per step while the others keep decoding, never stalling them for its whole prefill. Each
+request samples with a `Sampler` of its own (its seed, temperature, top-k/p, repetition penalty),
+so its tokens do not depend on what else shares its steps, and ends by the same `RowPolicy` as
+its solo run (runtimes/rows.py: EOS, its token budget, its front end's stop); or it is cancelled,
+or fails alone. Either way it leaves at once and frees its slot.
+
+Prefix caching (runtimes/prefix_cache.py): the whole blocks of each prompt, and at its end of the
+tokens it generated, are copied out of its slot into a cache of host copies (least recently used
+out beyond `prefix_cache_bytes`; 0 turns it off), keyed by the runtime's identity; a prompt that
+starts with cached blocks gets them copied into its slot and prefills only the rest. A request
+that asks for its prompt's log-probabilities computes its whole prompt.
 
 Front ends (toolkit/serving/frontend.py, under the HTTP server and the Triton model) submit
 `Request`s and hear of each token through the request's `on_event`, called on the batcher's
@@ -24,7 +31,6 @@ import itertools
 import logging
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -32,15 +38,21 @@ import numpy as np
 
 from tk.runtimes.base import InputError, Runtime, RuntimeProblem, check_token_ids
 from tk.runtimes.logits import Processor, TokenLogprob, token_logprobs
+from tk.runtimes.prefix_cache import PrefixCache
 from tk.runtimes.rows import FinishReason, RowPolicy, TokenEvent, seen_matrix
 from tk.runtimes.sampling import Sampler, SamplingConfig
+from tk.runtimes.scheduler import Chunk, QueueFull, Scheduler, Seq, State, StepPlan
 from tk.runtimes.slots import Slots
 
 log = logging.getLogger("tk.batcher")
 
+__all__ = ["Batcher", "BatcherClosed", "QueueFull", "Request", "wait_all"]
 
-class QueueFull(RuntimeProblem):
-    """Every slot is busy and the queue is full: retry later (HTTP 429)."""
+# A step's token budget: every running request's decode token, then prefill chunks. On 2 CPU cores
+# a chunk of this many prompt tokens costs about what 8 rows' decode step does on a 135M model
+# (examples/bench_serve.py --workload long-prompt measures the gaps it leaves).
+DEFAULT_STEP_TOKENS = 64
+DEFAULT_PREFIX_CACHE_BYTES = 1 << 30
 
 
 class BatcherClosed(RuntimeProblem):
@@ -72,49 +84,64 @@ class Request:
 
 
 class _Running:
-    """A request in its slot: its sampler and its row's policy (whose tokens are the request's)."""
+    """A request in its slot: its sampler and its row's policy (whose tokens are the request's), its
+    prompt's ids, its prompt positions' logits so far (where it asked for their log-probabilities)
+    and how many of its blocks the prefix cache holds."""
 
-    __slots__ = ("request", "sampler", "policy")
+    __slots__ = ("request", "seq", "sampler", "policy", "ids", "prompt_logits", "stored")
 
-    def __init__(self, request: Request, eos_ids: frozenset, vocab_size: int):
-        self.request, self.sampler = request, Sampler(request.sampling)
+    def __init__(self, seq: Seq, eos_ids: frozenset, vocab_size: int):
+        request = seq.request
+        self.request, self.seq, self.sampler = request, seq, Sampler(request.sampling)
         self.policy = RowPolicy(request.prompt, request.max_new_tokens, eos_ids, request.ignore_eos,
                                 seen_matrix(request.sampling, vocab_size, 1), request.stop)
         request.tokens = self.policy.tokens
+        self.ids: np.ndarray | None = None
+        self.prompt_logits: list[np.ndarray] = []
+        self.stored = 0
 
 
 class Batcher:
     """Start it (or use `with`), `submit` requests, `cancel` them, `close` it. Counters for
-    metrics: `running`, `waiting`, `finished[reason]`, `steps`."""
+    metrics: `running`, `waiting`, `finished[reason]`, `steps`, `prefill_tokens` (computed, not
+    reused), and `prefix` (the PrefixCache, None where off: its hit rate and reused tokens)."""
 
-    def __init__(self, runtime: Runtime, slots: int = 8, max_queue: int = 64, eos_ids: Sequence[int] = ()):
+    def __init__(self, runtime: Runtime, slots: int = 8, max_queue: int = 64, eos_ids: Sequence[int] = (),
+                 step_tokens: int | None = None, prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES):
         if slots < 1 or max_queue < 0:
             raise InputError(f"slots must be >= 1 and the queue >= 0, got {slots} and {max_queue}")
-        self.runtime, self.slots, self.max_queue = runtime, slots, max_queue
+        step_tokens = max(DEFAULT_STEP_TOKENS, slots) if step_tokens is None else step_tokens
+        if step_tokens < slots:
+            raise InputError(f"a step's budget of {step_tokens} tokens is less than one decode token for each of "
+                             f"the {slots} slots; give at least {slots}")
+        self.runtime, self.slots, self.max_queue, self.step_tokens = runtime, slots, max_queue, step_tokens
+        self.prefix_cache_bytes = prefix_cache_bytes
         self.eos = frozenset(eos_ids)
         self._cv = threading.Condition()
-        self._waiting: deque[Request] = deque()
-        self._running: dict[int, _Running] = {}  # slot -> its request
-        self._cancel: set[Request] = set()
+        self._sched: Scheduler | None = None  # made at start: what the runtime can do is known once it is loaded
+        self._seqs: dict[Request, Seq] = {}  # every request submitted and not finished
+        self._running: dict[int, _Running] = {}  # slot -> its request (the loop thread's)
         self._closing = False
         self._abort = False
-        self._admitting = 0  # taken from the queue, not yet in a slot
         self._last = np.zeros(slots, dtype=np.int64)  # each slot's last token: the next step's input
         self._ids = itertools.count()
         self._rows: Slots | None = None  # the runtime's slots, open while the batcher runs
         self._thread: threading.Thread | None = None
+        self.prefix: PrefixCache | None = None
+        self.chunked = False  # prompts come in chunks (False: whole, where the backend cannot continue one)
         self.finished = {reason: 0 for reason in FinishReason}
         self.steps = 0
+        self.prefill_tokens = 0
 
     # --- the front end's side ---
 
     @property
     def running(self) -> int:
-        return len(self._running)
+        return len(self._sched.running) if self._sched else 0
 
     @property
     def waiting(self) -> int:
-        return len(self._waiting)
+        return len(self._sched.waiting) if self._sched else 0
 
     @property
     def alive(self) -> bool:
@@ -129,6 +156,14 @@ class Batcher:
         except BaseException:
             self.runtime.deactivate()  # what it loaded (device buffers, sessions) goes back
             raise
+        problem = Slots.chunk_problem(self.runtime)
+        self.chunked = problem is None
+        if problem:
+            log.info("prompts are prefilled whole, not in chunks, and no prefix is cached: %s", problem)
+        if self.chunked and self.prefix_cache_bytes > 0 and self.runtime.layout.ring_free:
+            self.prefix = PrefixCache(self.runtime.identity, max_bytes=self.prefix_cache_bytes)
+        self._sched = Scheduler(self.slots, self.max_queue, self.step_tokens, self.chunked, self.prefix)
+        self._block_bytes = self.runtime.dims.kv_bytes_per_token() * (self.prefix.block if self.prefix else 0)
         self._thread = threading.Thread(target=self._loop, name="tk-batcher", daemon=True)
         self._thread.start()
         return self
@@ -154,26 +189,22 @@ class Batcher:
         with self._cv:
             if self._closing or not self.alive:
                 raise BatcherClosed("the batcher is shutting down and takes no new requests")
-            if len(self._running) + self._admitting + len(self._waiting) >= self.slots + self.max_queue:
-                raise QueueFull(f"all {self.slots} slots are busy and the queue of {self.max_queue} is full; "
-                                "retry later")
+            seq = Seq(request.prompt, request, reuse=request.prompt_logprobs is None)
+            self._sched.add(seq)  # QueueFull
             request.id = next(self._ids)
-            self._waiting.append(request)
+            self._seqs[request] = seq
             self._cv.notify()
         return request
 
     def cancel(self, request: Request) -> None:
         """End a request now (a client went away): it leaves before the next step, its slot freed."""
         with self._cv:
-            if request.done.is_set():
+            seq = self._seqs.get(request)
+            if seq is None:
                 return
-            queued = request in self._waiting
-            if queued:
-                self._waiting.remove(request)
-            else:
-                self._cancel.add(request)
-                self._cv.notify()
-        if queued:  # outside the lock: the front end's callback runs
+            gone = self._sched.abort(seq)
+            self._cv.notify()
+        if gone:  # it was waiting; outside the lock: the front end's callback runs
             self._finish(request, FinishReason.CANCELLED)
 
     def close(self, timeout: float = 0.0) -> None:
@@ -196,75 +227,95 @@ class Batcher:
 
     def _loop(self) -> None:
         while True:
-            dropped: list[Request] = []
             with self._cv:
-                while not (self._waiting or self._running or self._cancel or self._closing):
+                while not (self._sched.has_work or self._closing):
                     self._cv.wait()
-                if self._abort:
-                    self._cancel.update(r.request for r in self._running.values())
-                    dropped, self._waiting = list(self._waiting), deque()
-                if self._closing and not (self._waiting or self._running) and not dropped:
+                dropped = self._sched.abort_all() if self._abort else []
+                if self._closing and not self._sched.has_work and not dropped:
                     return
-                cancel, self._cancel = self._cancel, set()
-                admit = [self._waiting.popleft() for _ in range(min(len(self._waiting), self.slots - len(self._running)))]
-                self._admitting = len(admit)
-            for request in dropped:
-                self._finish(request, FinishReason.CANCELLED)
+                plan = self._sched.schedule()
+            for seq in dropped:
+                self._finish(seq.request, FinishReason.CANCELLED)
             try:
-                for slot in [s for s, r in self._running.items() if r.request in cancel]:
-                    self._leave(slot, FinishReason.CANCELLED)
-                for request in admit:
-                    self._admit(request)
-                if self._running:
-                    self._step()
+                self._run(plan)
             except Exception as e:  # noqa: BLE001: a bug here must not strand the requests (they would hang)
-                with self._cv:
-                    stranded = [r for r in admit if r.finish_reason is None and r not in
-                                {x.request for x in self._running.values()}]
-                    self._admitting = 0
-                self._fail(list(self._running), e)
-                for request in stranded:
-                    request.error = f"{type(e).__name__}: {e}"
-                    self._finish(request, FinishReason.ERROR)
+                self._fail([s for s in plan.admitted + plan.decode + [c.seq for c in plan.prefill]
+                            if s.state is not State.DONE], e)
 
-    def _admit(self, request: Request) -> None:
-        slot = min(set(range(self.slots)) - set(self._running))
+    def _run(self, plan: StepPlan) -> None:
+        for seq in plan.left:
+            self._leave(seq, FinishReason.CANCELLED)
+        for seq in plan.admitted:
+            self._enter(seq)
+        if plan.decode:
+            self._decode([seq.slot for seq in plan.decode])
+        for chunk in plan.prefill:
+            if chunk.seq.state is State.PREFILL:  # (not failed this step)
+                self._prefill(chunk)
+
+    def _enter(self, seq: Seq) -> None:
+        """A request takes its slot: its sampler and policy, its cached prefix copied in."""
+        cached, seq.cached = seq.cached, []
         try:
-            running = _Running(request, self.eos, self.runtime.dims.vocab_size)
+            running = _Running(seq, self.eos, self.runtime.dims.vocab_size)
+            self._running[seq.slot] = running
+            running.ids = self._rows.begin(seq.slot, seq.request.prompt)
+            if cached:
+                self._rows.load(seq.slot, cached)
+                running.stored = len(cached)
         except Exception as e:  # noqa: BLE001: this request fails; the batcher and the others go on
-            with self._cv:
-                self._admitting -= 1
-            request.error = f"{type(e).__name__}: {e}"
-            return self._finish(request, FinishReason.ERROR)
-        with self._cv:  # from the queue's count to the slots', at once (submit counts both)
-            self._admitting -= 1
-            self._running[slot] = running
-        try:
-            out = self._rows.admit(slot, request.prompt, every=request.prompt_logprobs is not None)
-            if request.prompt_logprobs is not None:  # position i's logits score prompt token i + 1
-                request.prompt_scores = [None, *token_logprobs(out.logits[0, :-1], request.prompt[1:],
-                                                               request.prompt_logprobs)]
-        except Exception as e:  # noqa: BLE001
-            return self._fail([slot], e)
-        self._next(slot, out.logits[:, -1])
+            self._fail([seq], e)
 
-    def _step(self) -> None:
-        active = sorted(self._running)
+    def _decode(self, active: list[int]) -> None:
         try:
             out = self._rows.step(self._last[: active[-1] + 1], active)
         except Exception as e:  # noqa: BLE001
-            self._fail(active, e)
+            self._fail([self._running[slot].seq for slot in active], e)
             return
         self.steps += 1
         for slot in active:
             self._next(slot, out.logits[slot : slot + 1, -1])
+
+    def _prefill(self, chunk: Chunk) -> None:
+        seq = chunk.seq
+        r = self._running[seq.slot]
+        request = r.request
+        every = request.prompt_logprobs is not None
+        try:
+            out = self._rows.prefill(seq.slot, r.ids, chunk.start, chunk.end, every)
+            with self._cv:
+                self._sched.advance(chunk)
+            self.prefill_tokens += chunk.end - chunk.start
+            self._store(r, request.prompt, chunk.end)
+            if every:  # position i's logits score prompt token i + 1
+                r.prompt_logits.append(out.logits[0])
+                if chunk.last:
+                    logits = np.concatenate(r.prompt_logits)
+                    request.prompt_scores = [None, *token_logprobs(logits[:-1], request.prompt[1:],
+                                                                   request.prompt_logprobs)]
+        except Exception as e:  # noqa: BLE001
+            return self._fail([seq], e)
+        if chunk.last:
+            self._next(seq.slot, out.logits[:, -1])
+
+    def _store(self, r: _Running, tokens: Sequence[int], upto: int) -> None:
+        """Keep the whole blocks of `tokens` whose positions (below `upto`) are in the slot's cache."""
+        if self.prefix is None:
+            return
+        names, block = self.prefix.names(tokens, upto // self.prefix.block), self.prefix.block
+        for i in range(r.stored, len(names)):
+            parent = names[i - 1] if i else None
+            part = None if names[i] in self.prefix else self._rows.read(r.seq.slot, i * block, (i + 1) * block)
+            if not self.prefix.put(names[i], parent, part, self._block_bytes):
+                break
+            r.stored = i + 1
 
     def _next(self, slot: int, logits: np.ndarray) -> None:
         try:
             self._sample(slot, logits)
         except Exception as e:  # noqa: BLE001: its sampler or its front end's stop failed: this request only
             if slot in self._running:
-                self._fail([slot], e)
+                self._fail([self._running[slot].seq], e)
 
     def _sample(self, slot: int, logits: np.ndarray) -> None:
         """Sample the slot's next token from its logits (1, V); tell the front end; maybe leave."""
@@ -275,27 +326,36 @@ class Batcher:
         token = int(r.sampler(logits, policy.seen, [0], 1)[0])
         scored = None if request.logprobs is None else token_logprobs(raw, [token], request.logprobs)[0]
         if not policy.add(token):  # EOS: not kept, but its log-probability is told with the finish (lm-eval reads it)
-            return self._leave(slot, policy.finish_reason, scored)
+            return self._leave(r.seq, policy.finish_reason, scored)
         self._last[slot] = token
         self._tell(request, TokenEvent(0, token, None, scored))
         if policy.finished():
-            self._leave(slot, policy.finish_reason)
+            self._leave(r.seq, policy.finish_reason)
 
-    def _leave(self, slot: int, reason: FinishReason, scored: TokenLogprob | None = None) -> None:
-        request = self._running.pop(slot).request
-        self._rows.free(slot)
-        self._finish(request, reason, scored)
+    def _leave(self, seq: Seq, reason: FinishReason, scored: TokenLogprob | None = None) -> None:
+        """The request leaves its slot (a completed one's generated blocks kept for the next turn)."""
+        r = self._running.pop(seq.slot, None)
+        if r is not None and reason.completed and self.prefix is not None:
+            try:  # the positions in the cache: the prompt's and every fed-back token's
+                self._store(r, [*seq.prompt, *r.policy.tokens], int(self._rows.session.static.write[seq.slot]))
+            except Exception:  # noqa: BLE001: a cache that could not keep it is no reason to fail the request
+                log.exception("the prefix cache could not keep a finished request's blocks")
+        self._rows.free(seq.slot)
+        with self._cv:
+            self._sched.finish(seq)
+        self._finish(seq.request, reason, scored)
 
-    def _fail(self, slots: list[int], error: Exception) -> None:
-        log.error("the batcher failed a step of %d request(s)", len(slots), exc_info=error)
-        for slot in slots:
-            self._running[slot].request.error = f"{type(error).__name__}: {error}"
-            self._leave(slot, FinishReason.ERROR)
+    def _fail(self, seqs: list[Seq], error: Exception) -> None:
+        log.error("the batcher failed a step of %d request(s)", len(seqs), exc_info=error)
+        for seq in [s for s in seqs if s.state is not State.DONE]:
+            seq.request.error = f"{type(error).__name__}: {error}"
+            self._leave(seq, FinishReason.ERROR)
 
     def _finish(self, request: Request, reason: FinishReason, scored: TokenLogprob | None = None) -> None:
         request.finish_reason = reason
         with self._cv:  # cancel() finishes a queued request on its caller's thread
             self.finished[reason] += 1
+            self._seqs.pop(request, None)
         self._tell(request, TokenEvent(0, None, reason, scored))
         request.done.set()
 

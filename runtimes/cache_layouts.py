@@ -181,19 +181,19 @@ class StaticLayout(_Layout):
             raise InputError(f"prefill: {T} tokens leave no room in the static cache of {self.capacity}; "
                              "export with a larger --max-seq-len")
 
-    def _prefill_row(self, rt, s: Session, row: int, ids: np.ndarray, every: bool = False) -> StepOutput:
-        """Prefill one row's tokens (1, L) through the decode graph (it takes a run of new tokens:
-        contract.inputs' decode_prefills) into row `row` of the cache, from index 0, in runs of at
-        most max_run tokens (the row's mask is already 1 on 0 .. L - 1). With `every`, one token
-        per run, to return every position's logits (1, L, V): the decode graph returns a run's last."""
+    def _prefill_row(self, rt, s: Session, row: int, ids: np.ndarray, every: bool = False, at: int = 0) -> StepOutput:
+        """Prefill one row's tokens (1, L), the row's positions at .. at + L - 1, through the decode
+        graph (it takes a run of new tokens: contract.inputs' decode_prefills) into row `row` of the
+        cache, in runs of at most max_run tokens (the row's mask is already 1 on them). With `every`,
+        one token per run, to return every position's logits (1, L, V): the decode graph returns a run's last."""
         L, run = ids.shape[1], 1 if every else self.max_run or ids.shape[1]
         rows = [b[row:row + 1] for b in s.cache]
         logits = []
         for start in range(0, L, run):
             end = min(L, start + run)
             feeds = {"input_ids": ids[:, start:end], "attention_mask": s.mask[row:row + 1],
-                     "position_ids": np.arange(start, end, dtype=np.int64)[None],
-                     "write_indices": np.full(1, start, np.int64)}
+                     "position_ids": np.arange(at + start, at + end, dtype=np.int64)[None],
+                     "write_indices": np.full(1, at + start, np.int64)}
             out, _ = rt._run(contract.DECODE, feeds, rows, None, in_place=True)
             if every:  # a copy: a backend may write the next run's logits into the same buffer
                 logits.append(np.array(out.logits[:, -1:], dtype=np.float32))
@@ -250,25 +250,55 @@ class StaticLayout(_Layout):
             self.free(s, slot)
         return s
 
-    def admit(self, rt, s: Session, slot: int, ids: np.ndarray, every: bool = False) -> StepOutput:
-        """Prefill one prompt (1, T) alone, as `tk generate` of it would, into row `slot`. With
-        `every`, return each position's logits: where the prefill graph returns only the last
-        (`Runtime.all_prefill_logits` false), the prompt goes through the decode graph one token
-        per step instead (T steps: what a prompt's log-probabilities cost on such an artifact)."""
-        T = ids.shape[1]
-        self._check_prompt(T)
+    def begin(self, s: Session, slot: int, length: int) -> None:
+        """A prompt of `length` tokens takes the free row `slot`: its mask covers them (a chunk's
+        queries see only what is written before them: the causal mask), and until the prompt is in,
+        a decode step the row sits out writes its throwaway position at the next chunk's start
+        (`write`), which that chunk writes again (in a ring too)."""
+        self._check_prompt(length)
         s.mask[slot] = 0
-        s.mask[slot, :T] = 1
-        s.positions[slot] = T - 1
-        s.static.write[slot] = T
-        if rt.prefill_via == "decode" or (every and not rt.all_prefill_logits):
-            return self._prefill_row(rt, s, slot, ids, every)
-        out, present = _prefill(rt, ids, np.ones_like(ids))
-        try:
-            self._write_present(rt, s.cache, present, T, row=slot)
-        finally:
-            rt._release(present)
+        s.mask[slot, :length] = 1
+        s.positions[slot] = 0
+        s.static.write[slot] = 0
+
+    def prefill_slot(self, rt, s: Session, slot: int, ids: np.ndarray, start: int, end: int,
+                     every: bool = False) -> StepOutput:
+        """Prefill prompt positions start .. end - 1 of row `slot` (`ids`: the whole prompt, (1, T);
+        positions 0 .. start - 1 are in already) -> the last position's logits, or with `every` each
+        one's (1, end - start, V). A prompt's first chunk runs through the prefill graph where the
+        runtime prefills so (the prompt alone: what `tk generate` of it computes), the rest through
+        the decode graph (`_prefill_row`, which needs a row of a buffer: Runtime.row_slices), one
+        token per run where `every` needs each position's logits and the prefill graph cannot give them."""
+        T = ids.shape[1]
+        if start == 0 and rt.prefill_via == "prefill" and (rt.all_prefill_logits or not every):
+            out, present = _prefill(rt, ids[:, :end], np.ones((1, end), dtype=np.int64))
+            try:
+                self._write_present(rt, s.cache, present, end, row=slot)
+            finally:
+                rt._release(present)
+        else:
+            out = self._prefill_row(rt, s, slot, ids[:, start:end], every, at=start)
+        s.static.write[slot] = end
+        if end == T:  # the prompt is in: the row decodes from its last position
+            s.positions[slot] = T - 1
         return out
+
+    def read_slot(self, rt, s: Session, slot: int, start: int, end: int) -> list:
+        """Row `slot`'s cache positions start .. end - 1, a copy per cache tensor ((1, H, n, D) each,
+        in the backend's own kind of array) that `load_slot` takes back."""
+        return [rt._read_positions(b, slot, start, end) for b in s.cache]
+
+    def load_slot(self, rt, s: Session, slot: int, parts: list[list]) -> int:
+        """Copy `read_slot` copies, one after another from position 0, into row `slot` (a prompt's
+        cached prefix) -> the positions written."""
+        at = 0
+        for part in parts:
+            n = part[0].shape[2]
+            for buf, src in zip(s.cache, part):
+                rt._copy_positions(buf, src, n, dst_row=slot, src_row=0, dst_at=at)
+            at += n
+        s.static.write[slot] = at
+        return at
 
     @staticmethod
     def free(s: Session, slot: int) -> None:

@@ -6,8 +6,10 @@ straight into the next decode step, so the loop never copies the cache through n
 static-capacity artifact the cache buffers are bound as both past input and present output
 once per session, so TensorScatter writes each new position in place (on the CPU provider the
 buffers are tk's own numpy arrays; on CUDA, device OrtValues). Where the decode graph also
-prefills (dims.decode_prefills) the CPU provider loads decode.onnx alone (`prefill_via` "decode"):
-one session, one packed copy of the weights, prompts run through it row by row.
+prefills (dims.decode_prefills) and is the fused one (--target ort), the CPU provider loads
+decode.onnx alone (`prefill_via` "decode"): one session, one packed copy of the weights, prompts
+run through it row by row. A portable decode graph that prefills takes the rest of a prompt part
+way in (serving's chunks and cached prefixes: runtimes/slots.py); whole prompts go through prefill.onnx.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from tk.models import contract
 from tk.models.artifact import Manifest
 from tk.models.dtypes import DTYPES
 from tk.runtimes import hugepages
-from tk.runtimes.base import BackendUnavailable, PrefillVia, Runtime, StepOutput
+from tk.runtimes.base import BackendUnavailable, artifact_identity, PrefillVia, Runtime, StepOutput
 
 _SHARED_POOL: dict = {"wanted": False, "threads": None}  # ORT's own process-wide state, mirrored
 
@@ -84,8 +86,9 @@ class OrtRuntime(Runtime):
         to float and multiplies in float (level 1, several times slower): what the quantized
         reference computes, so the graphs can be judged with float tolerances.
         prefill_via: which graph a static cache's prompts run through. None: the decode graph where
-        the export lets it (dims.decode_prefills) and the provider is the CPU's, which then loads
-        only decode.onnx (one session, so one packed copy of the weights), else prefill.onnx;
+        the export lets it (dims.decode_prefills), the graphs are the fused ones (--target ort) and
+        the provider is the CPU's, which then loads only decode.onnx (one session, so one packed
+        copy of the weights), else prefill.onnx;
         "prefill": prefill.onnx always; "decode": insist (export validation judges both ways)."""
         if quant_compute not in QUANT_COMPUTE:
             raise ValueError(f"quant_compute must be one of {', '.join(QUANT_COMPUTE)}, not {quant_compute!r}")
@@ -98,6 +101,10 @@ class OrtRuntime(Runtime):
         self.prepack = prepack or self.manifest.precision.quantized
         self.swap_sessions, self.quant_compute, self._prefill_via = swap_sessions, quant_compute, prefill_via
         self._at_rest()
+
+    @property
+    def identity(self) -> str:
+        return artifact_identity(self.name, self.artifact)
 
     def _at_rest(self) -> None:
         """What `_load` sets, as it is before loading and after unloading."""
@@ -116,9 +123,12 @@ class OrtRuntime(Runtime):
     @property
     def prefill_via(self) -> PrefillVia:
         """"decode" (each row through the decode graph, into its row of the cache: needs row views)
-        where the export and the provider allow it and it was not declined; else "prefill"."""
-        can = self.dims.decode_prefills and self.row_views
-        return "decode" if can and self._prefill_via != "prefill" else "prefill"
+        where the export and the provider allow it and it was not declined, by default for the fused
+        graphs only (one session; a portable decode graph attends over the whole cache, its prefill
+        graph over the prompt); else "prefill"."""
+        if not (self.dims.decode_prefills and self.row_views) or self._prefill_via == "prefill":
+            return "prefill"
+        return "decode" if self._prefill_via == "decode" or self.manifest.variant.target.value == "ort" else "prefill"
 
     def _load(self) -> None:
         try:

@@ -50,13 +50,39 @@ class Slots:
                 "cannot run a prompt through its decode graph instead: prompt log-probabilities need an export "
                 "with --prefill-logits all")
 
+    @staticmethod
+    def chunk_problem(runtime: Runtime) -> str | None:
+        """Why this runtime cannot take a prompt part way in (chunked prefill, cached prefixes): None if it can."""
+        if not runtime.row_slices:  # (a device buffer's row would need a pointer binding of its own)
+            return f"the {runtime.name} backend cannot run one row of its cache buffers alone"
+        return None
+
     def admit(self, slot: int, prompt: Sequence[int], every: bool = False) -> StepOutput:
-        """Prefill `prompt` alone into `slot` (which must be free) -> its logits: the last
+        """Prefill `prompt` alone into `slot` (which must be free), in one go -> its logits: the last
         position's, or with `every` each position's (1, T, V), even where the artifact's prefill
-        returns the last only (StaticLayout.admit)."""
+        returns the last only (StaticLayout.prefill_slot)."""
+        ids = self.begin(slot, prompt)
+        return self.prefill(slot, ids, 0, ids.shape[1], every)
+
+    def begin(self, slot: int, prompt: Sequence[int]) -> np.ndarray:
+        """A prompt takes the free `slot`, to come in by `load` and `prefill` -> its ids (1, T)."""
         ids = np.asarray(prompt, dtype=np.int64).reshape(1, -1)
         check_token_ids(ids, self.runtime.dims.vocab_size)
-        return self.layout.admit(self.runtime, self.session, slot, ids, every)
+        self.layout.begin(self.session, slot, ids.shape[1])
+        return ids
+
+    def prefill(self, slot: int, ids: np.ndarray, start: int, end: int, every: bool = False) -> StepOutput:
+        """Prompt positions start .. end - 1 into `slot` (0 .. start - 1 are in) -> the last one's logits
+        (or each one's, with `every`); the prompt's last chunk leaves the slot ready to decode."""
+        return self.layout.prefill_slot(self.runtime, self.session, slot, ids, start, end, every)
+
+    def read(self, slot: int, start: int, end: int) -> list:
+        """A copy of the slot's cache positions start .. end - 1 (one array per cache tensor)."""
+        return self.layout.read_slot(self.runtime, self.session, slot, start, end)
+
+    def load(self, slot: int, parts: list[list]) -> int:
+        """`read` copies into the slot from position 0, one after another -> the positions written."""
+        return self.layout.load_slot(self.runtime, self.session, slot, parts)
 
     def free(self, slot: int) -> None:
         self.layout.free(self.session, slot)

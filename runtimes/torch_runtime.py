@@ -79,6 +79,9 @@ class TorchRuntime(Runtime):
     def _copy_positions(self, dst, src, count, dst_row=None, src_row=None, src_at=0, dst_at=0):
         dst[rows_of(dst_row), :, dst_at:dst_at + count].copy_(src[rows_of(src_row), :, src_at:src_at + count])
 
+    def _read_positions(self, buf, row, start, end):
+        return buf[row:row + 1, :, start:end].clone()  # stays on the device
+
     def _to_numpy(self, buf) -> np.ndarray:
         return buf.float().cpu().numpy()
 

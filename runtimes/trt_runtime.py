@@ -24,7 +24,7 @@ from tk.models import contract
 from tk.models.artifact import ArtifactError, Manifest, sha256_file
 from tk.models.dtypes import DTYPES
 from tk.models.errors import TRT_MISSING
-from tk.runtimes.base import BackendUnavailable, InputError, Runtime, StepOutput
+from tk.runtimes.base import BackendUnavailable, artifact_identity, InputError, Runtime, StepOutput
 
 
 class EnginesMissing(ArtifactError, BackendUnavailable):
@@ -144,6 +144,10 @@ class TrtRuntime(Runtime):
             self.max_batch = self.meta["limits"]["max_batch"]
             self.max_prompt = self.meta["limits"]["max_input_len"]
         self._at_rest()
+
+    @property
+    def identity(self) -> str:
+        return artifact_identity(self.name, self.artifact)
 
     def _at_rest(self) -> None:
         """What `_load` sets, as it is before loading and after unloading."""

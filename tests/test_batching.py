@@ -20,10 +20,13 @@ pytestmark = pytest.mark.slow
 SLOTS = BackendOptions(static_cache=True)
 
 
-def _mix(vocab: int, n: int, seed: int = 0):
-    """Prompts of 1..40 tokens, budgets of 1..40, every third request sampled (own seed and knobs)."""
+def _mix(vocab: int, n: int, seed: int = 0, head: int = 0):
+    """Prompts of 1..40 tokens (every other one after a shared `head` of that many: a system
+    prompt), budgets of 1..40, every third request sampled (own seed and knobs)."""
     rng = np.random.default_rng(seed)
-    prompts = [rng.integers(3, vocab, size=int(rng.integers(1, 41))).tolist() for _ in range(n)]
+    shared = rng.integers(3, vocab, size=head).tolist()
+    prompts = [(shared if i % 2 else []) + rng.integers(3, vocab, size=int(rng.integers(1, 41))).tolist()
+               for i in range(n)]
     budgets = [int(rng.integers(1, 41)) for _ in range(n)]
     sampling = [SamplingConfig(temperature=0.9, top_k=40, top_p=0.9, repetition_penalty=1.3, seed=i) if i % 3 == 0
                 else SamplingConfig() for i in range(n)]
@@ -48,11 +51,14 @@ def fast_artifact(serve_artifact, tmp_path_factory):
 
 @pytest.mark.parametrize("backend,variant", [("ort", "portable"), ("torch", "portable"), ("ort", "fast")])
 def test_each_request_equals_its_solo_run_whatever_shares_its_steps(serve_artifact, backend, variant, request):
+    """Also with prompts in chunks (8 tokens a step, the 4 slots' decode tokens first) and from cached
+    prefixes (every other prompt starts with the same 40 tokens)."""
     artifact = request.getfixturevalue("fast_artifact") if variant == "fast" else serve_artifact
     m = Manifest.read(artifact)
-    prompts, budgets, sampling = _mix(m.dims.vocab_size, 14)
+    prompts, budgets, sampling = _mix(m.dims.vocab_size, 14, head=40)
     solo = _solo(artifact, backend, prompts, budgets, sampling, m.eos_token_ids)
-    with Batcher(open_runtime(artifact, backend, SLOTS), slots=4, max_queue=16, eos_ids=m.eos_token_ids) as batcher:
+    with Batcher(open_runtime(artifact, backend, SLOTS), slots=4, max_queue=16, eos_ids=m.eos_token_ids,
+                 step_tokens=8) as batcher:
         requests = []
         for i, (p, n, s) in enumerate(zip(prompts, budgets, sampling)):
             requests.append(batcher.submit(Request(p, n, s)))
@@ -64,6 +70,8 @@ def test_each_request_equals_its_solo_run_whatever_shares_its_steps(serve_artifa
         assert r.tokens == s.tokens, f"request {i}: {r.tokens} != solo {s.tokens}"
         assert r.finish_reason == s.finish_reason
     assert max(budgets) < batcher.steps < sum(budgets)  # they shared steps
+    assert batcher.chunked and batcher.prefix.hits >= 5 and batcher.prefix.reused >= 5 * 32
+    assert batcher.prefill_tokens == sum(map(len, prompts)) - batcher.prefix.reused
 
 
 def test_a_cancelled_request_leaves_at_once_and_frees_its_slot(serve_artifact):

@@ -144,3 +144,40 @@ def test_a_waiting_request_cancelled_leaves_and_its_callback_runs_outside_the_lo
         batcher.cancel(first)
         assert wait_all([first, waiting], 10)
     assert waiting.finish_reason == FinishReason.CANCELLED and heard == [False]
+
+
+def _shared_prefix_mix(n: int, system: int = 20, seed: int = 3):
+    """Prompts that start with one system prompt (a prefix cache block is 16 tokens), each its own tail."""
+    rng = np.random.default_rng(seed)
+    head = rng.integers(1, V, size=system).tolist()
+    return [(head + rng.integers(1, V, size=int(rng.integers(1, 8))).tolist(), int(rng.integers(1, 12)),
+             SamplingConfig(temperature=0.8, top_k=20, seed=i) if i % 2 else SamplingConfig()) for i in range(n)]
+
+
+@pytest.mark.parametrize("cache_bytes", [1 << 20, 0])
+def test_prompts_in_chunks_and_from_cached_prefixes_equal_their_solo_runs(cache_bytes):
+    eos = [5, 6]
+    mix = _shared_prefix_mix(10)
+    with ToyStatic() as rt:
+        solo = [generate(rt, [p], n, s, eos).rows[0] for p, n, s in mix]
+    # 3 slots, 4 tokens a step: every prompt comes in chunks, beside the others' decode steps
+    with Batcher(ToyStatic(), slots=3, max_queue=16, eos_ids=eos, step_tokens=4,
+                 prefix_cache_bytes=cache_bytes) as batcher:
+        first = batcher.submit(Request(*mix[0]))
+        assert wait_all([first], 10)  # its prompt's blocks are cached now
+        requests = [first] + [batcher.submit(Request(p, n, s)) for p, n, s in mix[1:]]
+        assert wait_all(requests, 30)
+        # the next turn of the first conversation: its prompt extends the first one's and its answer
+        turn = [*mix[0][0], *first.tokens, 9]
+        again = batcher.submit(Request(turn, 3))
+        assert wait_all([again], 10)
+    for i, (r, s) in enumerate(zip(requests, solo)):
+        assert (r.tokens, r.finish_reason) == (s.tokens, s.finish_reason), f"request {i}"
+    with ToyStatic() as rt:
+        assert again.tokens == generate(rt, [turn], 3).rows[0].tokens
+    computed = sum(len(p) for p, _, _ in mix) + len(turn)
+    if cache_bytes:
+        assert batcher.prefix.hits >= 9 and batcher.prefix.reused >= 9 * 16  # every later one reused the block
+        assert batcher.prefill_tokens == computed - batcher.prefix.reused
+    else:
+        assert batcher.prefix is None and batcher.prefill_tokens == computed

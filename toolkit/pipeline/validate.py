@@ -42,9 +42,12 @@ def validate(artifact: Path, manifest: Manifest, steps: int = VALIDATION_STEPS,
             artifact, manifest, debug=manifest.variant.debug_outputs, quantized=quantized), manifest.precision,
             cases, steps, tol)
     graphs_ref, full_ref = reference
-    # Where the decode graph also prefills, ORT runs prompts through it; TensorRT and
-    # prefill_via="prefill" runs take prefill.onnx: both are judged ("ort/pre" in the table).
-    runs = {"ort": None, **({"ort/pre": "prefill"} if manifest.dims.decode_prefills else {})}
+    # Where the decode graph also prefills, prompts may run through either graph: the fused export's
+    # ORT runs them through decode.onnx, TensorRT and prefill_via="prefill" through prefill.onnx
+    # ("ort/pre" in the table); a portable export's ORT runs prefill.onnx, and serving continues
+    # prompts through decode.onnx ("ort/dec"). Both ways are judged.
+    other = {"ort": ("ort/pre", "prefill"), "portable": ("ort/dec", "decode")}[manifest.variant.target.value]
+    runs = {"ort": None, **(dict([other]) if manifest.dims.decode_prefills else {})}
     reports: list[ParityReport] = []
     for label, prefill_via in runs.items():  # one runtime, so one mapping of the weights, at a time
         with OrtRuntime(artifact, swap_sessions=True, quant_compute="float", prefill_via=prefill_via) as ort:

@@ -1,0 +1,170 @@
+"""Serving's scheduler (runtimes/scheduler.py) and prefix cache (runtimes/prefix_cache.py), driven
+alone: no model, no artifact, no thread (vLLM's tests/v1/core/test_scheduler.py style). The loop's
+part is played by hand: `advance` each planned chunk, `finish` a request that ended."""
+
+from __future__ import annotations
+
+import pytest
+
+from tk.runtimes.prefix_cache import PrefixCache
+from tk.runtimes.scheduler import QueueFull, Scheduler, Seq, State
+
+
+def _ran(sched: Scheduler, plan) -> None:
+    """What the loop does after running a plan: every chunk's tokens are in."""
+    for chunk in plan.prefill:
+        sched.advance(chunk)
+
+
+def _chunks(plan) -> list[tuple[int, int, int]]:
+    return [(c.seq.slot, c.start, c.end) for c in plan.prefill]
+
+
+def test_admission_takes_the_lowest_free_slots_in_arrival_order_and_the_rest_wait():
+    sched = Scheduler(slots=2, max_queue=4, step_tokens=64)
+    a, b, c = Seq([1, 2, 3]), Seq([4, 5]), Seq([6])
+    for seq in (a, b, c):
+        sched.add(seq)
+    plan = sched.schedule()
+    assert plan.admitted == [a, b] and _chunks(plan) == [(0, 0, 3), (1, 0, 2)] and plan.decode == []
+    assert [s.state for s in (a, b, c)] == [State.PREFILL, State.PREFILL, State.WAITING]
+    _ran(sched, plan)
+    assert a.state is State.DECODE and b.state is State.DECODE
+    plan = sched.schedule()
+    assert plan.decode == [a, b] and not plan.admitted and not plan.prefill  # c waits for a slot
+    sched.finish(a)  # a ends (EOS, say): its slot is the lowest free one
+    plan = sched.schedule()
+    assert plan.admitted == [c] and c.slot == 0 and plan.decode == [b]
+
+
+def test_a_step_decodes_every_running_request_first_and_prefills_a_long_prompt_in_chunks_of_what_is_left():
+    sched = Scheduler(slots=4, max_queue=4, step_tokens=8)
+    short = [Seq([1]), Seq([2])]
+    for seq in short:
+        sched.add(seq)
+    _ran(sched, sched.schedule())
+    long = Seq(list(range(20)))
+    sched.add(long)
+    seen = []
+    while long.state is not State.DECODE:
+        plan = sched.schedule()
+        assert plan.decode == short and plan.tokens <= 8  # the budget holds every step
+        seen += _chunks(plan)
+        _ran(sched, plan)
+    assert seen == [(2, 0, 6), (2, 6, 12), (2, 12, 18), (2, 18, 20)]  # 8 - 2 decode tokens per step
+    assert sched.schedule().decode == [*short, long]
+
+
+def test_prompts_already_in_slots_go_before_new_admissions_and_admissions_stop_when_the_budget_is_spent():
+    sched = Scheduler(slots=4, max_queue=4, step_tokens=10)
+    first, second, third = Seq(list(range(14))), Seq(list(range(7))), Seq([1, 2])
+    sched.add(first)
+    plan = sched.schedule()
+    assert _chunks(plan) == [(0, 0, 10)]
+    _ran(sched, plan)
+    sched.add(second)
+    sched.add(third)
+    plan = sched.schedule()
+    assert _chunks(plan) == [(0, 10, 14), (1, 0, 6)] and plan.admitted == [second]  # third: no budget left
+    _ran(sched, plan)
+    plan = sched.schedule()
+    assert plan.decode == [first] and _chunks(plan) == [(1, 6, 7), (2, 0, 2)]
+
+
+def test_without_chunks_a_prompt_comes_whole_even_over_the_budget_one_admission_per_spent_budget():
+    sched = Scheduler(slots=3, max_queue=4, step_tokens=4, chunked=False)
+    a, b = Seq(list(range(9))), Seq([1, 2])
+    sched.add(a)
+    sched.add(b)
+    plan = sched.schedule()
+    assert _chunks(plan) == [(0, 0, 9)] and b.state is State.WAITING
+    _ran(sched, plan)
+    assert _chunks(sched.schedule()) == [(1, 0, 2)]
+
+
+def test_the_queue_refuses_beyond_the_slots_and_its_length_and_takes_again_once_one_leaves():
+    sched = Scheduler(slots=1, max_queue=1, step_tokens=4)
+    a, b = Seq([1]), Seq([2])
+    sched.add(a)
+    sched.add(b)
+    with pytest.raises(QueueFull, match="retry later"):
+        sched.add(Seq([3]))
+    _ran(sched, sched.schedule())
+    sched.finish(a)
+    sched.add(Seq([3]))  # a left: room again
+
+
+def test_cancellation_at_every_state():
+    sched = Scheduler(slots=2, max_queue=4, step_tokens=4)
+    prefilling, decoding, waiting = Seq(list(range(10))), Seq([1]), Seq([2])
+    sched.add(decoding)
+    _ran(sched, sched.schedule())
+    sched.add(prefilling)
+    sched.add(waiting)
+    _ran(sched, sched.schedule())
+    assert (decoding.state, prefilling.state, waiting.state) == (State.DECODE, State.PREFILL, State.WAITING)
+    assert sched.abort(waiting) is True and waiting.state is State.DONE and not sched.waiting  # gone at once
+    assert sched.abort(prefilling) is False and sched.abort(decoding) is False  # they leave in the next plan
+    plan = sched.schedule()
+    assert plan.left == [decoding, prefilling] and not plan.prefill and not plan.decode
+    assert not sched.running and not sched.has_work
+    assert sched.abort(decoding) is False and decoding.state is State.DONE  # ended already: nothing happens
+    late = Seq([5])
+    sched.add(late)
+    assert sched.schedule().admitted == [late] and late.slot == 0  # the freed slots are free
+
+
+def test_abort_all_empties_the_queue_now_and_the_slots_at_the_next_plan():
+    sched = Scheduler(slots=1, max_queue=2, step_tokens=4)
+    running, queued = Seq([1, 2]), Seq([3])
+    sched.add(running)
+    sched.add(queued)
+    _ran(sched, sched.schedule())
+    assert sched.abort_all() == [queued]
+    assert sched.schedule().left == [running] and not sched.has_work
+
+
+def test_a_budget_below_one_decode_token_per_slot_is_refused():
+    with pytest.raises(ValueError, match="at least 4"):
+        Scheduler(slots=4, max_queue=0, step_tokens=3)
+
+
+def test_an_admitted_prompt_starts_from_its_longest_cached_prefix_and_computes_at_least_its_last_token():
+    cache = PrefixCache("model-a", block=4)
+    system = list(range(100, 112))  # three blocks
+    names = cache.names(system)
+    for i, name in enumerate(names):
+        cache.put(name, names[i - 1] if i else None, f"kv{i}", 10)
+    sched = Scheduler(slots=3, max_queue=4, step_tokens=64, prefix=cache)
+    turn, same, logprobs = Seq(system + [7, 8]), Seq(system), Seq(system + [9], reuse=False)
+    for seq in (turn, same, logprobs):
+        sched.add(seq)
+    plan = sched.schedule()
+    assert turn.cached == ["kv0", "kv1", "kv2"] and turn.reused == 12 and (0, 12, 14) in _chunks(plan)
+    assert same.cached == ["kv0", "kv1"] and (1, 8, 12) in _chunks(plan)  # its last token is computed: logits
+    assert logprobs.cached == [] and (2, 0, 13) in _chunks(plan)  # it needs every position's logits
+    assert cache.reused == 20 and cache.queried == 14 + 12 and cache.hits == 2
+
+
+def test_prefix_names_chain_every_block_before_them_and_never_match_under_another_root():
+    a, b = PrefixCache("model-a", block=2), PrefixCache("model-b", block=2)
+    assert a.names([1, 2, 3, 4, 5]) == a.names([1, 2, 3, 4])  # whole blocks only
+    assert a.names([1, 2, 3, 4])[1] != a.names([9, 9, 3, 4])[1]  # the same block after another prefix
+    assert a.names([1, 2]) != b.names([1, 2])
+    a.put(a.names([1, 2])[0], None, "x", 1)
+    assert a.match([1, 2, 3], 2) == ["x"] and b.match([1, 2, 3], 2) == []
+
+
+def test_the_least_recently_used_chain_end_goes_first_and_a_cached_blocks_parent_stays():
+    cache = PrefixCache("m", block=1, max_bytes=4)
+    old, new = cache.names([1, 2, 3]), cache.names([7, 8])
+    for names in (old, new):
+        for i, name in enumerate(names):
+            assert cache.put(name, names[i - 1] if i else None, name, 1) or i == 2
+    # the fifth block did not fit without evicting: the oldest leaf went (old's third), never a parent
+    assert cache.bytes == 4 and cache.evicted == 1 and old[2] not in cache and old[1] in cache and new[1] in cache
+    assert cache.match([1, 2, 3, 4], 3) == old[:2]  # touched: now new's chain is the older
+    cache.put(cache.names([1, 2, 5])[2], old[1], "z", 1)
+    assert new[1] not in cache and new[0] in cache
+    assert not cache.put(cache.names([4, 4])[1], cache.names([4, 4])[0], "orphan", 1)  # its parent is not kept
+    assert not cache.put(b"big", None, "big", 5)  # alone over the limit
