@@ -163,7 +163,7 @@ class Batcher:
         if self.chunked and self.prefix_cache_bytes > 0 and self.runtime.layout.ring_free:
             self.prefix = PrefixCache(self.runtime.identity, max_bytes=self.prefix_cache_bytes)
         self._sched = Scheduler(self.slots, self.max_queue, self.step_tokens, self.chunked, self.prefix)
-        self._block_bytes = self.runtime.dims.kv_bytes_per_token() * (self.prefix.block if self.prefix else 0)
+        self._block_bytes = self.runtime.dims.kv_bytes_per_token() * (self.prefix.block if self.prefix is not None else 0)
         self._thread = threading.Thread(target=self._loop, name="tk-batcher", daemon=True)
         self._thread.start()
         return self

@@ -178,6 +178,7 @@ def test_prompts_in_chunks_and_from_cached_prefixes_equal_their_solo_runs(cache_
     computed = sum(len(p) for p, _, _ in mix) + len(turn)
     if cache_bytes:
         assert batcher.prefix.hits >= 9 and batcher.prefix.reused >= 9 * 16  # every later one reused the block
+        assert batcher.prefix.bytes == len(batcher.prefix) * 16 * ToyStatic().dims.kv_bytes_per_token()
         assert batcher.prefill_tokens == computed - batcher.prefix.reused
     else:
         assert batcher.prefix is None and batcher.prefill_tokens == computed

@@ -209,6 +209,12 @@ def test_two_hundred_requests_with_hangups_and_garbage_leak_no_slot(server, solo
         time.sleep(0.05)
     assert _metric(url, "tk_active_slots") == 0 and _metric(url, "tk_queue_depth") == 0
     assert srv.batcher.finished["cancelled"] - cancelled == 20  # every hang-up cancelled its request
+    # a prompt again: its whole blocks come from the prefix cache, and the answer is the same
+    prompt, hits = list(range(5, 45)), _metric(url, "tk_prefix_cache_hits_total")
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+    first, again = (_post(url, "/v1/completions", body)[1]["choices"][0]["token_ids"] for _ in range(2))
+    assert first == again and _metric(url, "tk_prefix_cache_hits_total") - hits >= 32
+    assert 0 < _metric(url, "tk_prefix_cache_hit_rate") < 1 and _metric(url, "tk_prefix_cache_bytes") > 0
     assert json.loads(urllib.request.urlopen(url + "/health", timeout=10).read())["status"] == "ok"
 
 
@@ -265,6 +271,8 @@ def test_tk_serve_refuses_what_it_cannot_serve(tiny_artifact, serve_artifact):
     assert "reachable from other machines" in out.output and "no --api-key" in out.output and out.exit_code == 2
     out = CliRunner().invoke(main, ["serve", str(serve_artifact), "--max-body-bytes", "10"])
     assert out.exit_code == 2 and "--max-body-bytes" in out.output
+    out = CliRunner().invoke(main, ["serve", str(serve_artifact), "--slots", "8", "--step-tokens", "4"])
+    assert out.exit_code == 2 and "--step-tokens" in out.output and "at least 8" in out.output
 
 
 def test_without_the_serving_stack_tk_serve_says_how_to_get_it(serve_artifact, monkeypatch):

@@ -33,18 +33,29 @@ def batcher_options(f):
                                                      "(also from $TK_API_KEY).")
 @click.option("--max-body-bytes", default=8 * 2**20, show_default=True, type=click.IntRange(min=1024),
               help="Larger request bodies are refused (HTTP 413).")
+@click.option("--step-tokens", type=click.IntRange(min=1),
+              help="Tokens one step computes (vLLM's --max-num-batched-tokens): a decode token for each running "
+                   "request first, then chunks of the prompts coming in [default: 64, at least --slots].")
+@click.option("--prefix-cache-mib", default=1024, show_default=True, type=click.IntRange(min=1),
+              help="Host memory for cached prompt prefixes (their keys and values); least recently used go first.")
+@click.option("--no-prefix-cache", is_flag=True, help="Prefill every prompt whole: reuse no cached prefix.")
 @backend_options(prepack=True)
 def serve(artifact: Path, backend: str, host: str, port: int, slots: int, max_queue: int, model_name: str | None,
-          drain: float, api_key: str | None, max_body_bytes: int, threads: int | None, device: str, provider: str,
-          prepack: bool) -> None:
+          drain: float, api_key: str | None, max_body_bytes: int, step_tokens: int | None, prefix_cache_mib: int,
+          no_prefix_cache: bool, threads: int | None, device: str, provider: str, prepack: bool) -> None:
     """Serve an ARTIFACT (static cache) over the OpenAI API, with continuous batching."""
     from tk.toolkit.serving.openai_server import ServeOptions, open_server
+
+    if step_tokens is not None and step_tokens < slots:
+        raise click.BadParameter(f"{step_tokens} is less than one decode token for each of the {slots} slots; "
+                                 f"give at least {slots}", param_hint="--step-tokens")
 
     if host not in LOOPBACK:
         click.echo(f"tk serve: warning: --host {host} is reachable from other machines"
                    f"{'' if api_key else ' and no --api-key is set: anyone who reaches it can use it'}; "
                    "--host 127.0.0.1 keeps it on this one", err=True)
-    options = ServeOptions(host, port, slots, max_queue, model_name, drain, api_key, max_body_bytes)
+    options = ServeOptions(host, port, slots, max_queue, model_name, drain, api_key, max_body_bytes, step_tokens,
+                           0 if no_prefix_cache else prefix_cache_mib * 2**20)
     server, sock = open_server(artifact, backend, BackendOptions(threads, device, provider, prepack), options)
     url = f"http://{host}:{sock.getsockname()[1]}"
     click.echo(f"tk serve: {server.model_name} on {url}/v1 ({backend}, {slots} slots); Ctrl-C stops", err=True)

@@ -141,6 +141,24 @@ def documented(*codes: int, stream: bool = False) -> dict:
     return out
 
 
+class _EngineCounters:
+    """The batcher's own counters (prefill and prefix cache), read at each scrape: a Prometheus collector."""
+
+    def __init__(self, batcher: Batcher):
+        self.batcher = batcher
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        b, cache = self.batcher, self.batcher.prefix
+        yield CounterMetricFamily("tk_prefill_tokens", METRICS["tk_prefill_tokens"], value=b.prefill_tokens)
+        if cache is not None:
+            for name, value in (("tk_prefix_cache_queries", cache.queried), ("tk_prefix_cache_hits", cache.reused)):
+                yield CounterMetricFamily(name, METRICS[name], value=value)
+            for name, value in (("tk_prefix_cache_hit_rate", cache.hit_rate), ("tk_prefix_cache_bytes", cache.bytes)):
+                yield GaugeMetricFamily(name, METRICS[name], value=value)
+
+
 class PrometheusMetrics(frontend.Metrics):
     """The server's metrics (frontend.METRICS' names) in a registry of its own."""
 
@@ -158,6 +176,7 @@ class PrometheusMetrics(frontend.Metrics):
         self.reasons = counter("tk_requests_finished", "reason")
         self.prompt, self.generated = counter("tk_prompt_tokens"), counter("tk_generation_tokens")
         self.ttft, self.itl = histogram("tk_time_to_first_token_seconds"), histogram("tk_inter_token_latency_seconds")
+        reg.register(_EngineCounters(batcher))
 
     def submitted(self, prompt_tokens: int) -> None:
         self.prompt.inc(prompt_tokens)

@@ -38,6 +38,11 @@ METRICS = {  # every tk metric's name and help; tk serve exports them all, Trito
     "tk_generation_tokens": "Tokens generated",
     "tk_time_to_first_token_seconds": "Submit to first token",
     "tk_inter_token_latency_seconds": "Between a request's tokens",
+    "tk_prefill_tokens": "Prompt tokens computed (not taken from the prefix cache)",
+    "tk_prefix_cache_queries": "Prompt tokens looked up in the prefix cache",
+    "tk_prefix_cache_hits": "Prompt tokens taken from the prefix cache (tokens reused)",
+    "tk_prefix_cache_hit_rate": "Prefix cache hits over queries, since start",
+    "tk_prefix_cache_bytes": "Memory the prefix cache holds",
 }
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)  # seconds
 

@@ -24,7 +24,7 @@ from typing import Union
 
 from tk.models.errors import TkError, UsageProblem
 from tk.runtimes.base import InputError
-from tk.runtimes.batching import Batcher, BatcherClosed, QueueFull
+from tk.runtimes.batching import DEFAULT_PREFIX_CACHE_BYTES, Batcher, BatcherClosed, QueueFull
 from tk.runtimes.cache_layouts import slots_problem
 from tk.runtimes.rows import FinishReason
 from tk.toolkit.serving import frontend, openai_api, structured
@@ -360,7 +360,8 @@ def bind(host: str, port: int):
 @dataclass(frozen=True)
 class ServeOptions:
     """How `tk serve` listens and what it takes: its address, the batcher's limits, the name clients
-    send, the drain at shutdown, the API key (None: none asked) and the body limit."""
+    send, the drain at shutdown, the API key (None: none asked), the body limit, a step's token
+    budget (None: the batcher's default) and the prefix cache's bytes (0: off)."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -370,6 +371,8 @@ class ServeOptions:
     drain_s: float = 10.0
     api_key: str | None = None
     max_body: int = DEFAULT_BODY_LIMIT
+    step_tokens: int | None = None
+    prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES
 
 
 def open_server(artifact, backend: str, backend_options, options: ServeOptions = ServeOptions()):
@@ -392,7 +395,8 @@ def open_server(artifact, backend: str, backend_options, options: ServeOptions =
     runtime = open_runtime(artifact, backend, dataclasses.replace(backend_options, static_cache=True))
     sock = bind(options.host, options.port)
     try:
-        batcher = Batcher(runtime, options.slots, options.max_queue, manifest.eos_token_ids).start()
+        batcher = Batcher(runtime, options.slots, options.max_queue, manifest.eos_token_ids, options.step_tokens,
+                          options.prefix_cache_bytes).start()
     except BaseException:
         sock.close()
         raise
