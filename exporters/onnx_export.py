@@ -138,14 +138,16 @@ def _example(graph: str, model: Decoder, dims: contract.GraphDims, fused: bool =
     capacity, output_hidden = dims.kv_capacity, dims.hidden_size is not None
     batch = Dim(contract.BATCH, min=1)
     if graph == contract.DECODE and capacity is not None:
-        mask = torch.zeros(B, capacity, dtype=torch.int64)
         new = 2 if dims.decode_prefills else 1  # a run of new tokens per row (2: not specialized to 1)
+        # a narrow mask covers what the rows hold (not specialized to the capacity, nor to P + new)
+        mask = torch.zeros(B, min(P + new + 2, capacity) if dims.narrow_mask else capacity, dtype=torch.int64)
         mask[:, : P + new] = 1
         past = [torch.zeros(B, c.num_kv_heads, n, c.head_dim, dtype=model.dtype) for n in dims.capacities() for _ in "kv"]
         args = (torch.randint(0, c.vocab_size, (B, new)), mask, P + torch.arange(new).repeat(B, 1),
                 torch.full((B,), P, dtype=torch.int64), *past)
         tokens = {0: batch, 1: Dim(contract.SEQ, min=1)} if dims.decode_prefills else {0: batch}
-        shapes = {"input_ids": tokens, "attention_mask": {0: batch}, "position_ids": tokens,
+        width = {1: Dim(contract.TOTAL, min=1, max=capacity)} if dims.narrow_mask else {}
+        shapes = {"input_ids": tokens, "attention_mask": {0: batch, **width}, "position_ids": tokens,
                   "rest": ({0: batch}, *({0: batch} for _ in past))}  # write_indices, then the cache
         return GraphModule(model, static=True, output_hidden=output_hidden, fused=fused,
                            last_only=dims.decode_prefills, decode_prefills=dims.decode_prefills), args, shapes

@@ -67,7 +67,8 @@ def compute_profiles(dims: contract.GraphDims, limits: Limits, max_context: int)
         if S != dims.kv_capacity:
             raise UsageProblem(f"the graphs have a static cache of {dims.kv_capacity} positions; --max-seq-len must be "
                              f"{dims.kv_capacity} (or left out)")
-        decode["attention_mask"] = [[1, S], [ob, S], [B, S]]
+        # a narrow mask covers the positions the rows hold (contract.inputs), else the whole cache
+        decode["attention_mask"] = [[1, 1], [ob, op + 1], [B, S]] if dims.narrow_mask else [[1, S], [ob, S], [B, S]]
         decode["write_indices"] = [[1], [ob], [B]]
         for name, n in zip(contract.past_names(dims.num_layers), [n for n in dims.capacities() for _ in "kv"]):
             decode[name] = [[1, H, n, D], [ob, H, n, D], [B, H, n, D]]  # a sliding layer's ring holds n < S

@@ -93,6 +93,9 @@ class Variant:
     # the static decode graph also prefills (S >= 1 new tokens per row, contract.inputs): set for
     # --target ort --kv-cache static --prefill-logits last, where ONNX Runtime then runs one session
     decode_prefills: bool = False
+    # the static decode graph attends over its attention_mask's width, not the whole cache (contract.inputs):
+    # set for the portable target's static cache without rings (a ring's mask reads positions by index)
+    narrow_mask: bool = False
 
     def __post_init__(self):  # accept the plain strings of the CLI and of manifest.json
         object.__setattr__(self, "target", Target(self.target))
@@ -113,7 +116,7 @@ def graph_dims(config, precision: Precision, variant: Variant) -> contract.Graph
         ring = contract.ring_sizes(c.windows, v.capacity, contract.RING_RUN if v.decode_prefills else 1)
     return contract.GraphDims(c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size, precision.kv, v.capacity,
                               c.hidden_size if v.debug_outputs else None, v.prefill_logits.value, v.decode_prefills,
-                              ring)
+                              ring, v.narrow_mask and ring is None)
 
 
 # --- the manifest ----------------------------------------------------------------------------

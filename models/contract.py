@@ -17,10 +17,11 @@ from tk.models.dtypes import DTYPES
 from tk.models.errors import TkError
 
 # 2: the static-capacity decode variant (write_indices, fixed-capacity cache); 3: a sliding layer's static
-# cache may be a ring of fewer positions (GraphDims.ring). A version-2 artifact is a version-3 one without
-# rings, so both are read (READS).
-CONTRACT_VERSION = 3
-READS = (2, 3)
+# cache may be a ring of fewer positions (GraphDims.ring); 4: a static decode graph's attention_mask may be
+# narrower than the cache (GraphDims.narrow_mask: it attends over that many positions). Each version's
+# artifacts are the next one's without the new feature, so all are read (READS).
+CONTRACT_VERSION = 4
+READS = (2, 3, 4)
 RING_RUN = 128  # with rings, the most new tokens per row a decode graph that also prefills takes (changing it bumps the version)
 
 PREFILL = "prefill"
@@ -88,7 +89,7 @@ def _layer_kv(num_layers: int, prefix: str, sizes) -> list[TensorSpec]:
 
 
 def inputs(graph: str, num_layers: int, capacity: int | None = None, decode_prefills: bool = False,
-           ring: tuple[int | None, ...] | None = None) -> list[TensorSpec]:
+           ring: tuple[int | None, ...] | None = None, narrow_mask: bool = False) -> list[TensorSpec]:
     """Graph inputs, in order (the contract table in DESIGN.md).
 
     With `capacity` the decode graph has a static-capacity cache: past and present are
@@ -100,13 +101,16 @@ def inputs(graph: str, num_layers: int, capacity: int | None = None, decode_pref
     never padded: row b holds its tokens at 0 .. write_indices[b] - 1, so the graph attends to
     exactly those and the new ones, and reads `attention_mask` for nothing but its width (the
     runtimes still keep it, 1 exactly there). With `ring` (ring_sizes) a sliding layer's past and
-    present hold its ring's slots instead: position p at slot p % slots.
+    present hold its ring's slots instead: position p at slot p % slots. With `narrow_mask` the
+    decode graph's attention_mask may cover only the cache's first total_sequence_length positions
+    (<= capacity, at least every row's write index plus its new tokens): it attends over those alone,
+    so a step costs what the rows hold, not the capacity (the cache is still written in place whole).
     """
     if graph == DECODE and capacity is not None:
         new = SEQ if decode_prefills else 1
         return [
             TensorSpec("input_ids", "int64", (BATCH, new)),
-            TensorSpec("attention_mask", "int64", (BATCH, capacity)),
+            TensorSpec("attention_mask", "int64", (BATCH, TOTAL if narrow_mask else capacity)),
             TensorSpec("position_ids", "int64", (BATCH, new)),
             TensorSpec("write_indices", "int64", (BATCH,)),
             *_layer_kv(num_layers, "past_key_values", layer_capacities(num_layers, capacity, ring)),
@@ -165,6 +169,7 @@ class GraphDims:
     prefill_logits: str = "all"  # "last": prefill returns the last position's logits only (B, 1, V)
     decode_prefills: bool = False  # the static decode graph takes S >= 1 new tokens per row (see inputs)
     ring: tuple[int | None, ...] | None = None  # per layer, its static cache's ring slots (ring_sizes) or None
+    narrow_mask: bool = False  # the static decode graph attends over its attention_mask's width (see inputs)
 
     @property
     def max_run(self) -> int | None:
@@ -197,7 +202,8 @@ class GraphDims:
 @functools.lru_cache(maxsize=64)
 def _resolved_inputs(dims: GraphDims, graph: str) -> tuple[TensorSpec, ...]:
     return tuple(s.resolve(dims.kv_dtype, dims.num_kv_heads, dims.head_dim, dims.vocab_size)
-                 for s in inputs(graph, dims.num_layers, dims.kv_capacity, dims.decode_prefills, dims.ring))
+                 for s in inputs(graph, dims.num_layers, dims.kv_capacity, dims.decode_prefills, dims.ring,
+                                 dims.narrow_mask))
 
 
 @functools.lru_cache(maxsize=64)

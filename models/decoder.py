@@ -137,13 +137,18 @@ class Attention(nn.Module):
         elif past is not None:  # the concat stays outside SDPA: TensorRT rejects Attention with past
             k = torch.cat([past[0], k], dim=2)  # (B, Hkv, T, D)
             v = torch.cat([past[1], v], dim=2)
+        present = (k, v)
+        width = inputs.mask.shape[-1]
+        if write_index is not None and not (isinstance(width, int) and width == k.shape[2]):
+            # a narrow mask (contract.inputs' narrow_mask): attend over the positions it covers alone
+            k, v = k[:, :, :width], v[:, :, :width]
         if self.softcap is not None:
             y = softcapped_attention(q, k, v, inputs.mask, self.scale, self.softcap)  # (B, H, S, D)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=inputs.mask, scale=self.scale,
                                                enable_gqa=self.n_heads != self.n_kv)
         y = (y if single else y.transpose(1, 2)).reshape(B, S, self.n_heads * self.head_dim)  # (B, S, H*D)
-        return self.wo(y), (k, v)
+        return self.wo(y), present
 
 
 class FeedForward(nn.Module):

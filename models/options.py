@@ -114,7 +114,8 @@ class ExportOptions:
         # a static decode graph takes a run of new tokens per row (contract.inputs): serving's chunked
         # prefill and cached prefixes continue a prompt through it; the fused one where it prefills too
         prefills = kv_cache == "static" and (target != Target.ORT.value or prefill_logits == "last")
-        variant = Variant(target, kv_cache, max_seq_len, prefill_logits, debug_outputs, opset, prefills)
+        narrow = kv_cache == "static" and target != Target.ORT.value  # (GroupQueryAttention reads each row's length)
+        variant = Variant(target, kv_cache, max_seq_len, prefill_logits, debug_outputs, opset, prefills, narrow)
         precision = Precision.of(dtype or "fp32")
         if weights is not None:
             precision = dataclasses.replace(precision, weights=weights, block_size=block_size,

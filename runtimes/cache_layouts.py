@@ -27,6 +27,9 @@ from tk.runtimes.errors import InputError
 from tk.runtimes.session import Session, StaticState, StepOutput
 
 
+NARROW_STEP = 64  # a narrow mask's width is a multiple of this (or the capacity)
+
+
 def slots_problem(dims: contract.GraphDims) -> str | None:
     """Why an artifact's graphs cannot hold serving's slots (None: they can)."""
     if dims.kv_capacity is None:
@@ -88,6 +91,7 @@ class StaticLayout(_Layout):
 
     def __init__(self, dims: contract.GraphDims):
         self.capacity, self.decode_prefills, self.max_run = dims.kv_capacity, dims.decode_prefills, dims.max_run
+        self.narrow = dims.narrow_mask
         # per cache tensor (contract order), a ring's slots or None
         self.rings = [None if dims.ring is None else dims.ring[i] for i in range(dims.num_layers) for _ in "kv"]
 
@@ -191,7 +195,7 @@ class StaticLayout(_Layout):
         logits = []
         for start in range(0, L, run):
             end = min(L, start + run)
-            feeds = {"input_ids": ids[:, start:end], "attention_mask": s.mask[row:row + 1],
+            feeds = {"input_ids": ids[:, start:end], "attention_mask": s.mask[row:row + 1, :self._width(at + end)],
                      "position_ids": np.arange(at + start, at + end, dtype=np.int64)[None],
                      "write_indices": np.full(1, at + start, np.int64)}
             out, _ = rt._run(contract.DECODE, feeds, rows, None, in_place=True)
@@ -207,8 +211,12 @@ class StaticLayout(_Layout):
         s.length += 1
         return out
 
-    @staticmethod
-    def _decode(rt, s: Session, tokens: np.ndarray, rows: np.ndarray | None, n: int) -> StepOutput:
+    def _width(self, needed: int) -> int:
+        """The attention_mask's width for a step that needs `needed` positions: all of the cache, or
+        with a narrow mask (contract.inputs) that many rounded up to NARROW_STEP (fewer shapes to bind)."""
+        return min(self.capacity, -(-needed // NARROW_STEP) * NARROW_STEP) if self.narrow else self.capacity
+
+    def _decode(self, rt, s: Session, tokens: np.ndarray, rows: np.ndarray | None, n: int) -> StepOutput:
         """Decode the first `n` rows; of them, `rows` (None: all) advance (each at its own write
         index) and the others sit out: an empty slot writes its throwaway position 0 again and
         moves nothing. The feed arrays are written in place: they are the ones a backend bound."""
@@ -225,6 +233,13 @@ class StaticLayout(_Layout):
             s.positions[rows] += 1
             s.mask[rows, st.write[rows]] = 1
         feeds = st.feeds if n == s.batch else {k: v[:n] for k, v in st.feeds.items()}
+        if self.narrow:  # the positions any of the n rows holds, this step's included
+            width = self._width(int(st.write[:n].max()) + 1)
+            mask = st.narrow.get(width)
+            if mask is None:
+                mask = st.narrow[width] = np.empty((s.batch, width), np.int64)
+            np.copyto(mask[:n], s.mask[:n, :width])
+            feeds = {**feeds, "attention_mask": mask[:n]}
         past = s.cache if n == s.batch else [rt._leading(b, n) for b in s.cache]
         out, _ = rt._run(contract.DECODE, feeds, past, s, in_place=True)
         if rows is None:

@@ -252,12 +252,14 @@ class OrtRuntime(Runtime):
         pool's own), so what a caller keeps is never overwritten. A caller that keeps every step's
         logits (a parity trace) finds none free once there are BINDINGS_PER_BATCH: the oldest then
         writes into a new array (the caller keeps the old one), so the pool stays that size."""
-        B = feeds["input_ids"].shape[0]
+        B, width = feeds["input_ids"].shape[0], feeds["attention_mask"].shape[1]
         if session is None:
             pool = []
-        else:
+        else:  # per batch size, the bindings of one mask width (a narrow mask's: the last one asked)
             pools = session.backend if session.backend is not None else self._new_pools(session)
-            pool = pools.get(B) or pools.setdefault(B, [])
+            if B not in pools or pools[B][0] != width:
+                pools[B] = (width, [])
+            pool = pools[B][1]
         for entry in pool:
             if sys.getrefcount(entry[1]) <= entry[2]:
                 break
@@ -275,7 +277,7 @@ class OrtRuntime(Runtime):
 
     @staticmethod
     def _new_pools(session) -> dict:
-        session.backend = {}  # batch size -> its bindings (Session.backend: ORT's)
+        session.backend = {}  # batch size -> (mask width, its bindings) (Session.backend: ORT's)
         return session.backend
 
     def _new_logits(self, entry: list) -> None:

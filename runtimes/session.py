@@ -11,7 +11,7 @@ nothing of runtimes: base and the layouts both stand on it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -31,6 +31,9 @@ class StaticState:
     write: np.ndarray  # (B,) int64: per row, the cache index its next token goes to
     feeds: dict[str, np.ndarray]  # the decode feeds; attention_mask, position_ids, write_indices are the session's
     views: tuple[memoryview, ...]  # flat int64 views of input_ids, positions, mask and write (the decode hot path)
+    # a narrow mask's arrays, by width (contract.inputs' narrow_mask): the mask's first columns, copied in
+    # before each step; the same array for each width and batch, so a backend may bind it once
+    narrow: dict[int, np.ndarray] = field(default_factory=dict)
 
     @classmethod
     def over(cls, mask: np.ndarray, positions: np.ndarray, write: np.ndarray) -> "StaticState":
