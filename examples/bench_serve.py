@@ -225,6 +225,7 @@ def main() -> None:
     ap.add_argument("artifact", type=Path, help="A static-cache tk export: its vocabulary, and the solo check")
     ap.add_argument("--server", action="append", default=[], metavar="NAME=SPEC",
                     help="A URL, or a command with {port} to start here (repeat: side by side)")
+    ap.add_argument("--url", action="append", default=[], help="A running server: the same as --server URL=URL")
     ap.add_argument("--workload", choices=("mix", "shared-prefix", "long-prompt"), default="mix")
     ap.add_argument("--concurrency", default="1,4,16", help="Client counts (mix); shared-prefix takes the last")
     ap.add_argument("--requests", type=int, default=32)
@@ -236,7 +237,7 @@ def main() -> None:
     from tk.models.artifact import Manifest
 
     vocab = Manifest.read(args.artifact).dims.vocab_size
-    specs = [s.split("=", 1) for s in args.server] or [["tk", f"tk serve {args.artifact} --slots {args.slots} "
+    specs = [s.split("=", 1) for s in args.server] + [[u, u] for u in args.url] or [["tk", f"tk serve {args.artifact} --slots {args.slots} "
                                                               "--port {port}"]]
     levels = [int(c) for c in args.concurrency.split(",")]
     if args.workload != "mix":

@@ -197,3 +197,24 @@ def test_log_probabilities_of_prompt_and_tokens_equal_the_reference(serve_artifa
     for s, row in zip(scores, want):
         assert [t for t, _ in s.top] == np.argsort(-row, kind="stable")[:len(s.top)].tolist()
     assert {len(s.top) for s in scores} == {2, 3}  # the prompt's top 2, the new tokens' top 3
+
+
+def test_a_step_attends_over_what_the_rows_hold_not_the_whole_cache(serve_artifact):
+    """A portable static export's decode graph takes a narrow mask (contract.inputs' narrow_mask):
+    the step feeds the positions the rows hold, rounded up to 64, and computes what the full width
+    computes (the dynamic cache's step of the same tokens)."""
+    prompt = np.random.default_rng(2).integers(3, 300, size=20).tolist()
+    widths = []
+    with open_runtime(serve_artifact, "ort", SLOTS) as rt, Slots(rt, 2) as slots:
+        assert rt.dims.narrow_mask and rt.dims.kv_capacity == 128
+        run = rt._run
+        rt._run = lambda graph, feeds, *a, **k: (widths.append((graph, feeds["attention_mask"].shape)),
+                                                 run(graph, feeds, *a, **k))[1]
+        slots.admit(1, prompt)
+        narrow = [slots.step(np.array([0, t]), [1]).logits[1] for t in (7, 8)]
+    assert widths == [("prefill", (1, 20)), ("decode", (2, 64)), ("decode", (2, 64))]
+    with open_runtime(serve_artifact, "torch") as ref:
+        ids = np.array([prompt])
+        _, session = ref.start(ids, np.ones_like(ids))
+        full = [ref.step(session, [t]).logits[0] for t in (7, 8)]
+    np.testing.assert_allclose(np.concatenate(narrow), np.concatenate(full), atol=1e-4)
