@@ -48,10 +48,12 @@ log = logging.getLogger("tk.batcher")
 
 __all__ = ["Batcher", "BatcherClosed", "QueueFull", "Request", "wait_all"]
 
-# A step's token budget: every running request's decode token, then prefill chunks. On 2 CPU cores
-# a chunk of this many prompt tokens costs about what 8 rows' decode step does on a 135M model
-# (examples/bench_serve.py --workload long-prompt measures the gaps it leaves).
-DEFAULT_STEP_TOKENS = 64
+# A step's token budget: every running request's decode token, then prefill chunks. A step's runs
+# are one decode run and one run per chunk (the graphs take no ragged batch), so a stream's gap while
+# a prompt comes in is its decode step plus a chunk: on 2 CPU cores and a 135M model, 8 rows' decode
+# step costs about what a 20-token chunk does, 40 tokens about twice that (examples/bench_serve.py
+# --workload long-prompt measures the gaps this leaves).
+DEFAULT_STEP_TOKENS = 48
 DEFAULT_PREFIX_CACHE_BYTES = 1 << 30
 
 

@@ -11,7 +11,9 @@
   slot p % slots), written by the graph; a prefill's present is copied into it as such, and
   prompts that run through the decode graph go in runs of at most dims.max_run tokens. Its rows
   can also be slots, one session whose rows requests take and leave, each at its own length
-  (`open_slots`, `admit`, `step_slots`, `free`; serving's runtimes/slots.py).
+  (`open_slots`, `begin`, `prefill_slot` a chunk at a time, `read_slot`/`load_slot` for cached
+  prefixes, `step_slots`, `free`; serving's runtimes/slots.py). A narrow mask (dims.narrow_mask)
+  is fed only as wide as the rows need, rounded up to NARROW_STEP.
 
 The layouts' `rt` is the session's runtime (tk.runtimes.base.Runtime, which imports this
 module): backends supply the buffers (`_alloc_cache`, `_copy_positions`, `_take`, `_release`,

@@ -1,15 +1,17 @@
 """Serving's slots: the rows of a static-capacity cache as places that requests take and leave.
 
 `Slots(runtime, count)` opens one session of `count` empty rows on an active runtime whose export
-has a static cache (`slots_problem` says why one cannot hold them). `admit(slot, prompt)`
-prefills one prompt alone (batch 1, no padding: what `tk generate` of it computes) into a free
-row and returns its logits; `step(tokens, active)` decodes the busy rows together, each at its
-own length and write index, and computes only up to the last busy one where the backend views a
-buffer's leading rows (`Runtime.row_views`; ORT on CUDA runs every row); `free(slot)` empties a
-row, which keeps one visible position (0) and rewrites it: its throwaway row computes no NaN and
-touches no live row. The rows' mechanics are the static layout's
-(runtimes/cache_layouts.StaticLayout); which request sits where is the batcher's
-(runtimes/batching.py).
+has a static cache (`slots_problem` says why one cannot hold them). A prompt takes a free row
+(`begin`), may get cached positions copied in (`load` of what `read` copied out), and comes in by
+chunks (`prefill(slot, ids, start, end)`, or `admit` for all of it at once): its first chunk alone
+as `tk generate` of it would prefill it (batch 1, no padding), later ones through the decode graph
+at the row's write index (`chunk_problem` says where a backend cannot). `step(tokens, active)`
+decodes the busy rows together, each at its own length and write index, and computes only up to
+the last busy one where the backend views a buffer's leading rows (`Runtime.row_views`; ORT on
+CUDA runs every row); `free(slot)` empties a row, which keeps one visible position (0) and
+rewrites it: its throwaway row computes no NaN and touches no live row. The rows' mechanics are the
+static layout's (runtimes/cache_layouts.StaticLayout); which request sits where, and what each step
+computes, is the scheduler's and the batcher's (runtimes/scheduler.py, runtimes/batching.py).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ def batcher_options(f):
               help="Larger request bodies are refused (HTTP 413).")
 @click.option("--step-tokens", type=click.IntRange(min=1),
               help="Tokens one step computes (vLLM's --max-num-batched-tokens): a decode token for each running "
-                   "request first, then chunks of the prompts coming in [default: 64, at least --slots].")
+                   "request first, then chunks of the prompts coming in [default: 48, at least --slots].")
 @click.option("--prefix-cache-mib", default=1024, show_default=True, type=click.IntRange(min=1),
               help="Host memory for cached prompt prefixes (their keys and values); least recently used go first.")
 @click.option("--no-prefix-cache", is_flag=True, help="Prefill every prompt whole: reuse no cached prefix.")
