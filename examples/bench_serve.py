@@ -24,8 +24,8 @@ within a round; the median over rounds is reported). Workloads:
   the streams' longest inter-token gap over their median one (chunked prefill keeps it small).
 
 A server that returns each token's id (tk's `return_token_ids`) has its tokens checked against
-`tk generate` of each prompt alone (ONNX Runtime in this process, on ARTIFACT): a request lost or
-mixed up fails the run (exit 1). Other servers' tokens are counted, one per streamed chunk.
+`tk generate` of each prompt alone (ONNX Runtime in this process, on the artifact its `tk serve`
+command names, else on ARTIFACT): a request lost or mixed up fails the run (exit 1). Other servers' tokens are counted, one per streamed chunk.
 Reports requests/s, tokens/s, time to first token and inter-token latency p50/p99.
 """
 
@@ -170,7 +170,7 @@ class Server:
     """A server to benchmark: a URL, or a command started here on a free loopback port."""
 
     def __init__(self, name: str, spec: str):
-        self.name, self.proc, self.model = name, None, None
+        self.name, self.proc, self.model, self.artifact = name, None, None, None
         if re.match(r"https?://", spec):
             self.url = spec.rstrip("/")
             return
@@ -178,6 +178,7 @@ class Server:
         argv = shlex.split(spec.replace("{port}", str(port)))
         if argv[0] == "tk":  # this environment's tk
             argv[0] = str(Path(sys.executable).parent / "tk")
+            self.artifact = Path(argv[2]) if argv[1:2] == ["serve"] else None
         self.url = f"http://127.0.0.1:{port}"
         self.log = open(f"/tmp/bench_serve_{name}.log", "w")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
@@ -243,14 +244,18 @@ def main() -> None:
     if args.workload != "mix":
         levels = levels[-1:] if args.workload == "shared-prefix" else [STREAMS + 1]
     rounds = [workload(args.workload, vocab, args.requests, r) for r in range(args.rounds)]
-    solo = {} if args.no_check else {r: solo_tokens(args.artifact, reqs) for r, reqs in enumerate(rounds)
-                                     if r == 0 or args.workload != "mix"}
+    solo: dict[tuple[Path, int], list[list[int]]] = {}
     servers: list[Server] = []
     runs: dict[tuple[str, int], list[dict]] = {}
     bad = 0
     try:
         for name, spec in specs:
             servers.append(Server(name, spec))
+        for s in servers if not args.no_check else []:  # each server's artifact, alone, every round's requests
+            for r, reqs in enumerate(rounds if args.workload != "mix" else rounds[:1]):
+                key = (s.artifact or args.artifact, r)
+                if key not in solo:
+                    solo[key] = solo_tokens(key[0], reqs)
         for s in servers:
             one(s.url, s.model, rounds[0][0][0][:8], 4)  # warm up
         for r, requests in enumerate(rounds):
@@ -263,7 +268,7 @@ def main() -> None:
                     after = (s.metric("tk_prefix_cache_hits_total"), s.metric("tk_prefix_cache_queries_total"))
                     if None not in before + after and after[1] > before[1]:
                         run["prefix_hit_rate"] = (after[0] - before[0]) / (after[1] - before[1])
-                    want = solo.get(r if args.workload != "mix" else 0)
+                    want = solo.get((s.artifact or args.artifact, r if args.workload != "mix" else 0))
                     checked = want is not None and all(None not in res["tokens"] for res in results)
                     wrong = [i for i, (res, w) in enumerate(zip(results, want or [])) if checked and res["tokens"] != w]
                     lost = [i for i, (res, (_, n)) in enumerate(zip(results, requests)) if len(res["tokens"]) != n]
