@@ -138,8 +138,8 @@ class Attention(nn.Module):
             k = torch.cat([past[0], k], dim=2)  # (B, Hkv, T, D)
             v = torch.cat([past[1], v], dim=2)
         present = (k, v)
-        width = inputs.mask.shape[-1]
-        if write_index is not None and not (isinstance(width, int) and width == k.shape[2]):
+        width = None if write_index is None or inputs.mask is None else inputs.mask.shape[-1]
+        if width is not None and not (isinstance(width, int) and width == k.shape[2]):
             # a narrow mask (contract.inputs' narrow_mask): attend over the positions it covers alone
             k, v = k[:, :, :width], v[:, :, :width]
         if self.softcap is not None:

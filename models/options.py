@@ -12,6 +12,7 @@ from typing import Callable
 
 from tk.models.artifact import (BLOCK_SIZES, DEFAULT_BLOCK, DEFAULT_OPSET, MAX_OPSET, MIN_OPSET, QUANTIZED, CacheLayout,
                                 Precision, PrefillLogits, Target, Variant)
+from tk.models import contract
 from tk.models.dtypes import canonical_dtype
 from tk.models.errors import UsageProblem
 
@@ -138,11 +139,16 @@ class ExportOptions:
 
     def for_model(self, config) -> "ExportOptions":
         """These options with what a profile leaves to the model (a DecoderConfig) filled in: the
-        static cache's capacity (the model's context, at most PROFILE_CAPACITY) and the first of the
-        profile's quantization blocks that divides every K."""
+        static cache's capacity (the model's context, at most PROFILE_CAPACITY), the first of the
+        profile's quantization blocks that divides every K, and a portable decode graph with rings
+        taking one token a step."""
         v, p = self.variant, self.precision
         if v.cache is CacheLayout.STATIC and v.capacity is None:
             v = dataclasses.replace(v, capacity=min(config.max_position_embeddings, PROFILE_CAPACITY))
+        if v.decode_prefills and v.target is Target.PORTABLE and contract.ring_sizes(config.windows, v.capacity, 1):
+            # a ring written by runs of tokens wraps around (a circular TensorScatter), which TensorRT's
+            # KV-cache update cannot do: a portable ring takes one token a step (linear, at index mod slots)
+            v = dataclasses.replace(v, decode_prefills=False)
         if p.quantized and p.block_size is None:
             from tk.models.quantize import layer_ks
 

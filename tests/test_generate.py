@@ -150,7 +150,7 @@ def _old_contract(d, version: int = 0):
     (lambda d: (d / "decode.onnx").unlink(), ["--prompt", "hi"], "Error: {d} is missing decode.onnx; re-export the artifact"),
     (lambda d: (d / "manifest.json").unlink(), ["--prompt", "hi"],
      "Error: {d} has no manifest.json; it is not a tk artifact (tk export makes one)"),
-    (_old_contract, ["--prompt", "hi"], "Error: artifact has graph contract version 0, this tk reads version 3; "
+    (_old_contract, ["--prompt", "hi"], "Error: artifact has graph contract version 0, this tk reads version 4; "
      "re-export it with this version of tk (tk export)"),
     (None, ["--prompt-ids", "1,2,999"], "Error: token id 999 is outside the vocabulary (0..511)"),
     (None, ["--prompt", ""], "Error: empty prompt: give at least one token per prompt"),
@@ -165,9 +165,11 @@ def test_cli_generate_bad_input(broken, mutate, args, expected):
     assert error_line(result).startswith(expected.format(d=d))
 
 
-def test_a_version_2_artifact_still_runs(broken):
-    """Contract version 3 added rings to static caches; a version-2 artifact (none) is a version-3 one."""
-    d = broken(lambda d: _old_contract(d, version=2))
+@pytest.mark.parametrize("version", [2, 3])
+def test_an_artifact_of_an_older_contract_still_runs(broken, version):
+    """Contract version 3 added rings to static caches, 4 narrow masks: an artifact of version 2 or 3
+    (which has neither) is one of version 4 without them."""
+    d = broken(lambda d: _old_contract(d, version=version))
     result = run("generate", d, "--prompt-ids", "1,2,3", "--max-new-tokens", "4")
     assert result.exit_code == 0, result.output
 

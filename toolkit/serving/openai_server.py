@@ -6,10 +6,9 @@ as server-sent events, vLLM's `POST /tokenize`, `/detokenize` and `GET /tokenize
 openai_schemas.py (FastAPI validates them and documents them in /openapi.json); its prompts are
 tokenized and its grammar compiled on a worker thread; each of its choices becomes one batcher job
 (openai_run.py; frontend.py: its `Request`, its text and stop strings, its metrics), whose events
-the batcher's thread hands to the event loop. The edge (edge.py) limits bodies, checks the API
-key and counts requests by route. Errors are OpenAI's JSON shape: 400 naming the field, 401, 413,
-429 when the queue is full, 503 while shutting down. A client that goes away cancels its request,
-which frees its slots before the next step. The response shapes are openai_api.py's.
+the batcher's thread hands to the event loop. The edge (edge.py) limits bodies, checks the API key
+and counts requests by route. Errors are OpenAI's JSON shape (400 naming the field, 401, 413, 429,
+503); a client that goes away cancels its request. The response shapes are openai_api.py's.
 """
 
 from __future__ import annotations
@@ -40,9 +39,7 @@ MISSING = "the serving stack is not installed; pip install 'tk[serve]' (fastapi,
 
 def _require():
     try:
-        import fastapi  # noqa: F401
-        import prometheus_client  # noqa: F401
-        import uvicorn  # noqa: F401
+        import fastapi, prometheus_client, uvicorn  # noqa: F401, E401 (what tk[serve] installs)
     except ImportError:
         raise UsageProblem(MISSING) from None
 
@@ -359,9 +356,8 @@ def bind(host: str, port: int):
 
 @dataclass(frozen=True)
 class ServeOptions:
-    """How `tk serve` listens and what it takes: its address, the batcher's limits, the name clients
-    send, the drain at shutdown, the API key (None: none asked), the body limit, a step's token
-    budget (None: the batcher's default) and the prefix cache's bytes (0: off)."""
+    """How `tk serve` listens and what it takes: its address, the batcher's limits and budgets (Batcher's
+    arguments), the name clients send, the drain at shutdown, the API key (None: none) and the body limit."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -371,8 +367,8 @@ class ServeOptions:
     drain_s: float = 10.0
     api_key: str | None = None
     max_body: int = DEFAULT_BODY_LIMIT
-    step_tokens: int | None = None
-    prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES
+    step_tokens: int | None = None  # None: the batcher's default
+    prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES  # 0: no prefix cache
 
 
 def open_server(artifact, backend: str, backend_options, options: ServeOptions = ServeOptions()):
