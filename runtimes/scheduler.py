@@ -7,11 +7,15 @@ and ends; or it is aborted at any of those. Each `schedule()` returns a `StepPla
 of `step_tokens` tokens: first one token for every decoding request (decode first, as
 onnxruntime-genai's AllocateDecodeFirstTokenBudget and vLLM's scheduler do), then prefill chunks
 of the prompts already in slots, oldest first, then new admissions while slots and budget last. So a
-long prompt is prefilled a chunk per step while the running requests keep decoding. `chunked`
+long prompt is prefilled a chunk per step while the running requests keep decoding. A step in which
+no request decodes has nobody to keep waiting: its budget is `idle_tokens` (at least `step_tokens`). `chunked`
 False (a backend that cannot continue a prompt part way: runtimes/slots.Slots.chunk_problem)
 prefills each prompt whole in the step that admits it, over budget if it must. With a
 `PrefixCache`, an admitted prompt first takes the longest cached prefix of its own tokens
-(`Seq.cached`, for the loop to copy into its slot) and prefills only the rest.
+(`Seq.cached`, for the loop to copy into its slot) and prefills only the rest; a prompt whose first
+block is not cached yet but is that of a prompt still prefilling waits for it (and the queue behind
+it), to take what that one computes rather than compute it again beside it (a burst of requests
+that share a system prompt).
 
 The loop (runtimes/batching.py) runs the plan, then tells the scheduler what happened:
 `advance(chunk)` after a chunk ran (its last one makes the request decode) and `finish(seq)` when
@@ -56,6 +60,7 @@ class Seq:
     reused: int = 0  # of which came from the prefix cache
     cached: list = field(default_factory=list)  # the matched prefix's payloads, until the loop copies them
     aborted: bool = False
+    head: bytes | None = None  # its first block's name in the prefix cache (b"": shorter than a block)
 
 
 @dataclass(frozen=True)
@@ -88,13 +93,14 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, slots: int, max_queue: int, step_tokens: int, chunked: bool = True,
-                 prefix: PrefixCache | None = None):
+                 prefix: PrefixCache | None = None, idle_tokens: int | None = None):
         if slots < 1 or max_queue < 0:
             raise ValueError(f"slots must be >= 1 and the queue >= 0, got {slots} and {max_queue}")
         if step_tokens < slots:
             raise ValueError(f"a step's budget of {step_tokens} tokens is less than the {slots} slots' decode tokens; "
                              f"give at least {slots}")
         self.slots, self.max_queue, self.step_tokens, self.chunked = slots, max_queue, step_tokens, chunked
+        self.idle_tokens = max(step_tokens, idle_tokens or step_tokens)
         self.prefix = prefix if chunked else None  # a cached prefix is useless where a prompt cannot continue
         self.waiting: deque[Seq] = deque()
         self.running: dict[int, Seq] = {}  # slot -> its request (prefilling or decoding)
@@ -153,13 +159,12 @@ class Scheduler:
         for seq in [s for s in self.running.values() if s.aborted]:
             self.finish(seq)
             plan.left.append(seq)
-        budget = self.step_tokens
         plan.decode = [self.running[slot] for slot in sorted(self.running) if self.running[slot].state is State.DECODE]
-        budget -= len(plan.decode)
+        budget = self.step_tokens - len(plan.decode) if plan.decode else self.idle_tokens
         for seq in self._prefilling:
             budget -= self._chunk(plan, seq, budget)
         free = sorted(set(range(self.slots)) - set(self.running))
-        while self.waiting and free and budget > 0:
+        while self.waiting and free and budget > 0 and not self._shares_a_pending_prefix(self.waiting[0]):
             seq = self.waiting.popleft()
             seq.slot, seq.state = free.pop(0), State.PREFILL
             if self.prefix is not None and seq.reuse:
@@ -170,6 +175,17 @@ class Scheduler:
             plan.admitted.append(seq)
             budget -= self._chunk(plan, seq, budget)
         return plan
+
+    def _head(self, seq: Seq) -> bytes:
+        if seq.head is None:
+            seq.head = next(iter(self.prefix.names(seq.prompt, 1)), b"")
+        return seq.head
+
+    def _shares_a_pending_prefix(self, seq: Seq) -> bool:
+        """Its first block is one a prompt still prefilling will put in the prefix cache (not there yet)."""
+        if self.prefix is None or not seq.reuse or not self._head(seq) or seq.head in self.prefix:
+            return False
+        return any(self._head(other) == seq.head for other in self._prefilling)
 
     def _chunk(self, plan: StepPlan, seq: Seq, budget: int) -> int:
         """Plan the next chunk of a prefilling request within `budget` -> the tokens it takes."""

@@ -168,3 +168,38 @@ def test_the_least_recently_used_chain_end_goes_first_and_a_cached_blocks_parent
     assert new[1] not in cache and new[0] in cache
     assert not cache.put(cache.names([4, 4])[1], cache.names([4, 4])[0], "orphan", 1)  # its parent is not kept
     assert not cache.put(b"big", None, "big", 5)  # alone over the limit
+
+
+def test_a_step_where_nobody_decodes_takes_the_idle_budget():
+    sched = Scheduler(slots=2, max_queue=2, step_tokens=4, idle_tokens=16)
+    a, b = Seq(list(range(20))), Seq([1, 2])
+    sched.add(a)
+    plan = sched.schedule()
+    assert _chunks(plan) == [(0, 0, 16)]  # nobody decodes: nobody waits on this step
+    _ran(sched, plan)
+    plan = sched.schedule()
+    assert _chunks(plan) == [(0, 16, 20)]
+    _ran(sched, plan)
+    sched.add(b)
+    assert _chunks(sched.schedule()) == [(1, 0, 2)] and Scheduler(2, 0, 4, idle_tokens=1).idle_tokens == 4
+
+
+def test_a_prompt_waits_for_the_one_prefilling_its_first_block_then_takes_what_it_cached():
+    cache = PrefixCache("m", block=4)
+    system = list(range(100, 112))
+    sched = Scheduler(slots=3, max_queue=4, step_tokens=8, prefix=cache)
+    first, second, other = Seq(system + [1, 2]), Seq(system + [3]), Seq([7] * 6)
+    for seq in (first, second, other):
+        sched.add(seq)
+    plan = sched.schedule()
+    assert plan.admitted == [first] and _chunks(plan) == [(0, 0, 8)]  # second (and the queue behind it) waits
+    _ran(sched, plan)
+    names = cache.names(first.prompt)
+    for i, name in enumerate(names[:2]):  # what the loop stores after first's chunk: its 2 whole blocks
+        cache.put(name, names[i - 1] if i else None, f"kv{i}", 1)
+    plan = sched.schedule()  # the first block is cached now: second takes what is there
+    assert plan.admitted == [second] and second.reused == 8 and _chunks(plan) == [(0, 8, 14), (1, 8, 10)]
+    no_cache = Scheduler(slots=3, max_queue=4, step_tokens=64)
+    for seq in (Seq(system + [1]), Seq(system + [2])):
+        no_cache.add(seq)
+    assert len(no_cache.schedule().admitted) == 2  # without a prefix cache nothing is worth waiting for
