@@ -52,9 +52,9 @@ __all__ = ["Batcher", "BatcherClosed", "QueueFull", "Request", "wait_all"]
 # decode run and one run per chunk (the graphs take no ragged batch), so while a prompt comes in, a
 # stream waits its decode step plus a chunk: on CPUs the decode step costs about what reading the
 # weights does, whatever the rows, and a chunk that plus its tokens' compute. On 2 cores and a 135M
-# model, 8 rows' decode step costs about what a 16-token chunk adds (examples/bench_serve.py
-# --workload long-prompt measures the gaps). So by default a step takes the slots' decode tokens
-# plus CHUNK_TOKENS, and a step in which nobody decodes (nobody waits) IDLE_TOKENS.
+# model, 8 rows' decode step costs about what a 16-token chunk does (examples/bench_serve.py
+# --workload long-prompt measures the gaps). So by default a step takes its decode tokens plus
+# CHUNK_TOKENS of prompt, and a step in which nobody decodes (nobody waits) IDLE_TOKENS.
 CHUNK_TOKENS = 16
 IDLE_TOKENS = 512
 DEFAULT_PREFIX_CACHE_BYTES = 1 << 30
@@ -115,8 +115,7 @@ class Batcher:
                  step_tokens: int | None = None, prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES):
         if slots < 1 or max_queue < 0:
             raise InputError(f"slots must be >= 1 and the queue >= 0, got {slots} and {max_queue}")
-        step_tokens = slots + CHUNK_TOKENS if step_tokens is None else step_tokens
-        if step_tokens < slots:
+        if step_tokens is not None and step_tokens < slots:
             raise InputError(f"a step's budget of {step_tokens} tokens is less than one decode token for each of "
                              f"the {slots} slots; give at least {slots}")
         self.runtime, self.slots, self.max_queue, self.step_tokens = runtime, slots, max_queue, step_tokens
@@ -167,7 +166,8 @@ class Batcher:
             log.info("prompts are prefilled whole, not in chunks, and no prefix is cached: %s", problem)
         if self.chunked and self.prefix_cache_bytes > 0 and self.runtime.layout.ring_free:
             self.prefix = PrefixCache(self.runtime.identity, max_bytes=self.prefix_cache_bytes)
-        self._sched = Scheduler(self.slots, self.max_queue, self.step_tokens, self.chunked, self.prefix, IDLE_TOKENS)
+        self._sched = Scheduler(self.slots, self.max_queue, self.step_tokens, self.chunked, self.prefix, IDLE_TOKENS,
+                                CHUNK_TOKENS)
         self._block_bytes = self.runtime.dims.kv_bytes_per_token() * (self.prefix.block if self.prefix is not None else 0)
         self._thread = threading.Thread(target=self._loop, name="tk-batcher", daemon=True)
         self._thread.start()

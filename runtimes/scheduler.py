@@ -4,7 +4,7 @@ drives vLLM's).
 
 A request (`Seq`) waits in a queue, takes a free slot (the lowest), prefills its prompt, decodes,
 and ends; or it is aborted at any of those. Each `schedule()` returns a `StepPlan` under a budget
-of `step_tokens` tokens: first one token for every decoding request (decode first, as
+of `step_tokens` tokens (None: the decode tokens plus `chunk_tokens`): first one token for every decoding request (decode first, as
 onnxruntime-genai's AllocateDecodeFirstTokenBudget and vLLM's scheduler do), then prefill chunks
 of the prompts already in slots, oldest first, then new admissions while slots and budget last. So a
 long prompt is prefilled a chunk per step while the running requests keep decoding. A step in which
@@ -92,15 +92,17 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, slots: int, max_queue: int, step_tokens: int, chunked: bool = True,
-                 prefix: PrefixCache | None = None, idle_tokens: int | None = None):
+    def __init__(self, slots: int, max_queue: int, step_tokens: int | None = None, chunked: bool = True,
+                 prefix: PrefixCache | None = None, idle_tokens: int = 0, chunk_tokens: int = 16):
+        """`step_tokens` None: a step takes its decode tokens plus `chunk_tokens` of prompt."""
         if slots < 1 or max_queue < 0:
             raise ValueError(f"slots must be >= 1 and the queue >= 0, got {slots} and {max_queue}")
-        if step_tokens < slots:
+        if step_tokens is not None and step_tokens < slots:
             raise ValueError(f"a step's budget of {step_tokens} tokens is less than the {slots} slots' decode tokens; "
                              f"give at least {slots}")
         self.slots, self.max_queue, self.step_tokens, self.chunked = slots, max_queue, step_tokens, chunked
-        self.idle_tokens = max(step_tokens, idle_tokens or step_tokens)
+        self.chunk_tokens = max(1, chunk_tokens)
+        self.idle_tokens = max(step_tokens or self.chunk_tokens, idle_tokens)
         self.prefix = prefix if chunked else None  # a cached prefix is useless where a prompt cannot continue
         self.waiting: deque[Seq] = deque()
         self.running: dict[int, Seq] = {}  # slot -> its request (prefilling or decoding)
@@ -160,7 +162,10 @@ class Scheduler:
             self.finish(seq)
             plan.left.append(seq)
         plan.decode = [self.running[slot] for slot in sorted(self.running) if self.running[slot].state is State.DECODE]
-        budget = self.step_tokens - len(plan.decode) if plan.decode else self.idle_tokens
+        if not plan.decode:
+            budget = self.idle_tokens
+        else:
+            budget = self.chunk_tokens if self.step_tokens is None else self.step_tokens - len(plan.decode)
         for seq in self._prefilling:
             budget -= self._chunk(plan, seq, budget)
         free = sorted(set(range(self.slots)) - set(self.running))

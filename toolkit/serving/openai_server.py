@@ -14,6 +14,7 @@ and counts requests by route. Errors are OpenAI's JSON shape (400 naming the fie
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
 import uuid
@@ -299,6 +300,8 @@ class Server:
         def stopped(sig, frame):  # uvicorn shuts down gracefully, then re-raises the signal it caught
             raise _Stopped
 
+        gc.collect()
+        gc.freeze()  # the loaded heap (tokenizer, schemas, runtime) is never garbage: no GC pass walks it (vLLM's too)
         server = uvicorn.Server(self._config())
         handlers = {sig: signal.signal(sig, stopped) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
