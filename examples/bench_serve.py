@@ -14,7 +14,8 @@ on a free port of 127.0.0.1, ready when GET /health answers 200, stopped at the 
 one, `tk serve ARTIFACT` is benchmarked. Every request is a streamed (SSE) /v1/completions of
 token ids, greedy, `ignore_eos`, so its output length is the workload's on every server. The
 servers run in alternating order round after round (the machines are shared and noisy: compare
-within a round; the median over rounds is reported). Workloads:
+within a round; the median over rounds is reported). Each round and client count gets prompts of
+its own (the same lengths), so no server's prompt cache serves one run from another. Workloads:
 
 - `mix`: prompts of 16..160 tokens, outputs of 32..128, at each `--concurrency` level.
 - `shared-prefix`: `--requests` (32) prompts that start with the same 400-token system prompt (a
@@ -215,7 +216,7 @@ class Server:
 
 def workload(name: str, vocab: int, n: int, seed: int):
     if name == "mix":
-        return mix(vocab, n)
+        return mix(vocab, n, seed)
     if name == "shared-prefix":
         return shared_prefix(vocab, n, seed)
     return long_prompt(vocab, seed)
@@ -243,7 +244,8 @@ def main() -> None:
     levels = [int(c) for c in args.concurrency.split(",")]
     if args.workload != "mix":
         levels = levels[-1:] if args.workload == "shared-prefix" else [STREAMS + 1]
-    rounds = [workload(args.workload, vocab, args.requests, r) for r in range(args.rounds)]
+    rounds = [{c: workload(args.workload, vocab, args.requests, 1000 * r + c) for c in levels}
+              for r in range(args.rounds)]
     solo: dict[tuple[Path, int], list[list[int]]] = {}
     servers: list[Server] = []
     runs: dict[tuple[str, int], list[dict]] = {}
@@ -251,24 +253,25 @@ def main() -> None:
     try:
         for name, spec in specs:
             servers.append(Server(name, spec))
-        for s in servers if not args.no_check else []:  # each server's artifact, alone, every round's requests
-            for r, reqs in enumerate(rounds if args.workload != "mix" else rounds[:1]):
-                key = (s.artifact or args.artifact, r)
-                if key not in solo:
-                    solo[key] = solo_tokens(key[0], reqs)
+        for s in servers if not args.no_check else []:  # each server's artifact, alone, every run's requests
+            for r, by_level in enumerate(rounds):
+                for c, reqs in by_level.items():
+                    if (key := (s.artifact or args.artifact, r, c)) not in solo:
+                        solo[key] = solo_tokens(key[0], reqs)
         for s in servers:
-            one(s.url, s.model, rounds[0][0][0][:8], 4)  # warm up
-        for r, requests in enumerate(rounds):
+            one(s.url, s.model, [5, 6, 7, 8], 4)  # warm up
+        for r, by_level in enumerate(rounds):
             order = servers if r % 2 == 0 else servers[::-1]
             for s in order:
                 for c in (levels if r % 2 == 0 else levels[::-1]):
+                    requests = by_level[c]
                     before = (s.metric("tk_prefix_cache_hits_total"), s.metric("tk_prefix_cache_queries_total"))
                     run, results = (run_long(s.url, s.model, requests) if args.workload == "long-prompt"
                                     else run_level(s.url, s.model, requests, c))
                     after = (s.metric("tk_prefix_cache_hits_total"), s.metric("tk_prefix_cache_queries_total"))
                     if None not in before + after and after[1] > before[1]:
                         run["prefix_hit_rate"] = (after[0] - before[0]) / (after[1] - before[1])
-                    want = solo.get((s.artifact or args.artifact, r if args.workload != "mix" else 0))
+                    want = solo.get((s.artifact or args.artifact, r, c))
                     checked = want is not None and all(None not in res["tokens"] for res in results)
                     wrong = [i for i, (res, w) in enumerate(zip(results, want or [])) if checked and res["tokens"] != w]
                     lost = [i for i, (res, (_, n)) in enumerate(zip(results, requests)) if len(res["tokens"]) != n]
