@@ -4,7 +4,8 @@ drives vLLM's).
 
 A request (`Seq`) waits in a queue, takes a free slot (the lowest), prefills its prompt, decodes,
 and ends; or it is aborted at any of those. Each `schedule()` returns a `StepPlan` under a budget
-of `step_tokens` tokens (None: the decode tokens plus `chunk_tokens`): first one token for every decoding request (decode first, as
+of `step_tokens` tokens (None: the decode tokens plus `chunk_tokens` for each prompt coming in):
+first one token for every decoding request (decode first, as
 onnxruntime-genai's AllocateDecodeFirstTokenBudget and vLLM's scheduler do), then prefill chunks
 of the prompts already in slots, oldest first, then new admissions while slots and budget last. So a
 long prompt is prefilled a chunk per step while the running requests keep decoding. A step in which
@@ -94,7 +95,8 @@ class StepPlan:
 class Scheduler:
     def __init__(self, slots: int, max_queue: int, step_tokens: int | None = None, chunked: bool = True,
                  prefix: PrefixCache | None = None, idle_tokens: int = 0, chunk_tokens: int = 16):
-        """`step_tokens` None: a step takes its decode tokens plus `chunk_tokens` of prompt."""
+        """`step_tokens` None: a step takes its decode tokens plus `chunk_tokens` of prompt for each
+        prompt coming in (in slots, or waiting with a slot free), oldest first."""
         if slots < 1 or max_queue < 0:
             raise ValueError(f"slots must be >= 1 and the queue >= 0, got {slots} and {max_queue}")
         if step_tokens is not None and step_tokens < slots:
@@ -165,7 +167,9 @@ class Scheduler:
         if not plan.decode:
             budget = self.idle_tokens
         else:
-            budget = self.chunk_tokens if self.step_tokens is None else self.step_tokens - len(plan.decode)
+            coming = len(self._prefilling) + min(len(self.waiting), self.slots - len(self.running))
+            budget = (self.chunk_tokens * max(1, coming) if self.step_tokens is None
+                      else self.step_tokens - len(plan.decode))
         for seq in self._prefilling:
             budget -= self._chunk(plan, seq, budget)
         free = sorted(set(range(self.slots)) - set(self.running))

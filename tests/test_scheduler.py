@@ -203,3 +203,18 @@ def test_a_prompt_waits_for_the_one_prefilling_its_first_block_then_takes_what_i
     for seq in (Seq(system + [1]), Seq(system + [2])):
         no_cache.add(seq)
     assert len(no_cache.schedule().admitted) == 2  # without a prefix cache nothing is worth waiting for
+
+
+def test_the_default_budget_gives_each_prompt_coming_in_a_chunk_of_prompt_oldest_first():
+    sched = Scheduler(slots=4, max_queue=4, chunk_tokens=4)
+    running = Seq([1])
+    sched.add(running)
+    _ran(sched, sched.schedule())
+    long, short = Seq(list(range(30))), Seq([5, 6, 7])
+    sched.add(long)
+    plan = sched.schedule()
+    assert plan.decode == [running] and _chunks(plan) == [(1, 0, 4)]  # one prompt coming in: one chunk
+    _ran(sched, plan)
+    sched.add(short)
+    plan = sched.schedule()
+    assert _chunks(plan) == [(1, 4, 12)] and short.state is State.WAITING  # two: 8 tokens, the oldest's first
