@@ -41,7 +41,7 @@ from tk.runtimes.logits import Processor, TokenLogprob, token_logprobs
 from tk.runtimes.prefix_cache import PrefixCache
 from tk.runtimes.rows import FinishReason, RowPolicy, TokenEvent, seen_matrix
 from tk.runtimes.sampling import Sampler, SamplingConfig
-from tk.runtimes.scheduler import Chunk, QueueFull, Scheduler, Seq, State, StepPlan
+from tk.runtimes.scheduler import Chunk, QueueFull, Scheduler, Seq, State, StepPlan, limits_problem
 from tk.runtimes.slots import Slots
 
 log = logging.getLogger("tk.batcher")
@@ -113,11 +113,8 @@ class Batcher:
 
     def __init__(self, runtime: Runtime, slots: int = 8, max_queue: int = 64, eos_ids: Sequence[int] = (),
                  step_tokens: int | None = None, prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES):
-        if slots < 1 or max_queue < 0:
-            raise InputError(f"slots must be >= 1 and the queue >= 0, got {slots} and {max_queue}")
-        if step_tokens is not None and step_tokens < slots:
-            raise InputError(f"a step's budget of {step_tokens} tokens is less than one decode token for each of "
-                             f"the {slots} slots; give at least {slots}")
+        if problem := limits_problem(slots, max_queue, step_tokens):
+            raise InputError(problem)
         self.runtime, self.slots, self.max_queue, self.step_tokens = runtime, slots, max_queue, step_tokens
         self.prefix_cache_bytes = prefix_cache_bytes
         self.eos = frozenset(eos_ids)

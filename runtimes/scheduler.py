@@ -92,16 +92,23 @@ class StepPlan:
         return bool(self.left or self.admitted or self.decode or self.prefill)
 
 
+def limits_problem(slots: int, max_queue: int, step_tokens: int | None) -> str | None:
+    """Why a scheduler cannot run with these limits (None: it can)."""
+    if slots < 1 or max_queue < 0:
+        return f"slots must be >= 1 and the queue >= 0, got {slots} and {max_queue}"
+    if step_tokens is not None and step_tokens < slots:
+        return (f"a step's budget of {step_tokens} tokens is less than one decode token for each of the {slots} "
+                f"slots; give at least {slots}")
+    return None
+
+
 class Scheduler:
     def __init__(self, slots: int, max_queue: int, step_tokens: int | None = None, chunked: bool = True,
                  prefix: PrefixCache | None = None, idle_tokens: int = 0, chunk_tokens: int = 16):
         """`step_tokens` None: a step takes its decode tokens plus `chunk_tokens` of prompt for each
         prompt coming in (in slots, or waiting with a slot free), oldest first."""
-        if slots < 1 or max_queue < 0:
-            raise ValueError(f"slots must be >= 1 and the queue >= 0, got {slots} and {max_queue}")
-        if step_tokens is not None and step_tokens < slots:
-            raise ValueError(f"a step's budget of {step_tokens} tokens is less than the {slots} slots' decode tokens; "
-                             f"give at least {slots}")
+        if problem := limits_problem(slots, max_queue, step_tokens):
+            raise ValueError(problem)
         self.slots, self.max_queue, self.step_tokens, self.chunked = slots, max_queue, step_tokens, chunked
         self.chunk_tokens = max(1, chunk_tokens)
         self.idle_tokens = max(step_tokens or self.chunk_tokens, idle_tokens)

@@ -45,11 +45,11 @@ def serve(artifact: Path, backend: str, host: str, port: int, slots: int, max_qu
           drain: float, api_key: str | None, max_body_bytes: int, step_tokens: int | None, prefix_cache_mib: int,
           no_prefix_cache: bool, threads: int | None, device: str, provider: str, prepack: bool) -> None:
     """Serve an ARTIFACT (static cache) over the OpenAI API, with continuous batching."""
+    from tk.runtimes.scheduler import limits_problem
     from tk.toolkit.serving.openai_server import ServeOptions, open_server
 
-    if step_tokens is not None and step_tokens < slots:
-        raise click.BadParameter(f"{step_tokens} is less than one decode token for each of the {slots} slots; "
-                                 f"give at least {slots}", param_hint="--step-tokens")
+    if problem := limits_problem(slots, max_queue, step_tokens):  # (--slots and --max-queue are checked by click)
+        raise click.BadParameter(problem, param_hint="--step-tokens")
 
     if host not in LOOPBACK:
         click.echo(f"tk serve: warning: --host {host} is reachable from other machines"
