@@ -129,6 +129,7 @@ class Batcher:
         self._rows: Slots | None = None  # the runtime's slots, open while the batcher runs
         self._thread: threading.Thread | None = None
         self.prefix: PrefixCache | None = None
+        self._block_bytes = 0  # what one of its blocks holds
         self.chunked = False  # prompts come in chunks (False: whole, where the backend cannot continue one)
         self.finished = {reason: 0 for reason in FinishReason}
         self.steps = 0
