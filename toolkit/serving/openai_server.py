@@ -2,19 +2,20 @@
 
 `POST /v1/completions` and `/v1/chat/completions` (the artifact's chat template), `stream: true`
 as server-sent events, vLLM's `POST /tokenize`, `/detokenize` and `GET /tokenizer_info`, `GET
-/v1/models`, `/health` and Prometheus `/metrics`. A request's bodies are the pydantic models of
-openai_schemas.py (FastAPI validates them and documents them in /openapi.json); its prompts are
-tokenized and its grammar compiled on a worker thread; each of its choices becomes one batcher job
-(openai_run.py; frontend.py: its `Request`, its text and stop strings, its metrics), whose events
-the batcher's thread hands to the event loop. The edge (edge.py) limits bodies, checks the API key
-and counts requests by route. Errors are OpenAI's JSON shape (400 naming the field, 401, 413, 429,
-503); a client that goes away cancels its request. The response shapes are openai_api.py's.
+/v1/models`, `/health` and Prometheus `/metrics`. Bodies are openai_schemas.py's pydantic models
+(validated by FastAPI, documented in /openapi.json); prompts are tokenized and grammars compiled
+on a worker thread; each choice becomes one batcher job (openai_run.py; frontend.py: its
+`Request`, text, stop strings and metrics), whose events the batcher's thread hands to the event
+loop. The edge (edge.py) limits bodies, checks the API key and counts requests by route. Errors
+are OpenAI's JSON shape (400 naming the field, 401, 413, 429, 503); a client that goes away
+cancels its request. The response shapes are openai_api.py's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import signal
 import threading
 import time
 import uuid
@@ -47,7 +48,6 @@ def _require():
 
 def _version() -> str:
     from importlib import metadata
-
     try:
         return metadata.version("tk")
     except metadata.PackageNotFoundError:
@@ -293,13 +293,10 @@ class Server:
     def run(self, sock) -> None:
         """Serve on a bound socket until SIGINT/SIGTERM (main thread); in-flight requests get
         `drain_s` to finish, then the rest are cancelled, and this returns."""
-        import signal
-
         import uvicorn
 
         def stopped(sig, frame):  # uvicorn shuts down gracefully, then re-raises the signal it caught
             raise _Stopped
-
         gc.collect()
         gc.freeze()  # the loaded heap (tokenizer, schemas, runtime) is never garbage: no GC pass walks it (vLLM's too)
         server = uvicorn.Server(self._config())
