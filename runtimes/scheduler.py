@@ -88,9 +88,6 @@ class StepPlan:
     def tokens(self) -> int:
         return len(self.decode) + sum(c.end - c.start for c in self.prefill)
 
-    def __bool__(self) -> bool:
-        return bool(self.left or self.admitted or self.decode or self.prefill)
-
 
 def limits_problem(slots: int, max_queue: int, step_tokens: int | None) -> str | None:
     """Why a scheduler cannot run with these limits (None: it can)."""
