@@ -1,37 +1,53 @@
-"""Quantized weights in the graph: each quantized `MatMul(x, W)` becomes
-`MatMul(x, DequantizeLinear(W.quant, W.scale, axis=0, block_size=B))`, the standard ONNX form
-(opset >= 21) that ONNX Runtime fuses into MatMulNBits and TensorRT reads as weight-only int4.
+"""Quantized weights in the graph, in standard ONNX (opset >= 21):
 
-One DequantizeLinear per MatMul (ONNX Runtime fuses only a DQ with one consumer), the weight
-stored [K, N] (a Transpose in between also defeats the fusion), no zero point (symmetric), scales
-in the activations' dtype. Runs on the traced graph before the exporter's optimizer, which keeps
-DequantizeLinear as it is.
+- each quantized `MatMul(x, W)` becomes `MatMul(x, DequantizeLinear(W.quant, W.scale[, W.zero],
+  axis=0, block_size=B))`, which ONNX Runtime fuses into MatMulNBits and TensorRT reads as
+  weight-only int4. One DequantizeLinear per MatMul (ONNX Runtime fuses only a DQ with one
+  consumer), the weight stored [K, N] (a Transpose in between also defeats the fusion), scales in
+  the activations' dtype, zero points (uint4/uint8) where the precision has them;
+- a quantized embedding's `Gather(E, ids)` becomes a gather of the ids' columns from the [K, V]
+  table of integers (the LM head's own when the embedding is tied: one table serves both), its
+  scales and zero points, dequantized for those columns only: ONNX's Gather takes no 4-bit type,
+  so a 4-bit table is gathered as its bytes (`.bytes`: uint8 [K, V/2], two columns a byte) and
+  the id's nibble shifted out. A block of rows shares a scale: `Gather(scales, k // B)` repeats it.
+
+Runs on the traced graph before the exporter's optimizer, which keeps these nodes as they are.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from tk.exporters.weights import QUANT, SCALE, external_tensor
+import numpy as np
+
+from tk.exporters.weights import BYTES, PREFIX, QUANT, SCALE, ZERO, external_tensor
 
 QDQ_OPSET = 21  # blocked DequantizeLinear, INT4
+EMBED = PREFIX + "embed.weight"
 
 
 def dequantize_matmuls(ir_model, table: dict[str, tuple], block_size: int, base_dir: Path) -> int:
-    """Rewrite every MatMul that reads a weight stored quantized in `table`; returns how many."""
+    """Rewrite every MatMul that reads a weight stored quantized in `table`, and the embedding's
+    Gather when its table is quantized; returns how many MatMuls."""
     import onnx_ir as ir
 
     graph = ir_model.graph
     count = 0
     for node in list(graph):
-        if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
+        if node.domain not in ("", "ai.onnx"):
+            continue
+        if node.op_type == "Gather" and node.inputs[0] is not None and node.inputs[0].name == EMBED:
+            source = next((n for n in (EMBED + "_t", PREFIX + "lm_head.weight_t") if n + QUANT in table), None)
+            if source is not None:
+                _gather_dequantized(graph, node, source, table, block_size, base_dir)
+            continue
+        if node.op_type != "MatMul":
             continue
         w = node.inputs[1]
         if w is None or w.name + QUANT not in table or not w.is_initializer():
             continue
-        q = _initializer(graph, w.name + QUANT, table, base_dir)
-        s = _initializer(graph, w.name + SCALE, table, base_dir)
-        dq = ir.Node("", "DequantizeLinear", [q, s], [ir.AttrInt64("axis", 0), ir.AttrInt64("block_size", block_size)],
+        inputs = [_initializer(graph, w.name + s, table, base_dir) for s in (QUANT, SCALE, ZERO) if w.name + s in table]
+        dq = ir.Node("", "DequantizeLinear", inputs, [ir.AttrInt64("axis", 0), ir.AttrInt64("block_size", block_size)],
                      name=f"{node.name}_dequantize", metadata_props=dict(node.metadata_props))
         dq.outputs[0].type, dq.outputs[0].shape = w.type, w.shape
         graph.insert_before(node, dq)
@@ -44,6 +60,79 @@ def dequantize_matmuls(ir_model, table: dict[str, tuple], block_size: int, base_
         if opset in ir_model.opset_imports and ir_model.opset_imports[opset] < QDQ_OPSET:
             raise AssertionError(f"quantized graphs need opset >= {QDQ_OPSET}")
     return count
+
+
+def _gather_dequantized(graph, gather, source: str, table: dict[str, tuple], block: int, base_dir: Path) -> None:
+    """Replace `gather` (the embedding's rows of `ids`) with the dequantized columns of `source`."""
+    import onnx_ir as ir
+
+    embed = gather.inputs[0]
+    ids = gather.inputs[1]
+    k, kind = table[source + QUANT][3][0], table[source + QUANT][2]
+    four = kind in ("int4", "uint4")
+    nodes = []
+
+    def op(op_type, inputs, **attrs):
+        node = ir.Node("", op_type, inputs, [_attr(k_, v) for k_, v in attrs.items()],
+                       name=f"{gather.name}_{op_type.lower()}_{len(nodes)}")
+        nodes.append(node)
+        return node.outputs[0]
+
+    def const(name, array):
+        value = ir.Value(name=f"{gather.name}_{name}", const_value=ir.tensor(array, name=f"{gather.name}_{name}"))
+        graph.register_initializer(value)
+        return value
+
+    if four:
+        half, odd = op("Div", [ids, const("two", np.array(2, np.int64))]), op("Mod", [ids, const("two_", np.array(2, np.int64))])
+        shift = op("Mul", [op("Cast", [odd], to=ir.DataType.UINT8), const("four", np.array(4, np.uint8))])
+
+        def columns(suffix):  # [rows, B, S] uint8: the nibble of each id's column
+            packed = op("Gather", [_initializer(graph, source + suffix + BYTES, table, base_dir), half], axis=1)
+            return op("BitwiseAnd", [op("BitShift", [packed, shift], direction="RIGHT"),
+                                     const(f"mask{suffix}", np.array(15, np.uint8))])
+    else:
+        def columns(suffix):
+            return op("Gather", [_initializer(graph, source + suffix, table, base_dir), ids], axis=1)
+
+    float_type = external_tensor(source + SCALE, table[source + SCALE], base_dir).dtype
+    values = columns(QUANT)
+    if kind == "int4":  # two's complement nibbles: (n ^ 8) - 8
+        values = op("BitwiseXor", [values, const("eight", np.array(8, np.uint8))])
+    values = op("Cast", [values], to=float_type)
+    rows = const("block_of_row", np.arange(k, dtype=np.int64) // block)  # each row's block
+    if source + ZERO in table:
+        values = op("Sub", [values, op("Cast", [op("Gather", [columns(ZERO), rows], axis=0)], to=float_type)])
+    elif kind == "int4":
+        values = op("Sub", [values, const("bias", np.array(8, _np(table[source + SCALE][2])))])
+    scales = op("Gather", [op("Gather", [_initializer(graph, source + SCALE, table, base_dir), ids], axis=1), rows],
+                axis=0)
+    out = op("Transpose", [op("Mul", [values, scales])], perm=[1, 2, 0])  # [K, B, S] -> [B, S, K]
+    for node in nodes:
+        graph.insert_before(gather, node)
+    gather.outputs[0].replace_all_uses_with(out)
+    out.name, out.type, out.shape = gather.outputs[0].name, gather.outputs[0].type, gather.outputs[0].shape
+    graph.remove(gather, safe=True)  # detaches its inputs too
+    if not embed.uses() and embed.name in graph.initializers:
+        graph.initializers.pop(embed.name)
+
+
+def _np(dtype):
+    import torch
+
+    return {torch.float32: np.float32, torch.float16: np.float16}.get(dtype, np.float32)
+
+
+def _attr(name: str, value):
+    import onnx_ir as ir
+
+    if isinstance(value, list):
+        return ir.AttrInt64s(name, value)
+    if isinstance(value, str):
+        return ir.AttrString(name, value)
+    if isinstance(value, ir.DataType):
+        return ir.AttrInt64(name, int(value))
+    return ir.AttrInt64(name, value)
 
 
 def _initializer(graph, name: str, table: dict[str, tuple], base_dir: Path):

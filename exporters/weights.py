@@ -16,8 +16,9 @@ becomes `MatMul(x, W')`, a copy per graph, named differently in each). tk instea
   from the file. Both graphs share the file; tracing costs the same whatever the model's size.
 Offsets are planned from the view alone (`plan_weights`), so the graphs can be traced while the
 file is written. With quantized weights (a quantized `Precision`) each linear `weight_t` is
-written as `.quant` (int4 packed two per byte, or int8) and `.scale` entries instead
-(models/quantize.py), which exporters/quantize_graph.py reads through DequantizeLinear.
+written as `.quant` (int4/uint4 packed two per byte, or int8/uint8), `.scale` and, with zero
+points, `.zero` entries instead (models/quantize.py), which exporters/quantize_graph.py reads
+through DequantizeLinear; a quantized embedding is read from such a table too.
 """
 
 from __future__ import annotations
@@ -36,11 +37,12 @@ from tk.models.decoder import Decoder, RMSNorm
 from tk.models.positions import rope_inv_freq
 from tk.models.artifact import Precision
 from tk.models.loading import CheckpointReader, ReusableBuffer
-from tk.models.quantize import pack_int4, quantize, quantized_layers
+from tk.models.quantize import Scheme, blocks_of, pack_int4, quant_plan, quantize
 
 WEIGHTS_FILE = "weights.onnx.data"
 ALIGN = 4096  # a page: ONNX Runtime maps page-aligned external data instead of reading it
-QUANT, SCALE = ".quant", ".scale"  # a quantized weight's two initializers
+# a quantized weight's initializers: integers, scales, zero points, and a 4-bit table's bytes as uint8
+QUANT, SCALE, ZERO, BYTES = ".quant", ".scale", ".zero", ".bytes"
 CHUNK = 16 << 20  # bytes per write(): 256 MiB writes cost 4x the kernel time of 16 MiB ones here
 PREFIX = "model."  # the graph wrapper holds the decoder as `model`
 
@@ -89,59 +91,92 @@ def _tensor(reader: CheckpointReader, name: str, dtype: torch.dtype,
     return t
 
 
-def quantized_names(view: Decoder, precision: Precision | None) -> set[str]:
-    """The view's `weight_t` initializers a quantized export stores as (QUANT, SCALE) pairs."""
+def quant_table(view: Decoder, precision: Precision | None) -> dict[str, Scheme]:
+    """The view's initializers a quantized export stores as integers (QUANT, SCALE and, with zero
+    points, ZERO entries), each with its scheme (models/quantize.py `quant_plan`): `W_t` for a linear
+    layer's weight; `model.embed.weight_t` for an untied quantized embedding (a tied one is gathered
+    from the LM head's table, and the float table is not written)."""
     if precision is None or not precision.quantized:
-        return set()
-    return {PREFIX + n + "_t" for n in quantized_layers(view.config, precision.quantized_lm_head)}
+        return {}
+    return {PREFIX + n + "_t": s for n, s in quant_plan(view.config, precision).items()}
+
+
+def _quant_entries(name: str, k: int, n: int, scheme: Scheme, scale_dtype: torch.dtype) -> list[tuple]:
+    """The file entries of one quantized weight [K, N]: its integers (int4/uint4 packed two a byte),
+    its scales and zero points per block, and for a 4-bit table the same bytes again as uint8 with
+    half the columns (QUANT + BYTES: what the embedding's Gather reads, two columns a byte)."""
+    nb, four = blocks_of(k, scheme.block), scheme.bits == "int4"
+    ints = scheme.onnx_type if four else (torch.uint8 if scheme.zero_points else torch.int8)
+    entries = [(name + QUANT, (k * n + 1) // 2 if four else k * n, ints, (k, n)),
+               (name + SCALE, nb * n * torch.finfo(scale_dtype).bits // 8, scale_dtype, (nb, n))]
+    if scheme.zero_points:
+        entries.append((name + ZERO, (nb * n + 1) // 2 if four else nb * n, "uint4" if four else torch.uint8, (nb, n)))
+    return entries
 
 
 def plan_weights(view: Decoder, precision: Precision | None = None) -> dict[str, tuple]:
     """Where each parameter and buffer of the view goes in the weights file, before a byte is read:
     initializer name -> (offset, length, dtype, shape), page-aligned, in the view's order (dtype: a
-    torch dtype, or "int4"). A quantized weight `W` is two entries instead, `W.quant` (int4 or int8,
-    [K, N]) and `W.scale` ([K / block, N], in the activations' dtype). The graphs can point at the
-    file while it is still being written."""
-    quantized = quantized_names(view, precision)
+    torch dtype, or "int4"/"uint4"). A quantized weight `W` is two or three entries instead (`_quant_entries`);
+    the 4-bit table a quantized embedding is gathered from also gets BYTES aliases of its integers and
+    zero points (uint8, same offset).
+    The graphs can point at the file while it is still being written."""
+    schemes = quant_table(view, precision)
+    embed = PREFIX + "embed.weight"
     entries = []
     for name, t in [*view.named_parameters(), *view.named_buffers()]:
         name = PREFIX + name
-        if name not in quantized:
-            entries.append((name, t.numel() * t.element_size(), t.dtype, tuple(t.shape)))
+        if name == embed and precision is not None and precision.quantized and precision.quantized_embedding:
+            if name + "_t" in schemes:  # untied: its own table, transposed; tied: the LM head's
+                entries += _quant_entries(name + "_t", t.shape[1], t.shape[0], schemes[name + "_t"], t.dtype)
             continue
-        k, n = t.shape
-        bits = precision.weights
-        entries.append((name + QUANT, (k * n + 1) // 2 if bits == "int4" else k * n,
-                        "int4" if bits == "int4" else torch.int8, (k, n)))
-        entries.append((name + SCALE, k // precision.block_size * n * t.element_size(), t.dtype,
-                        (k // precision.block_size, n)))
+        if name in schemes:
+            entries += _quant_entries(name, *t.shape, schemes[name], t.dtype)
+        else:
+            entries.append((name, t.numel() * t.element_size(), t.dtype, tuple(t.shape)))
     table, offset = {}, 0
     for name, length, dtype, shape in entries:
         offset += -offset % ALIGN
         table[name] = (offset, length, dtype, shape)
         offset += length
+    source = next((n for n in (embed + "_t", PREFIX + "lm_head.weight_t") if n + QUANT in table), None)
+    if source is not None and precision.quantized_embedding:  # what the embedding's Gather reads
+        for name in (source + QUANT, source + ZERO):
+            offset, length, dtype, (k, n) = table.get(name, (0, 0, None, (0, 0)))
+            if dtype in ("int4", "uint4"):
+                table[name + BYTES] = (offset, length, torch.uint8, (k, n // 2))
     return table
 
 
 def write_weights(reader: CheckpointReader, view: Decoder, path: Path, dtype: torch.dtype,
-                  stop: threading.Event | None = None, precision: Precision | None = None) -> dict[str, tuple] | None:
+                  stop: threading.Event | None = None, precision: Precision | None = None,
+                  importance: dict[str, np.ndarray] | None = None) -> dict[str, tuple] | None:
     """Stream every parameter and buffer of the view into `path`, at the places `plan_weights` gives
-    (quantizing where `precision` says, models/quantize.py); -> that plan, or None when `stop` was
-    set before the end (the caller failed meanwhile)."""
+    (quantizing where `precision` says, models/quantize.py, weighted by calibration's `importance`:
+    our weight name -> [K]); -> that plan, or None when `stop` was set before the end (the caller
+    failed meanwhile)."""
     table, bufs = plan_weights(view, precision), (ReusableBuffer(), ReusableBuffer())  # read, transposed
+    schemes = quant_table(view, precision)
     with open(path, "wb") as out:
         for name, (offset, length, want_dtype, shape) in table.items():
             if stop is not None and stop.is_set():
                 return None
-            if name.endswith(SCALE):
-                continue  # written with its QUANT
+            if name.endswith((SCALE, ZERO, BYTES)):
+                continue  # written with its QUANT, or an alias
             if name.endswith(QUANT):
                 base = name.removesuffix(QUANT)
+                ours = base.removeprefix(PREFIX).removesuffix("_t")
                 w_t = _tensor(reader, base.removeprefix(PREFIX), torch.float32, bufs).numpy()
-                q, scales = quantize(w_t, precision.weights, precision.block_size)
-                _write(out, offset, pack_int4(q) if want_dtype == "int4" else q, length, name)
-                s_offset, s_length, s_dtype, _ = table[base + SCALE]
-                _write(out, s_offset, torch.from_numpy(scales).to(s_dtype), s_length, base + SCALE)
+                qt = quantize(w_t, schemes[base], (importance or {}).get(ours))
+                for suffix, values in ((QUANT, qt.q), (SCALE, qt.scales), (ZERO, qt.zeros)):
+                    if values is None:
+                        continue
+                    e_offset, e_length, e_dtype, _ = table[base + suffix]
+                    if e_dtype in ("int4", "uint4"):
+                        values = pack_int4(values)
+                    elif suffix == SCALE:
+                        values = torch.from_numpy(values).to(e_dtype)
+                    _write(out, e_offset, values, e_length, base + suffix)
                 continue
             t = _tensor(reader, name.removeprefix(PREFIX), dtype, bufs).contiguous()
             if t.dtype != want_dtype or tuple(t.shape) != shape:
@@ -167,7 +202,7 @@ def weights_record(table: dict[str, tuple], graphs: dict[str, Path]) -> dict[str
     """The table as the manifest records it: name -> [offset, length, dtype name, shape, the graphs
     (of `graphs`, name -> saved file) whose initializers include it]."""
     names = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.int8: "int8",
-             "int4": "int4"}
+             torch.uint8: "uint8", "int4": "int4", "uint4": "uint4"}
     used = {g: set(external_initializers(onnx.load(str(p), load_external_data=False))) for g, p in graphs.items()}
     return {name: [o, n, names[d], list(shape), [g for g in graphs if name in used[g]]]
             for name, (o, n, d, shape) in table.items()}
@@ -178,7 +213,8 @@ def external_tensor(name: str, entry: tuple, base_dir: Path):
     import onnx_ir as ir
 
     dtypes = {torch.float32: ir.DataType.FLOAT, torch.float16: ir.DataType.FLOAT16,
-              torch.bfloat16: ir.DataType.BFLOAT16, torch.int8: ir.DataType.INT8, "int4": ir.DataType.INT4}
+              torch.bfloat16: ir.DataType.BFLOAT16, torch.int8: ir.DataType.INT8, torch.uint8: ir.DataType.UINT8,
+              "int4": ir.DataType.INT4, "uint4": ir.DataType.UINT4}
     offset, length, dtype, shape = entry
     return ir.ExternalTensor(WEIGHTS_FILE, offset, length, dtypes[dtype], shape=ir.Shape(shape), name=name,
                              base_dir=str(base_dir))

@@ -47,22 +47,33 @@ MIN_OPSET, DEFAULT_OPSET, MAX_OPSET = 18, 23, 23
 STATIC_OPSET = 24  # TensorScatter
 
 
-QUANTIZED = ("int4", "int8")  # weight-only, blockwise symmetric (models/quantize.py)
+QUANTIZED = ("int4", "int8")  # weight-only, blockwise (models/quantize.py)
 BLOCK_SIZES = (16, 32, 64, 128, 256)  # what ONNX Runtime's MatMulNBits takes
+METHODS = ("rtn", "search", "hqq")  # how scales are chosen (models/quantize.py)
+MIXED = ("none", "lm-head", "sensitive")  # --mixed-precision: which weights are kept in int8
+DEFAULT_METHOD = "search"  # models/quantize.py; README "Quantized weights" has the measurements
 DEFAULT_BLOCK = 32  # onnxruntime-genai's int4 CPU default; TensorRT takes 64 or 128 (tk build-engine says so)
 
 
 @dataclass(frozen=True)
 class Precision:
     """Weights, activations and KV cache as separate dtypes. Quantized weights ("int4", "int8")
-    carry their block size (K rows per scale) and whether the LM head is quantized too; their
-    scales and every activation are in `activations`."""
+    carry their block size (K rows per scale), whether the LM head is quantized too, how scales were
+    chosen (`method`, models/quantize.py), whether blocks have zero points, which layers are kept
+    in int8 (`mixed`), whether the embedding is quantized (read from the LM head's table when tied),
+    and what calibration text weighted the search; their scales and every activation are in
+    `activations`. The manifest's weights table holds each tensor's own integer type."""
 
     weights: str = "float32"
     activations: str = "float32"
     kv: str = "float32"
     block_size: int | None = None
     quantized_lm_head: bool = False
+    method: str = "rtn"
+    zero_points: bool = False
+    mixed: str = "none"
+    quantized_embedding: bool = False
+    calibration: dict | None = None  # {"file", "sha256", "tokens"} of --calibration
 
     @classmethod
     def of(cls, dtype: str) -> "Precision":
@@ -76,8 +87,12 @@ class Precision:
     def describe(self) -> str:
         if not self.quantized:
             return self.weights
-        head = ", LM head too" if self.quantized_lm_head else ""
-        return f"{self.weights} weights (block {self.block_size}{head}), {self.activations} activations"
+        extras = [self.method] + (["zero points"] if self.zero_points else [])
+        extras += ["LM head too"] if self.quantized_lm_head else []
+        extras += ["embedding too"] if self.quantized_embedding else []
+        extras += [f"int8 {self.mixed} layers"] if self.mixed != "none" else []
+        extras += [f"calibrated on {self.calibration['tokens']:,} tokens"] if self.calibration else []
+        return f"{self.weights} weights (block {self.block_size}, {', '.join(extras)}), {self.activations} activations"
 
 
 @dataclass(frozen=True)

@@ -291,18 +291,21 @@ def load_decoder(folder: str | Path, dtype: str | torch.dtype = "float32") -> De
     return model.eval()
 
 
-def quantize_weights_(model: Decoder, precision) -> Decoder:
-    """The quantized reference: each linear weight a quantized export stores quantized replaced,
-    in place, by its dequantized value (models/quantize.py; scales rounded to the activations'
-    dtype as the artifact stores them), so that eager PyTorch computes what the graphs compute."""
-    from tk.models.quantize import dequantize, quantize, quantized_layers
+def quantize_weights_(model: Decoder, precision, importance: dict | None = None) -> Decoder:
+    """The quantized reference: each weight a quantized export stores quantized replaced, in place,
+    by its dequantized value (models/quantize.py, weighted by the same calibration `importance`;
+    scales rounded to the activations' dtype as the artifact stores them), so that eager PyTorch
+    computes what the graphs compute. A quantized embedding is its own table's, or when tied the
+    LM head's, dequantized."""
+    from tk.models.quantize import dequantize, quant_plan, quantize
 
     scale_dtype = torch_dtype(precision.activations)
-    for name in quantized_layers(model.config, precision.quantized_lm_head):
+    for name, scheme in quant_plan(model.config, precision).items():
         module = model.get_submodule(name.removesuffix(".weight"))
-        w_t = module.weight.detach().float().T.numpy()
-        q, scales = quantize(w_t, precision.weights, precision.block_size)
-        scales = torch.from_numpy(scales).to(scale_dtype).float().numpy()
-        w = torch.from_numpy(dequantize(q, scales, precision.block_size)).T.contiguous()
+        qt = quantize(module.weight.detach().float().T.numpy(), scheme, (importance or {}).get(name))
+        qt.scales = torch.from_numpy(qt.scales).to(scale_dtype).float().numpy()
+        w = torch.from_numpy(dequantize(qt, scheme.block)).T.contiguous()
         module.weight = torch.nn.Parameter(w.to(module.weight.dtype), requires_grad=False)  # unties a tied head
+    if precision.quantized_embedding and model.config.tie_embeddings:
+        model.embed.weight = model.lm_head.weight  # the one table, tied again
     return model

@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
-from tk.models.artifact import (BLOCK_SIZES, DEFAULT_BLOCK, DEFAULT_OPSET, MAX_OPSET, MIN_OPSET, QUANTIZED, CacheLayout,
+from tk.models.artifact import (BLOCK_SIZES, DEFAULT_BLOCK, DEFAULT_METHOD, METHODS, MIXED, DEFAULT_OPSET, MAX_OPSET, MIN_OPSET, QUANTIZED, CacheLayout,
                                 Precision, PrefillLogits, Target, Variant)
 from tk.models import contract
 from tk.models.dtypes import canonical_dtype
@@ -31,6 +31,7 @@ class Profile:
     weights: tuple[str, ...] = QUANTIZED  # the --weights it takes
     block_sizes: tuple[int, ...] = ()  # the quantization blocks it takes, preferred first (empty: any, default 32)
     note: str = ""  # why dtypes, weights or block sizes are limited
+    symmetric: bool = False  # quantized blocks without zero points, and a float embedding
 
     def flags(self) -> dict[str, str]:
         return {"target": self.target.value, "kv-cache": self.cache.value, "prefill-logits": self.prefill_logits.value}
@@ -53,8 +54,9 @@ PROFILES: dict[str, Profile] = {
     # the static cache maps to TensorRT's in-place KV-cache update layer and fixes every decode shape
     # but the batch (opset 23's RMSNormalization needs TensorRT 10.15 with either cache)
     "trt": Profile(*PORTABLE_STATIC, "TensorRT: standard ONNX, in-place cache", weights=("int4",),
-                   block_sizes=(128, 64), note="TensorRT documents int4 weight-only quantization (blocks of 64 or "
-                                               "128) and no int8 weight-only path"),
+                   block_sizes=(128, 64), symmetric=True,
+                   note="TensorRT documents int4 weight-only quantization (symmetric blocks of 64 or 128, no zero "
+                        "points) and no int8 weight-only path"),
     # the static cache's rows are the slots; standard ONNX serves on every backend (ort, trt, torch) and
     # in Triton's own onnxruntime and tensorrt models (tk triton --native)
     "serve": Profile(*PORTABLE_STATIC, "tk serve and tk triton: slots of a static cache, every backend"),
@@ -74,7 +76,9 @@ class ExportOptions:
                    kv_cache: str | None = None, max_seq_len: int | None = None, target: str | None = None,
                    prefill_logits: str | None = None, debug_outputs: bool = False, validate: bool = True,
                    force: bool = False, weights: str | None = None, block_size: int | None = None,
-                   quantize_lm_head: bool = True) -> "ExportOptions":
+                   quantize_lm_head: bool = True, quant_method: str | None = None, zero_points: bool | None = None,
+                   mixed_precision: str | None = None, quantize_embedding: bool | None = None,
+                   calibration=None) -> "ExportOptions":
         """The options of `tk export`, each checked alone and in combination (usage errors, exit 2).
         A flag left None takes its default, or the profile's value."""
         if profile is not None and profile not in PROFILES:
@@ -83,8 +87,12 @@ class ExportOptions:
         if weights is not None and weights not in QUANTIZED:
             raise UsageProblem(f"unknown --weights {weights!r}; use one of {', '.join(QUANTIZED)} (or leave it out "
                                "for weights in --dtype)")
-        if weights is None and block_size is not None:
-            raise UsageProblem("--block-size sets the quantization block; add --weights int4 or int8")
+        quant_flags = {"block-size": block_size, "quant-method": quant_method, "zero-points": zero_points,
+                       "mixed-precision": mixed_precision, "quantize-embedding": quantize_embedding,
+                       "calibration": calibration}
+        if weights is None and any(v is not None for v in quant_flags.values()):
+            flag = next(f for f, v in quant_flags.items() if v is not None)
+            raise UsageProblem(f"--{flag} is about quantized weights; add --weights int4 or int8")
         if weights is not None and opset < 21:
             raise UsageProblem(f"--weights {weights} needs --opset 21 or later (blocked DequantizeLinear, INT4)")
         if weights is not None and block_size is None and not (prof and prof.block_sizes):
@@ -98,7 +106,8 @@ class ExportOptions:
                 raise UsageProblem(f"unknown {kind.__name__} {value!r}; use one of "
                                    f"{', '.join(k.value for k in kind)}")
         if prof is not None:
-            cls._check_profile(profile, prof, {**given, "dtype": dtype, "weights": weights, "block-size": block_size},
+            cls._check_profile(profile, prof, {**given, "dtype": dtype, "weights": weights, "block-size": block_size,
+                                               "zero-points": zero_points, "quantize-embedding": quantize_embedding},
                                debug_outputs)
             target, kv_cache, prefill_logits = prof.flags().values()
             dtype = dtype or prof.dtype
@@ -120,8 +129,32 @@ class ExportOptions:
         precision = Precision.of(dtype or "fp32")
         if weights is not None:
             precision = dataclasses.replace(precision, weights=weights, block_size=block_size,
-                                            quantized_lm_head=quantize_lm_head)
+                                            quantized_lm_head=quantize_lm_head,
+                                            **cls._quant_choices(prof, quantize_lm_head, quant_method, zero_points,
+                                                                 mixed_precision, quantize_embedding, calibration))
         return cls(precision, variant, validate, force, profile)
+
+    @staticmethod
+    def _quant_choices(prof: Profile | None, lm_head: bool, method: str | None, zero_points: bool | None,
+                       mixed: str | None, embedding: bool | None, calibration) -> dict:
+        """The quantization flags with their defaults (a profile's symmetric blocks, else zero
+        points; the search; the embedding quantized with the LM head), checked together."""
+        
+        method, mixed = method or DEFAULT_METHOD, mixed or "none"
+        if method not in METHODS:
+            raise UsageProblem(f"unknown --quant-method {method!r}; use one of {', '.join(METHODS)}")
+        if mixed not in MIXED:
+            raise UsageProblem(f"unknown --mixed-precision {mixed!r}; use one of {', '.join(MIXED)}")
+        symmetric = prof is not None and prof.symmetric
+        zero_points = (not symmetric) if zero_points is None else zero_points
+        embedding = (lm_head and not symmetric) if embedding is None else embedding
+        if method == "hqq" and not zero_points:
+            raise UsageProblem("--quant-method hqq optimizes zero points; drop --symmetric or use --quant-method "
+                               "search")
+        if mixed != "none" and not lm_head:
+            raise UsageProblem(f"--mixed-precision {mixed} keeps the LM head in int8; drop --no-quantize-lm-head")
+        return {"method": method, "zero_points": zero_points, "mixed": mixed, "quantized_embedding": embedding,
+                "calibration": None if calibration is None else {"file": str(calibration)}}  # measured at export
 
     @staticmethod
     def _check_profile(name: str, prof: Profile, given: dict, debug_outputs: bool) -> None:
@@ -130,6 +163,8 @@ class ExportOptions:
             raise UsageProblem(f"--for {name} conflicts with --debug-outputs: a debug export has the dynamic cache "
                                "and the portable target; drop one of them")
         fits = {"dtype": lambda v: not prof.dtypes or canonical_dtype(v) in prof.dtypes,
+                "zero-points": lambda v: not (v and prof.symmetric),
+                "quantize-embedding": lambda v: not (v and prof.symmetric),
                 "weights": lambda v: v in prof.weights,
                 "block-size": lambda v: not prof.block_sizes or v in prof.block_sizes}
         for flag, value in given.items():
@@ -178,12 +213,12 @@ class ExportOptions:
                                    "export with --target portable")
         p = self.precision
         if p.quantized:
-            from tk.models.quantize import layer_ks
-
-            for layer, k in layer_ks(config).items():
-                if k % p.block_size:
-                    raise UsageProblem(f"--block-size {p.block_size} does not divide the K of {layer}, {k}; "
-                                       f"choose a block size that divides {k}")
+            if p.quantized_embedding and config.tie_embeddings and not p.quantized_lm_head:
+                raise UsageProblem("a tied embedding is quantized as the LM head's table; drop --no-quantize-lm-head "
+                                   "or add --no-quantize-embedding")
+            if p.quantized_embedding and p.weights == "int4" and config.vocab_size % 2:
+                raise UsageProblem(f"an int4 embedding is gathered two columns a byte, and the vocabulary "
+                                   f"({config.vocab_size}) is odd; add --no-quantize-embedding")
             if p.activations == "bfloat16" and not has_cuda_provider():
                 raise UsageProblem(f"{p.weights} weights with bf16 activations have no ONNX Runtime CPU kernel "
                                    "(MatMulNBits takes fp32 or fp16); use --dtype fp32 or fp16")

@@ -1,56 +1,243 @@
 """Weight-only quantization: what tk stores for a quantized linear layer, and what it means.
 
 A linear layer's weight, held as ONNX MatMul reads it (`w_t`, [K, N]: K inputs, N outputs), is
-split along K into blocks of `block` rows; each block of each column gets one positive scale
-`s = max|w| / qmax` (symmetric, no zero point: qmax 7 for int4, 127 for int8) and its values
-`q = round(w / s)`, clamped to [-qmax - 1, qmax]. Dequantized, `w ~= q * s`: what ONNX's
-`DequantizeLinear(q, s, axis=0, block_size=block)` computes, and what ONNX Runtime fuses with the
-MatMul into MatMulNBits.
+split along K into blocks of `block` rows (the last one partial when `block` does not divide K:
+ONNX's blocked DequantizeLinear and ORT's MatMulNBits both take it). Each block of each column
+gets a scale `s` and, with zero points, an integer zero point `z`; its values are integers `q`:
+- symmetric (no zero point): q in [-2^(b-1), 2^(b-1) - 1], w ~= q * s, s > 0 (TensorRT's form);
+- asymmetric (zero points): q and z in [0, 2^b - 1], w ~= (q - z) * s (both ONNX's
+  DequantizeLinear and ORT's MatMulNBits take uint4/uint8 zero points).
+What `DequantizeLinear(q, s[, z], axis=0, block_size=block)` computes, and what ONNX Runtime fuses
+with the MatMul into MatMulNBits.
+
+How s and z are chosen (`--quant-method`):
+- `rtn`: round to nearest from the block's range (max |w|, or min and max with zero points).
+- `search`: the k-quant family's weighted scale search (llama.cpp's `make_qkx2_quants`): for a
+  grid of candidate scales, round, then solve the weighted least-squares fit of scale (and
+  offset) to the rounded values, and keep the candidate of least weighted squared error. The
+  weights are `av|w| + |w|` per element (llama.cpp's without an importance matrix), times the
+  input channel's mean squared activation when calibration text gives one (its imatrix).
+- `hqq`: Half-Quadratic Quantization's proximal solver for the zero point (Badri & Shaji 2023,
+  calibration-free: an lp-norm (p = 0.7) of the error, shrinkage, 20 iterations), its zero point
+  then rounded to the integer grid DequantizeLinear stores.
 
 Numpy, not torch: the exporter (writing the weights file) and the quantized reference (a child
-process, at the same time) must get bit-identical q and s from the same float32 weight, and numpy's
-elementwise float32 arithmetic does not depend on thread counts.
+process, at the same time) must get bit-identical q, s and z from the same float32 weight, and
+numpy's elementwise float32 arithmetic does not depend on thread counts.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
+from tk.models.artifact import METHODS, MIXED  # noqa: F401  (the names of what this module does)
+
 QMAX = {"int4": 7, "int8": 127}
+LEVELS = {"int4": 15, "int8": 255}  # the largest unsigned value, with zero points
+COLUMNS = 2048  # columns quantized at a time: the search's temporaries stay a few MiB
 
 
-def quantize(w_t: np.ndarray, bits: str, block: int) -> tuple[np.ndarray, np.ndarray]:
-    """w_t float32 [K, N] -> (q int8 [K, N], scales float32 [K // block, N]); round to nearest."""
+@dataclass(frozen=True)
+class Scheme:
+    """How one weight is stored: its integer type, block, method and whether it has zero points."""
+
+    bits: str = "int4"
+    block: int = 32
+    method: str = "rtn"
+    zero_points: bool = False
+
+    @property
+    def onnx_type(self) -> str:
+        """The stored integers' type: int4/int8 symmetric, uint4/uint8 with zero points."""
+        return ("u" if self.zero_points else "") + self.bits
+
+
+@dataclass
+class QTensor:
+    """q [K, N] (int8 holding the signed values, or uint8 the unsigned ones), scales [ceil(K/B), N]
+    float32, zeros [ceil(K/B), N] uint8 or None (symmetric)."""
+
+    q: np.ndarray
+    scales: np.ndarray
+    zeros: np.ndarray | None = None
+
+
+def blocks_of(k: int, block: int) -> int:
+    return -(-k // block)
+
+
+def quantize(w_t: np.ndarray, scheme: Scheme, importance: np.ndarray | None = None) -> QTensor:
+    """w_t float32 [K, N] -> its QTensor under `scheme`; `importance` ([K], the input channels'
+    mean squared activation on calibration text) weights the search's error."""
     k, n = w_t.shape
-    if k % block:
-        raise ValueError(f"block size {block} does not divide K = {k}")
-    qmax = QMAX[bits]
-    blocks = np.ascontiguousarray(w_t, dtype=np.float32).reshape(k // block, block, n)
-    amax = np.abs(blocks).max(axis=1)
-    scales = np.where(amax > 0, amax / np.float32(qmax), np.float32(1.0)).astype(np.float32)  # positive always
-    q = np.clip(np.rint(blocks / scales[:, None, :]), -qmax - 1, qmax).astype(np.int8)
-    return q.reshape(k, n), scales
+    nb, b = blocks_of(k, scheme.block), scheme.block
+    w = np.zeros((nb * b, n), np.float32)  # a partial last block is padded with zeros, which every
+    w[:k] = w_t  # scheme stores exactly (q = z), so they change no error and no fit
+    imp = None
+    if importance is not None:
+        imp = np.zeros((nb * b, 1), np.float32)
+        imp[:k, 0] = np.maximum(importance.astype(np.float32), 0) + np.float32(1e-12)
+        imp = imp.reshape(nb, b, 1)
+    q = np.empty((nb * b, n), np.uint8 if scheme.zero_points else np.int8)
+    scales = np.empty((nb, n), np.float32)
+    zeros = np.empty((nb, n), np.uint8) if scheme.zero_points else None
+    for c in range(0, n, COLUMNS):
+        x = w[:, c:c + COLUMNS].reshape(nb, b, -1)
+        qc, s, z = _METHODS[scheme.method](x, scheme, imp)
+        q[:, c:c + COLUMNS], scales[:, c:c + COLUMNS] = qc.reshape(nb * b, -1), s
+        if zeros is not None:
+            zeros[:, c:c + COLUMNS] = z
+    return QTensor(q[:k], scales, zeros)
 
 
-def dequantize(q: np.ndarray, scales: np.ndarray, block: int) -> np.ndarray:
-    """(q int8 [K, N], scales [K // block, N]) -> float32 [K, N]: q * s, as DequantizeLinear does it."""
-    k, n = q.shape
-    return (q.reshape(k // block, block, n).astype(np.float32) * scales.astype(np.float32)[:, None, :]).reshape(k, n)
+def dequantize(t: QTensor, block: int) -> np.ndarray:
+    """QTensor -> float32 [K, N]: (q - z) * s, as DequantizeLinear computes it."""
+    k, n = t.q.shape
+    s = np.repeat(t.scales.astype(np.float32), block, axis=0)[:k]
+    q = t.q.astype(np.float32)
+    if t.zeros is not None:
+        q = q - np.repeat(t.zeros.astype(np.float32), block, axis=0)[:k]
+    return q * s
+
+
+def _round(x: np.ndarray, inv: np.ndarray, z, lo: int, hi: int) -> np.ndarray:
+    return np.clip(np.rint(x * inv) + z, lo, hi)
+
+
+def _safe_inv(s: np.ndarray) -> np.ndarray:
+    return np.where(s > 0, 1 / np.where(s > 0, s, 1), 0).astype(np.float32)
+
+
+def _rtn(x: np.ndarray, scheme: Scheme, imp=None):
+    """Round to nearest; x [nb, B, n] -> (q, s [nb, n], z [nb, n] or None)."""
+    if not scheme.zero_points:
+        qmax = QMAX[scheme.bits]
+        s = np.abs(x).max(axis=1) / np.float32(qmax)
+        s = np.where(s > 0, s, np.float32(1)).astype(np.float32)  # positive always
+        return _round(x, _safe_inv(s)[:, None], 0, -qmax - 1, qmax).astype(np.int8), s, None
+    top = LEVELS[scheme.bits]
+    lo, hi = np.minimum(x.min(axis=1), 0), np.maximum(x.max(axis=1), 0)
+    s = ((hi - lo) / np.float32(top)).astype(np.float32)
+    s = np.where(s > 0, s, np.float32(1)).astype(np.float32)
+    z = np.clip(np.rint(-lo / s), 0, top)
+    return _round(x, (1 / s)[:, None], z[:, None], 0, top).astype(np.uint8), s, z.astype(np.uint8)
+
+
+def _weights(x: np.ndarray, imp) -> np.ndarray:
+    """The search's per-element error weights (llama.cpp's k-quants: av|x| + |x|, or with an
+    importance matrix imp * sqrt(sigma^2 + x^2))."""
+    x2 = x * x
+    if imp is None:
+        return np.sqrt(x2.mean(axis=1, keepdims=True)) + np.abs(x)
+    return imp * np.sqrt(2 * x2.mean(axis=1, keepdims=True) + x2)
+
+
+def _search(x: np.ndarray, scheme: Scheme, imp=None, steps: int = 16, rmin: float = -1.0, rdelta: float = 0.1):
+    """Weighted scale (and zero point) search: each candidate scale rounds the block, a weighted
+    least-squares fit refines the scale to those integers, and the least weighted error wins."""
+    wt = _weights(x, imp)
+    q0, s0, z0 = _rtn(x, scheme)
+    best_q, best_s, best_z = q0.astype(np.float32), s0, (z0.astype(np.float32) if z0 is not None else None)
+    best_err = _error(x, wt, best_q, best_s, best_z)
+    if scheme.zero_points:
+        top = LEVELS[scheme.bits]
+        lo, hi = np.minimum(x.min(axis=1), 0), np.maximum(x.max(axis=1), 0)
+        span = hi - lo
+    else:
+        qmax = QMAX[scheme.bits]
+        amax = np.abs(x).max(axis=1)
+    for i in range(steps + 1):
+        if scheme.zero_points:
+            s = span / np.float32(top + rmin + rdelta * i)
+            s = np.where(s > 0, s, np.float32(1)).astype(np.float32)
+            z = np.clip(np.rint(-lo / s), 0, top)
+            q = _round(x, (1 / s)[:, None], z[:, None], 0, top)
+            # the weighted least-squares affine fit x ~ a q + c, its offset then put on the grid
+            sw, sq, sx = wt.sum(1), (wt * q).sum(1), (wt * x).sum(1)
+            sqq, sqx = (wt * q * q).sum(1), (wt * q * x).sum(1)
+            det = sw * sqq - sq * sq
+            ok = det > 0
+            a = np.where(ok, (sw * sqx - sx * sq) / np.where(ok, det, 1), s)
+            c = np.where(ok, (sqq * sx - sq * sqx) / np.where(ok, det, 1), -z * s)
+            a = np.where(a > 0, a, s).astype(np.float32)
+            z = np.clip(np.rint(-c / a), 0, top)
+            q = _round(x, (1 / a)[:, None], z[:, None], 0, top)
+            d = q - z[:, None]
+        else:
+            s = amax / np.float32(qmax + 1 + rmin + rdelta * i)
+            s = np.where(s > 0, s, np.float32(1)).astype(np.float32)
+            d = _round(x, (1 / s)[:, None], 0, -qmax - 1, qmax)
+            z = None
+        # the scale fit to these integers, and the integers again to that scale
+        num, den = (wt * d * x).sum(1), (wt * d * d).sum(1)
+        a = np.where((den > 0) & (num > 0), num / np.where(den > 0, den, 1), s).astype(np.float32)
+        if scheme.zero_points:
+            q = _round(x, (1 / a)[:, None], z[:, None], 0, top)
+        else:
+            q = _round(x, (1 / a)[:, None], 0, -qmax - 1, qmax)
+        err = _error(x, wt, q, a, z)
+        better = err < best_err
+        best_err = np.where(better, err, best_err)
+        best_s = np.where(better, a, best_s).astype(np.float32)
+        best_q = np.where(better[:, None], q, best_q)
+        if z is not None:
+            best_z = np.where(better, z, best_z)
+    if scheme.zero_points:
+        return best_q.astype(np.uint8), best_s, best_z.astype(np.uint8)
+    return best_q.astype(np.int8), best_s, None
+
+
+def _error(x, wt, q, s, z) -> np.ndarray:
+    d = q - z[:, None] if z is not None else q
+    return (wt * (d * s[:, None] - x) ** 2).sum(axis=1)
+
+
+def _hqq(x: np.ndarray, scheme: Scheme, imp=None, iters: int = 20, p: float = 0.7, beta: float = 10.0,
+         kappa: float = 1.01):
+    """HQQ's proximal zero-point solver (hqq/core/optimize.py `optimize_weights_proximal_legacy`),
+    on the min-max scale; its zero point then rounded to the stored integers."""
+    if not scheme.zero_points:
+        raise ValueError("hqq optimizes zero points: it needs zero points")
+    top = LEVELS[scheme.bits]
+    _, s, z0 = _rtn(x, scheme)
+    inv = (1 / s)[:, None]
+    z = z0.astype(np.float32)[:, None]
+    best_z, best_err = z.copy(), np.full(z.shape, np.inf, np.float32)
+    for _ in range(iters):
+        q = np.clip(np.rint(x * inv + z), 0, top)
+        r = (q - z) / inv
+        e = x - r
+        shrunk = np.sign(e) * np.maximum(np.abs(e) - (1 / beta) * np.power(np.abs(e) + 1e-8, p - 1), 0)
+        z = (q - (x - shrunk) * inv).mean(axis=1, keepdims=True).astype(np.float32)
+        beta *= kappa
+        err = np.abs(x - r).mean(axis=1, keepdims=True)
+        better = err < best_err
+        best_err, best_z = np.where(better, err, best_err), np.where(better, z, best_z)
+    zi = np.clip(np.rint(best_z), 0, top)
+    q = _round(x, inv, zi, 0, top)
+    return q.astype(np.uint8), s, zi[:, 0].astype(np.uint8)
+
+
+_METHODS = {"rtn": _rtn, "search": _search, "hqq": _hqq}
 
 
 def pack_int4(q: np.ndarray) -> np.ndarray:
-    """int8 values in [-8, 7] -> ONNX INT4 storage: two per byte, the first in the low nibble,
-    packed over the flattened tensor (an odd count ends with a half-used byte)."""
+    """Values in [-8, 7] (int8) or [0, 15] (uint8) -> ONNX INT4/UINT4 storage: two per byte, the
+    first in the low nibble, packed over the flattened tensor (an odd count ends with a half-used byte)."""
     flat = (q.reshape(-1).astype(np.int16) & 0xF).astype(np.uint8)
     if flat.size % 2:
         flat = np.append(flat, np.uint8(0))
     return flat[0::2] | (flat[1::2] << 4)
 
 
-def unpack_int4(packed: np.ndarray, count: int) -> np.ndarray:
-    """ONNX INT4 storage -> `count` int8 values (sign-extended)."""
+def unpack_int4(packed: np.ndarray, count: int, signed: bool = True) -> np.ndarray:
+    """ONNX INT4 (sign-extended to int8) or UINT4 (uint8) storage -> `count` values."""
     nibbles = np.empty(packed.size * 2, dtype=np.uint8)
     nibbles[0::2], nibbles[1::2] = packed & 0xF, packed >> 4
+    if not signed:
+        return nibbles[:count]
     return ((nibbles[:count].astype(np.int16) ^ 8) - 8).astype(np.int8)
 
 
@@ -69,6 +256,32 @@ def quantized_layers(cfg, lm_head: bool) -> list[str]:
     return names + (["lm_head.weight"] if lm_head else [])
 
 
+
+
+def sensitive_layers(num_layers: int) -> list[int]:
+    """The layers whose value and down projections cost most when rounded: llama.cpp's Q4_K_M rule
+    (`use_more_bits`), as onnxruntime-genai's `mixed_layers` writes it: the first and last eighth of
+    the layers and every third one between."""
+    n = num_layers
+    return [i for i in range(n) if i < n / 8 or i >= 7 * n / 8 or (i - round(n / 8)) % 3 == 2]
+
+
+def quant_plan(cfg, precision) -> dict[str, Scheme]:
+    """Each weight a quantized export stores quantized (our names; `embed.weight` is an untied
+    embedding, stored transposed like a linear layer's weight: a tied one is read from the LM
+    head's table), with its scheme: the precision's, or int8 where `mixed` keeps it (the LM head
+    and embedding for `lm-head`; also the fused QKV and down projections of `sensitive_layers`)."""
+    base = Scheme(precision.weights, precision.block_size, precision.method, precision.zero_points)
+    int8 = Scheme("int8", base.block, base.method, base.zero_points)
+    names = quantized_layers(cfg, precision.quantized_lm_head)
+    if precision.quantized_embedding and not cfg.tie_embeddings:
+        names.append("embed.weight")
+    plan = {name: base for name in names}
+    upgrade = {"lm_head.weight", "embed.weight"} if precision.mixed in ("lm-head", "sensitive") else set()
+    if precision.mixed == "sensitive":
+        upgrade |= {f"layers.{i}.{w}" for i in sensitive_layers(cfg.num_layers)
+                    for w in ("attn.wqkv.weight", "ffn.w_down.weight")}
+    return {name: int8 if name in upgrade else s for name, s in plan.items()}
 def layer_ks(cfg) -> dict[str, int]:
     """Each kind of quantized layer's K (its input size), named as an error message would."""
     ks = {"layers.*.attn.wqkv and layers.*.ffn.w_gate_up (hidden_size)": cfg.hidden_size,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from tk.models.artifact import DEFAULT_BLOCK, QUANTIZED, CacheLayout, PrefillLogits, Target
+from tk.models.artifact import DEFAULT_BLOCK, DEFAULT_METHOD, METHODS, MIXED, QUANTIZED, CacheLayout, PrefillLogits, Target
 
 from tk.models.options import PROFILE_CAPACITY, PROFILES
 from tk.models.dtypes import DTYPE_CHOICES
@@ -48,16 +48,34 @@ def _profiles_help() -> str:
               "TensorRT takes 64 or 128, which --for trt picks).")
 @click.option("--quantize-lm-head/--no-quantize-lm-head", default=True, show_default=True,
               help="Quantize the LM head too with --weights.")
+@click.option("--quant-method", type=click.Choice(METHODS),
+              help=f"How --weights chooses scales: rtn (round to nearest from each block's range), search (a "
+                   f"weighted scale search, llama.cpp's k-quant way) or hqq (HQQ's zero-point solver) "
+                   f"[default: {DEFAULT_METHOD}].")
+@click.option("--zero-points/--symmetric", default=None,
+              help="Blocks with zero points (asymmetric) or without [default: zero points; --for trt: symmetric].")
+@click.option("--mixed-precision", type=click.Choice(MIXED),
+              help="Keep some weights in int8 with --weights int4: lm-head (the LM head and embedding) or sensitive "
+                   "(also the QKV and down projections of llama.cpp's Q4_K_M layers) [default: none].")
+@click.option("--quantize-embedding/--no-quantize-embedding", default=None,
+              help="Quantize the embedding too (a tied one is read from the LM head's table) [default: with the "
+                   "LM head; --for trt: no].")
+@click.option("--calibration", type=click.Path(path_type=Path),
+              help="A text file: its activation statistics on the model weight the scale search per input channel.")
 def export(model_dir: Path, out: Path, profile: str | None, dtype: str | None, opset: int, no_validate: bool,
            force: bool, kv_cache: str | None, max_seq_len: int | None, debug_outputs: bool, target: str | None,
-           prefill_logits: str | None, weights: str | None, block_size: int | None, quantize_lm_head: bool) -> None:
+           prefill_logits: str | None, weights: str | None, block_size: int | None, quantize_lm_head: bool,
+           quant_method: str | None, zero_points: bool | None, mixed_precision: str | None,
+           quantize_embedding: bool | None, calibration: Path | None) -> None:
     """Export MODEL_DIR (a Hugging Face checkpoint folder) to prefill/decode ONNX graphs."""
     from tk.models.options import ExportOptions
 
     options = ExportOptions.from_flags(  # every flag checked before any work
         profile=profile, dtype=dtype, opset=opset, kv_cache=kv_cache, max_seq_len=max_seq_len, target=target,
         prefill_logits=prefill_logits, debug_outputs=debug_outputs, validate=not no_validate, force=force,
-        weights=weights, block_size=block_size, quantize_lm_head=quantize_lm_head)
+        weights=weights, block_size=block_size, quantize_lm_head=quantize_lm_head, quant_method=quant_method,
+        zero_points=zero_points, mixed_precision=mixed_precision, quantize_embedding=quantize_embedding,
+        calibration=calibration)
     from tk.toolkit.pipeline.export import export_artifact
 
     click.echo(f"tk export {model_dir} -> {out}", err=True)

@@ -50,19 +50,14 @@ def memory_plan(cfg: DecoderConfig, precision: Precision, batch: int, seq_len: i
 
 
 def weight_bytes_by_dtype(artifact: Path, manifest) -> dict[str, int]:
-    """Bytes of the weights file by ONNX data type."""
-    import onnx
-
-    from tk.exporters.weights import external_initializers
-
-    names = {}
-    for graph in contract.GRAPHS:
-        model = onnx.load(str(Path(artifact) / manifest.graphs[graph].file), load_external_data=False)
-        names.update(external_initializers(model))
+    """Bytes of the weights file by data type, from the manifest's table (a 4-bit table's bytes
+    counted once, as its 4-bit type, not again as the uint8 view an embedding's Gather reads)."""
+    by_offset: dict[int, tuple[int, str]] = {}
+    for offset, length, dtype, *_ in sorted(manifest.weights.values(), key=lambda e: e[2] not in ("int4", "uint4")):
+        by_offset.setdefault(offset, (length, dtype))
     out: dict[str, int] = {}
-    for _, length, data_type, _ in names.values():
-        key = onnx.helper.tensor_dtype_to_np_dtype(data_type).name if data_type != onnx.TensorProto.INT4 else "int4"
-        out[key] = out.get(key, 0) + length
+    for length, dtype in by_offset.values():
+        out[dtype] = out.get(dtype, 0) + length
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 

@@ -1,5 +1,6 @@
-"""`tk eval`: perplexity of a text, per backend, so a user sees what quantization costs on their
-own data.
+"""`tk eval`: perplexity of a text, per backend, and how far each backend's next-token distribution
+is from the full-precision model's (KL divergence, top-1 agreement: llama.cpp's `perplexity
+--kl-divergence`), so a user sees what quantization costs on their own data.
 
 The text is tokenized with the artifact's tokenizer and cut into windows of `window` tokens (no
 overlap); each window is one prefill, teacher-forced: every position's logits predict the next
@@ -29,29 +30,45 @@ def windows(ids: list[int], window: int) -> list[list[int]]:
     return [ids[i:i + window] for i in range(0, len(ids), window) if len(ids[i:i + window]) > 1]
 
 
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    logits = logits.astype(np.float64)
+    top = logits.max(axis=-1, keepdims=True)
+    return logits - (np.log(np.exp(logits - top).sum(axis=-1, keepdims=True)) + top)
+
+
 def window_nll(logits: np.ndarray, chunk: list[int]) -> float:
     """Summed negative log-likelihood of a window's tokens after its first, from its (S, V) logits
     (position t predicts token t + 1)."""
-    logits = logits[:-1].astype(np.float64)
-    top = logits.max(axis=-1, keepdims=True)
-    log_z = np.log(np.exp(logits - top).sum(axis=-1)) + top[:, 0]
-    return float((log_z - logits[np.arange(len(chunk) - 1), chunk[1:]]).sum())
+    lp = log_softmax(logits[:-1])
+    return float(-lp[np.arange(len(chunk) - 1), chunk[1:]].sum())
+
+
+def window_logits(runtime, chunk: list[int]) -> np.ndarray:
+    """(S, V) logits of one window, one prefill."""
+    ids = np.array([chunk], dtype=np.int64)
+    out, session = runtime.start(ids, np.ones_like(ids), room=1)
+    session.close()
+    return out.logits[0]
 
 
 def nll(runtime, chunks: list[list[int]]) -> tuple[float, int]:
     """Summed negative log-likelihood of the windows on `runtime`, and how many tokens it counts."""
-    total = 0.0
-    for chunk in chunks:
-        ids = np.array([chunk], dtype=np.int64)
-        out, session = runtime.start(ids, np.ones_like(ids), room=1)
-        session.close()
-        total += window_nll(out.logits[0], chunk)
-    return total, sum(len(c) - 1 for c in chunks)
+    return sum(window_nll(window_logits(runtime, c), c) for c in chunks), sum(len(c) - 1 for c in chunks)
+
+
+def divergence(reference: np.ndarray, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per position of (S, V) logits: KL(reference || logits) in nats, and whether the top-1 agrees
+    (what llama.cpp's `perplexity --kl-divergence` reports)."""
+    ref, lp = log_softmax(reference), log_softmax(logits)
+    kl = (np.exp(ref) * (ref - lp)).sum(axis=-1)
+    return np.maximum(kl, 0.0), ref.argmax(axis=-1) == lp.argmax(axis=-1)
 
 
 def evaluate(artifact: Path, text: str, backends: list[str], window: int | None = None,
              options: BackendOptions = BackendOptions(), baseline: bool = True) -> dict:
-    """Perplexity of `text` on each backend (a skipped backend says why)."""
+    """Perplexity of `text` on each backend (a skipped backend says why) and, against the
+    full-precision reference (the baseline row; for a float32 artifact, the torch row), each
+    position's KL divergence (mean and 99th percentile) and top-1 agreement, window by window."""
     from tk.toolkit.textgen import Tokenizer
 
     manifest = Manifest.read(artifact)
@@ -66,29 +83,55 @@ def evaluate(artifact: Path, text: str, backends: list[str], window: int | None 
     chunks = windows(ids, window)
     if not chunks:
         raise InputError(f"the text is {len(ids)} token(s): tk eval needs at least 2")
-    rows = {}
     named = {name: (lambda name=name: open_runtime(artifact, name, options)) for name in backends}
-    if baseline and manifest.precision.quantized:
-        named["torch (full-precision weights)"] = lambda: reference_runtime(artifact, manifest, quantized=False)
-    for name, opener in named.items():
-        try:
-            with contextlib.ExitStack() as stack:
-                runtime = stack.enter_context(opener())
-                total, count = nll(runtime, chunks)
-        except BackendUnavailable as e:
-            rows[name] = {"status": "skipped", "reason": str(e)}
-            continue
-        rows[name] = {"status": "ok", "tokens": count, "nll": total / count, "perplexity": math.exp(total / count)}
+    reference = "torch" if "torch" in backends and manifest.dtype == "float32" and not manifest.precision.quantized \
+        else None
+    if baseline and reference is None:
+        reference = "torch (full-precision weights)" if manifest.precision.quantized else "torch (float32)"
+        named[reference] = lambda: reference_runtime(artifact, manifest, quantized=False)
+    rows, runtimes = {}, {}
+    with contextlib.ExitStack() as stack:
+        for name, opener in named.items():
+            try:
+                runtimes[name] = stack.enter_context(opener())
+            except BackendUnavailable as e:
+                rows[name] = {"status": "skipped", "reason": str(e)}
+        total = {name: 0.0 for name in runtimes}
+        kls = {name: [] for name in runtimes}
+        agree = {name: [] for name in runtimes}
+        for chunk in chunks:
+            logits = {name: window_logits(rt, chunk)[:-1] for name, rt in runtimes.items()}
+            for name, lg in logits.items():
+                total[name] -= float(log_softmax(lg)[np.arange(len(chunk) - 1), chunk[1:]].sum())
+                if reference in logits and name != reference:
+                    kl, top1 = divergence(logits[reference], lg)
+                    kls[name].append(kl)
+                    agree[name].append(top1)
+    count = sum(len(c) - 1 for c in chunks)
+    for name in runtimes:
+        rows[name] = {"status": "ok", "tokens": count, "nll": total[name] / count,
+                      "perplexity": math.exp(total[name] / count)}
+        if kls[name]:
+            kl = np.concatenate(kls[name])
+            rows[name].update({"perplexity_ratio": math.exp((total[name] - total[reference]) / count),
+                               "kl_mean": float(kl.mean()), "kl_p99": float(np.percentile(kl, 99)),
+                               "top1_agreement": float(np.concatenate(agree[name]).mean())})
     return {"artifact": str(artifact), "precision": manifest.precision.describe(), "window": window,
-            "text_tokens": len(ids), "backends": rows}
+            "text_tokens": len(ids), "reference": reference, "backends": {n: rows[n] for n in named}}
 
 
 def format_eval(result: dict) -> str:
     lines = [f"{result['artifact']}: {result['precision']}; {result['text_tokens']} tokens in windows of "
-             f"{result['window']}", f"{'backend':34} {'tokens':>7} {'nll':>8} {'perplexity':>11}"]
+             f"{result['window']}" + (f"; KL and top-1 against {result['reference']}" if result["reference"] else ""),
+             f"{'backend':34} {'tokens':>7} {'nll':>8} {'perplexity':>11} {'ratio':>7} {'KL mean':>9} {'KL p99':>9} "
+             f"{'top-1':>7}"]
     for name, row in result["backends"].items():
         if row["status"] == "skipped":
             lines.append(f"{name:34} skipped: {row['reason']}")
-        else:
-            lines.append(f"{name:34} {row['tokens']:>7} {row['nll']:8.4f} {row['perplexity']:11.3f}")
+            continue
+        line = f"{name:34} {row['tokens']:>7} {row['nll']:8.4f} {row['perplexity']:11.3f}"
+        if "kl_mean" in row:
+            line += (f" {row['perplexity_ratio']:7.4f} {row['kl_mean']:9.5f} {row['kl_p99']:9.5f} "
+                     f"{row['top1_agreement']:7.2%}")
+        lines.append(line)
     return "\n".join(lines)

@@ -57,9 +57,9 @@ def fused_matmuls(artifact: Path, manifest) -> dict[str, tuple[int, list[str]]]:
 
 def expected_quantized(manifest) -> int:
     from tk.models.config import DecoderConfig
-    from tk.models.quantize import quantized_layers
+    from tk.models.quantize import quant_plan
 
-    return len(quantized_layers(DecoderConfig.from_dict(manifest.config), manifest.precision.quantized_lm_head))
+    return len(set(quant_plan(DecoderConfig.from_dict(manifest.config), manifest.precision)) - {"embed.weight"})
 
 
 def check_fused(artifact: Path, manifest) -> dict[str, int]:
