@@ -36,7 +36,8 @@ def dequantize_matmuls(ir_model, table: dict[str, tuple], block_size: int, base_
     for node in list(graph):
         if node.domain not in ("", "ai.onnx"):
             continue
-        if node.op_type == "Gather" and node.inputs[0] is not None and node.inputs[0].name == EMBED:
+        if node.op_type == "Gather" and node.inputs[0] is not None and node.inputs[0].name == EMBED \
+                and EMBED not in table:  # a quantized embedding: its float table is not written
             source = next((n for n in (EMBED + "_t", PREFIX + "lm_head.weight_t") if n + QUANT in table), None)
             if source is not None:
                 _gather_dequantized(graph, node, source, table, block_size, base_dir)

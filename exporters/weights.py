@@ -166,8 +166,11 @@ def write_weights(reader: CheckpointReader, view: Decoder, path: Path, dtype: to
             if name.endswith(QUANT):
                 base = name.removesuffix(QUANT)
                 ours = base.removeprefix(PREFIX).removesuffix("_t")
-                w_t = _tensor(reader, base.removeprefix(PREFIX), torch.float32, bufs).numpy()
-                qt = quantize(w_t, schemes[base], (importance or {}).get(ours))
+                if ours in reader.packed:  # a GPTQ/AWQ checkpoint's own integers
+                    qt = reader.quantized(ours)
+                else:
+                    w_t = _tensor(reader, base.removeprefix(PREFIX), torch.float32, bufs).numpy()
+                    qt = quantize(w_t, schemes[base], (importance or {}).get(ours))
                 for suffix, values in ((QUANT, qt.q), (SCALE, qt.scales), (ZERO, qt.zeros)):
                     if values is None:
                         continue

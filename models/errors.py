@@ -32,6 +32,10 @@ class CheckFailed(TkError):
         self.table = table
 
 
+class CheckpointError(TkError, ValueError):
+    """The checkpoint folder is missing, incomplete, corrupt, or disagrees with its config."""
+
+
 class FilesystemProblem(TkError):
     """An output that exists, a folder that cannot be written."""
 

@@ -16,30 +16,28 @@ import math
 import os
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
 from tk.models.config import DecoderConfig, UnsupportedModelError
 from tk.models.families import FAMILIES, config_from_hf
 from tk.models.dtypes import canonical_dtype
-from tk.models.errors import TkError
+from tk.models.errors import CheckpointError, TkError  # noqa: F401  (CheckpointError: callers import it from here too)
 from tk.models.decoder import Decoder
 from tk.models.positions import rope_inv_freq
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved
-_ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+_ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+              "I32": torch.int32}
 # a block's norms (ours -> Hugging Face's) by where they sit: before each branch, after (OLMo 2), or both
 # (Gemma 2/3: there post_attention_layernorm is the attention's *output* norm)
 _BLOCK_NORMS = {"pre": {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"},
                 "post": {"attn_norm": "post_attention_layernorm", "ffn_norm": "post_feedforward_layernorm"},
                 "sandwich": {"attn_norm": "input_layernorm", "attn_post_norm": "post_attention_layernorm",
                              "ffn_norm": "pre_feedforward_layernorm", "ffn_post_norm": "post_feedforward_layernorm"}}
-
-
-class CheckpointError(TkError, ValueError):
-    """The checkpoint folder is missing, incomplete, corrupt, or disagrees with its config."""
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -184,9 +182,25 @@ class CheckpointReader:
     the Hugging Face tensors that make one of ours (nothing else stays in memory)."""
 
     def __init__(self, folder: Path, cfg: DecoderConfig):
+        from tk.models.prequantized import quantized_shapes, read_prequantized
+        from tk.models.quantize import quantized_layers
+
         self.folder, self.cfg = Path(folder), cfg
         files = _weight_files(self.folder)
         expected = hf_shapes(cfg)
+        self._float_shapes = dict(expected)  # a packed projection's shape as a float weight
+        # a GPTQ/AWQ checkpoint: each projection's weight is its packed integers, zero points and scales
+        self.prequantized = read_prequantized(self.folder)
+        self.packed: set[str] = set()  # our names read from integers
+        if self.prequantized is not None:
+            for ours in quantized_layers(cfg, lm_head=False):
+                for name, _ in weight_map(cfg)[ours]:
+                    n, k = expected.pop(name)
+                    base = name.removesuffix(".weight")
+                    for part, shape in quantized_shapes(self.prequantized, k, n).items():
+                        if part != "g_idx" or f"{base}.g_idx" in files:  # older GPTQ files always have g_idx
+                            expected[f"{base}.{part}"] = shape
+                self.packed.add(ours)
         missing = [n for n in expected if n not in files]
         others = FAMILIES[cfg.architecture].ignore  # a multimodal checkpoint's other towers
         unexpected = [n for n in files if n not in expected and not n.endswith(IGNORED_SUFFIXES)
@@ -205,7 +219,9 @@ class CheckpointReader:
             except SafetensorError as e:
                 raise CheckpointError(f"cannot read {name} from {files[name]} ({e})") from None
             if got != shape:
-                raise CheckpointError(f"tensor {name} has shape {list(got)} but config.json implies {list(shape)}")
+                pq = self.prequantized
+                why = f" with {pq.method.upper()} groups of {pq.group}" if pq and name.endswith((".scales", ".qzeros")) else ""
+                raise CheckpointError(f"tensor {name} has shape {list(got)} but config.json implies {list(shape)}{why}")
         self._headers: dict[Path, tuple[dict, int]] = {}
         self._convert = ReusableBuffer()  # reads that change dtype land here first
         self.map = weight_map(cfg)
@@ -242,13 +258,40 @@ class CheckpointReader:
             out.copy_(buf)
 
     def shape(self, ours: str) -> tuple[int, ...]:
-        shapes = [self._info(name)[1]["shape"] for name, _ in self.map[ours]]
+        shapes = [self._float_shapes[name] if ours in self.packed else self._info(name)[1]["shape"]
+                  for name, _ in self.map[ours]]
         return (sum(s[0] for s in shapes), *shapes[0][1:]) if shapes[0] else ()
+
+    def quantized(self, ours: str):
+        """A GPTQ/AWQ projection's integers as tk stores them (models/quantize.py QTensor, [K, N]),
+        its parts concatenated along N."""
+        from tk.models.prequantized import unpack
+        from tk.models.quantize import QTensor
+
+        parts = []
+        for name, rows in self.map[ours]:
+            base = name.removesuffix(".weight")
+            tensors = {}
+            for part in ("qweight", "qzeros", "scales", "g_idx"):
+                if f"{base}.{part}" in self.files:
+                    info = self._info(f"{base}.{part}")[1]
+                    t = torch.empty(info["shape"], dtype=_ST_DTYPES[info["dtype"]] if info["dtype"] in _ST_DTYPES
+                                    else torch.float32)
+                    self._read_into(f"{base}.{part}", t)
+                    tensors[part] = t.float().numpy() if part == "scales" else t.numpy()
+            parts.append(unpack(self.prequantized, base, tensors, self.shape(ours)[1], rows))
+        return QTensor(np.concatenate([p.q for p in parts], 1), np.concatenate([p.scales for p in parts], 1),
+                       np.concatenate([p.zeros for p in parts], 1))
 
     def tensor(self, ours: str, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
         """Our parameter `ours` (e.g. layers.0.attn.wqkv.weight) in `dtype`, its parts (concatenated
         along dim 0 where we fuse) read straight into their rows; into `out` when given (a buffer
-        the caller reuses)."""
+        the caller reuses). A GPTQ/AWQ projection is its integers, dequantized."""
+        if ours in self.packed:
+            from tk.models.quantize import dequantize
+
+            w = torch.from_numpy(dequantize(self.quantized(ours), self.prequantized.group)).T.to(dtype)
+            return w if out is None else out.copy_(w)
         shape = self.shape(ours)
         if out is None:
             out = torch.empty(shape, dtype=dtype)
@@ -297,8 +340,11 @@ def quantize_weights_(model: Decoder, precision, importance: dict | None = None)
     scales rounded to the activations' dtype as the artifact stores them), so that eager PyTorch
     computes what the graphs compute. A quantized embedding is its own table's, or when tied the
     LM head's, dequantized."""
+    from tk.models.prequantized import METHODS as PREQUANTIZED
     from tk.models.quantize import dequantize, quant_plan, quantize
 
+    if precision.method in PREQUANTIZED:
+        return model  # loaded from its integers, dequantized (CheckpointReader.tensor)
     scale_dtype = torch_dtype(precision.activations)
     for name, scheme in quant_plan(model.config, precision).items():
         module = model.get_submodule(name.removesuffix(".weight"))

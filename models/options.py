@@ -197,6 +197,20 @@ class ExportOptions:
             p = dataclasses.replace(p, block_size=fits[0])
         return dataclasses.replace(self, variant=v, precision=p)
 
+    def prequantized(self, pq, source: str) -> "ExportOptions":
+        """These options for a GPTQ/AWQ checkpoint (models/prequantized.py `PreQuant`): its integers
+        exported as they are, so no quantization flag may ask for other ones."""
+        p = self.precision
+        what = f"{source} is already quantized ({pq.method.upper()}, {pq.bits}-bit, groups of {pq.group})"
+        if p.quantized:
+            raise UsageProblem(f"{what}: tk exports its integers as they are; drop --weights and the other "
+                               "quantization flags")
+        if self.profile is not None and PROFILES[self.profile].symmetric:
+            raise UsageProblem(f"{what}, with zero points, and --for {self.profile} takes symmetric blocks only; "
+                               "export it for ONNX Runtime")
+        return dataclasses.replace(self, precision=dataclasses.replace(
+            p, weights=pq.weights, block_size=pq.group, method=pq.method, zero_points=True))
+
     def check(self, config, has_cuda_provider: Callable[[], bool] = lambda: False) -> None:
         """Refusals that depend on the model (a DecoderConfig), all before any weight is read.
         `has_cuda_provider` is asked only where it matters (validating bf16)."""

@@ -30,6 +30,7 @@ from tk.exporters.weights import WEIGHTS_FILE, export_view, weights_record, writ
 from tk.models import contract
 from tk.models.artifact import GraphFile, Manifest, Target, graph_dims, sha256_file
 from tk.models.options import PROFILES, ExportOptions
+from tk.models.prequantized import read_prequantized
 from tk.models.dtypes import DTYPES
 from tk.models.errors import FilesystemProblem
 from tk.models.loading import CheckpointReader, read_config, torch_dtype
@@ -133,6 +134,9 @@ def export_artifact(model_dir: str | Path, out: str | Path, options: ExportOptio
     model_dir, out = Path(model_dir), Path(out)
     options = options or ExportOptions.from_flags(**flags)
     config = read_config(model_dir)  # a bad checkpoint fails before the filesystem is touched
+    prequantized = read_prequantized(model_dir)
+    if prequantized is not None:  # GPTQ/AWQ: its integers, as they are
+        options = options.prequantized(prequantized, model_dir.name)
     options = options.for_model(config)  # what a profile leaves to the model: capacity, block size
     options.check(config, has_cuda_provider=_ort_has_cuda)
     if options.profile is not None:
