@@ -33,7 +33,6 @@ TK_BUILDS = {
     "tk int4 rtn symmetric b32 (before)": dict(weights="int4", block_size=32, quant_method="rtn", zero_points=False,
                                                 quantize_embedding=False),
     "tk int4 rtn zero points b32": dict(weights="int4", block_size=32, quant_method="rtn"),
-    "tk int4 hqq b32": dict(weights="int4", block_size=32, quant_method="hqq"),
     "tk int4 search b32": dict(weights="int4", block_size=32),
     "tk int4 search b64": dict(weights="int4", block_size=64),
     "tk int4 search b128": dict(weights="int4", block_size=128),

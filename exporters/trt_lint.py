@@ -144,7 +144,10 @@ def lint_model(model: onnx.ModelProto, graph: str) -> LintResult:
 def _lint_dequantize(node, name: str, initializer_types: dict, add) -> None:
     kind = initializer_types.get(node.input[0])
     block = next((a.i for a in node.attribute if a.name == "block_size"), 0)
-    if kind == onnx.TensorProto.INT4 and block not in TRT_INT4_BLOCKS:
+    if kind in (onnx.TensorProto.UINT4, onnx.TensorProto.UINT8) or len(node.input) > 2 and node.input[2]:
+        add("quant-zero-points", name, "weights with zero points: TensorRT's int4 weight-only path takes symmetric "
+            "blocks; re-export with --symmetric --no-quantize-embedding (or --for trt)")
+    elif kind == onnx.TensorProto.INT4 and block not in TRT_INT4_BLOCKS:
         add("int4-block", name, f"int4 weights in blocks of {block}: TensorRT takes blocks of 64 or 128; re-export "
             "with --block-size 128")
     elif kind == onnx.TensorProto.INT8 and block:

@@ -138,7 +138,8 @@ class ExportOptions:
     def _quant_choices(prof: Profile | None, lm_head: bool, method: str | None, zero_points: bool | None,
                        mixed: str | None, embedding: bool | None, calibration) -> dict:
         """The quantization flags with their defaults (a profile's symmetric blocks, else zero
-        points; the search; the embedding quantized with the LM head), checked together."""
+        points; the search; a tied embedding quantized with the LM head, an untied one kept: for_model),
+        checked together."""
         
         method, mixed = method or DEFAULT_METHOD, mixed or "none"
         if method not in METHODS:
@@ -147,10 +148,8 @@ class ExportOptions:
             raise UsageProblem(f"unknown --mixed-precision {mixed!r}; use one of {', '.join(MIXED)}")
         symmetric = prof is not None and prof.symmetric
         zero_points = (not symmetric) if zero_points is None else zero_points
-        embedding = (lm_head and not symmetric) if embedding is None else embedding
-        if method == "hqq" and not zero_points:
-            raise UsageProblem("--quant-method hqq optimizes zero points; drop --symmetric or use --quant-method "
-                               "search")
+        if symmetric and embedding is None:
+            embedding = False  # else for_model decides: a tied table is quantized with the LM head
         if mixed != "none" and not lm_head:
             raise UsageProblem(f"--mixed-precision {mixed} keeps the LM head in int8; drop --no-quantize-lm-head")
         return {"method": method, "zero_points": zero_points, "mixed": mixed, "quantized_embedding": embedding,
@@ -184,6 +183,9 @@ class ExportOptions:
             # a ring written by runs of tokens wraps around (a circular TensorScatter), which TensorRT's
             # KV-cache update cannot do: a portable ring takes one token a step (linear, at index mod slots)
             v = dataclasses.replace(v, decode_prefills=False)
+        if p.quantized and p.quantized_embedding is None:  # the tied table is the LM head's: free to quantize
+            p = dataclasses.replace(p, quantized_embedding=config.tie_embeddings and p.quantized_lm_head
+                                    and not (p.weights == "int4" and config.vocab_size % 2))
         if p.quantized and p.block_size is None:
             from tk.models.quantize import layer_ks
 

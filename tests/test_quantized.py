@@ -53,9 +53,9 @@ def test_quantized_export_validates_and_fuses(quantized, family, weights):
     graph = onnx.load(str(art / "decode.onnx"), load_external_data=False)
     dq = [n for n in graph.graph.node if n.op_type == "DequantizeLinear"]
     kinds = {t.name: t.data_type for t in graph.graph.initializer}
-    want = onnx.TensorProto.INT4 if weights == "int4" else onnx.TensorProto.INT8
+    want = onnx.TensorProto.UINT4 if weights == "int4" else onnx.TensorProto.UINT8
     assert len(dq) == 4 * layers + 1 and all(kinds[n.input[0]] == want for n in dq)
-    assert all(len(n.input) == 2 for n in dq)  # symmetric: no zero point
+    assert all(len(n.input) == 3 and kinds[n.input[2]] == want for n in dq)  # zero points, by default
     consumers = {o: [n for n in graph.graph.node if o in n.input] for d in dq for o in d.output}
     assert all(len(c) == 1 and c[0].op_type == "MatMul" for c in consumers.values())  # one MatMul per DQ
 
@@ -191,7 +191,9 @@ def test_eval_on_int4_shows_the_baseline(quantized, tmp_path):
 @pytest.mark.parametrize("flags,message", [
     (["--weights", "int3"], "Invalid value for '--weights'"),
     (["--weights", "int4", "--block-size", "48"], "--block-size 48 is not one"),
-    (["--weights", "int4", "--block-size", "128"], "does not divide the K of layers.*.attn.wqkv"),
+    (["--weights", "int4", "--quant-method", "hqq"], "Invalid value for '--quant-method'"),
+    (["--mixed-precision", "sensitive"], "--mixed-precision is about quantized weights; add --weights"),
+    (["--weights", "int4", "--mixed-precision", "lm-head", "--no-quantize-lm-head"], "keeps the LM head in int8"),
     (["--block-size", "32"], "add --weights int4 or int8"),
     (["--weights", "int4", "--dtype", "bf16"], "no ONNX Runtime CPU kernel"),
     (["--weights", "int8", "--opset", "20"], "needs --opset 21"),

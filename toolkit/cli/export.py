@@ -49,17 +49,16 @@ def _profiles_help() -> str:
 @click.option("--quantize-lm-head/--no-quantize-lm-head", default=True, show_default=True,
               help="Quantize the LM head too with --weights.")
 @click.option("--quant-method", type=click.Choice(METHODS),
-              help=f"How --weights chooses scales: rtn (round to nearest from each block's range), search (a "
-                   f"weighted scale search, llama.cpp's k-quant way) or hqq (HQQ's zero-point solver) "
-                   f"[default: {DEFAULT_METHOD}].")
+              help=f"How --weights chooses scales: rtn (round to nearest from each block's range) or search (a "
+                   f"weighted scale search, llama.cpp's k-quant way) [default: {DEFAULT_METHOD}].")
 @click.option("--zero-points/--symmetric", default=None,
               help="Blocks with zero points (asymmetric) or without [default: zero points; --for trt: symmetric].")
 @click.option("--mixed-precision", type=click.Choice(MIXED),
               help="Keep some weights in int8 with --weights int4: lm-head (the LM head and embedding) or sensitive "
                    "(also the QKV and down projections of llama.cpp's Q4_K_M layers) [default: none].")
 @click.option("--quantize-embedding/--no-quantize-embedding", default=None,
-              help="Quantize the embedding too (a tied one is read from the LM head's table) [default: with the "
-                   "LM head; --for trt: no].")
+              help="Quantize the embedding too (a tied one is read from the LM head's table) [default: a tied "
+                   "embedding with the LM head, an untied one not; --for trt: no].")
 @click.option("--calibration", type=click.Path(path_type=Path),
               help="A text file: its activation statistics on the model weight the scale search per input channel.")
 def export(model_dir: Path, out: Path, profile: str | None, dtype: str | None, opset: int, no_validate: bool,

@@ -23,7 +23,7 @@ def build(artifact: Path, precision: str | None, max_batch: int, max_input_len: 
         raise ArtifactError(f"{artifact} was exported with --target {manifest.variant.target.value} (ONNX Runtime's "
                             "own fused kernels), which TensorRT cannot parse; export with --target portable for "
                             "TensorRT")
-    quant = [p for p in manifest.trt_lint.get("problems", []) if p["rule"] in ("int4-block", "int8-weights")]
+    quant = [p for p in manifest.trt_lint.get("problems", []) if p["rule"] in ("int4-block", "int8-weights", "quant-zero-points")]
     if quant:
         raise UsageProblem(f"{artifact}: {quant[0]['message']}")
     max_seq_len = max_seq_len or manifest.variant.capacity or min(manifest.max_context, 2048)
