@@ -38,6 +38,9 @@ TK_BUILDS = {
     "tk int4 search b128": dict(weights="int4", block_size=128),
     "tk int4 search b32 int8 lm-head": dict(weights="int4", block_size=32, mixed_precision="lm-head"),
     "tk int4 search b32 int8 sensitive": dict(weights="int4", block_size=32, mixed_precision="sensitive"),
+    "tk int4 search b32 lm-head b16": dict(weights="int4", block_size=32, lm_head_block_size=16),
+    "tk int4 search b32 int8 sensitive lm-head b16": dict(weights="int4", block_size=32, mixed_precision="sensitive",
+                                                          lm_head_block_size=16),
 }
 GENAI_BUILDS = {"genai int4 default": "default", "genai int4 k_quant": "k_quant",
                 "genai int4 k_quant_mixed": "k_quant_mixed"}
@@ -133,6 +136,11 @@ def main() -> None:
         builds["tk int4 search b32 calibrated"] = dict(weights="int4", block_size=32, calibration=args.calibration)
         builds["tk int4 search b32 int8 sensitive calibrated"] = dict(
             weights="int4", block_size=32, mixed_precision="sensitive", calibration=args.calibration)
+        builds["tk int4 search b32 lm-head b16 calibrated"] = dict(weights="int4", block_size=32, lm_head_block_size=16,
+                                                                   calibration=args.calibration)
+        builds["tk int4 search b32 int8 sensitive lm-head b16 calibrated"] = dict(
+            weights="int4", block_size=32, mixed_precision="sensitive", lm_head_block_size=16,
+            calibration=args.calibration)
     keep = re.compile(args.only) if args.only else None
     fp32 = args.work / "tk-fp32"
     if not fp32.exists():

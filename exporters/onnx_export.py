@@ -218,9 +218,9 @@ def trace_graph(model: Decoder, graph: str, dims: contract.GraphDims, variant: V
 
 
 def finish_graph(traced: Traced, model: Decoder, path: Path, weights: dict[str, tuple],
-                 block_size: int | None = None) -> tuple[float, str]:
+                 schemes: dict | None = None) -> tuple[float, str]:
     """Point the traced graph's initializers into the weights file `weights` describes (it must be
-    written by now; quantized weights, with `block_size`, read through DequantizeLinear:
+    written by now; quantized weights, with their `schemes`, read through DequantizeLinear:
     exporters/quantize_graph.py), run the exporter's optimizer over the real data, grow the layers
     (exporters/replicate.py; when they do not repeat exactly, trace every layer instead) and save it
     to `path`. Returns the graph's seconds in all, and how its layers were made."""
@@ -229,7 +229,7 @@ def finish_graph(traced: Traced, model: Decoder, path: Path, weights: dict[str, 
     start = time.perf_counter()
     graph, dims, layers = traced.graph, traced.dims, model.config.num_layers
     program, how = traced.program, f"traced {layers} layers"
-    _optimize(program, weights, path.parent, block_size)
+    _optimize(program, weights, path.parent, schemes)
     if traced.layers < layers:
         why = grow(program.model, layers, weights, lambda m: attach_external(m, weights, path.parent))
         if why is None:
@@ -237,18 +237,18 @@ def finish_graph(traced: Traced, model: Decoder, path: Path, weights: dict[str, 
             how = f"traced {traced.layers} layers, copied to {layers}"
         else:
             program = _trace(model, graph, dims, traced.variant)
-            _optimize(program, weights, path.parent, block_size)
+            _optimize(program, weights, path.parent, schemes)
             how += f" ({why})"
     _rename_dims(program.model.graph)
     ir.save(program.model, str(path))
     return traced.seconds + time.perf_counter() - start, how
 
 
-def _optimize(program, weights: dict[str, tuple], base_dir: Path, block_size: int | None) -> None:
+def _optimize(program, weights: dict[str, tuple], base_dir: Path, schemes: dict | None) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        if block_size is not None:
-            dequantize_matmuls(program.model, weights, block_size, base_dir)
+        if schemes:
+            dequantize_matmuls(program.model, weights, schemes, base_dir)
         attach_external(program.model, weights, base_dir)
         program.optimize()  # what export(optimize=True) runs (folding, fusions), now over the real data
 

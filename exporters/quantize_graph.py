@@ -9,7 +9,8 @@
   table of integers (the LM head's own when the embedding is tied: one table serves both), its
   scales and zero points, dequantized for those columns only: ONNX's Gather takes no 4-bit type,
   so a 4-bit table is gathered as its bytes (`.bytes`: uint8 [K, V/2], two columns a byte) and
-  the id's nibble shifted out. A block of rows shares a scale: `Gather(scales, k // B)` repeats it.
+  the id's nibble shifted out; scales and 8-bit tables through `.bytes` too, another name (and shape,
+  [rows, V, 1]) for the same data (ONNX Runtime fuses a DequantizeLinear only when it alone reads its inputs). A block of rows shares a scale: `Gather(scales, k // B)` repeats it.
 
 Runs on the traced graph before the exporter's optimizer, which keeps these nodes as they are.
 """
@@ -26,9 +27,10 @@ QDQ_OPSET = 21  # blocked DequantizeLinear, INT4
 EMBED = PREFIX + "embed.weight"
 
 
-def dequantize_matmuls(ir_model, table: dict[str, tuple], block_size: int, base_dir: Path) -> int:
-    """Rewrite every MatMul that reads a weight stored quantized in `table`, and the embedding's
-    Gather when its table is quantized; returns how many MatMuls."""
+def dequantize_matmuls(ir_model, table: dict[str, tuple], schemes: dict, base_dir: Path) -> int:
+    """Rewrite every MatMul that reads a weight stored quantized in `table` (`schemes`: initializer
+    name -> its models/quantize.py Scheme), and the embedding's Gather when its table is quantized;
+    returns how many MatMuls."""
     import onnx_ir as ir
 
     graph = ir_model.graph
@@ -40,7 +42,7 @@ def dequantize_matmuls(ir_model, table: dict[str, tuple], block_size: int, base_
                 and EMBED not in table:  # a quantized embedding: its float table is not written
             source = next((n for n in (EMBED + "_t", PREFIX + "lm_head.weight_t") if n + QUANT in table), None)
             if source is not None:
-                _gather_dequantized(graph, node, source, table, block_size, base_dir)
+                _gather_dequantized(graph, node, source, table, schemes[source].block, base_dir)
             continue
         if node.op_type != "MatMul":
             continue
@@ -48,7 +50,8 @@ def dequantize_matmuls(ir_model, table: dict[str, tuple], block_size: int, base_
         if w is None or w.name + QUANT not in table or not w.is_initializer():
             continue
         inputs = [_initializer(graph, w.name + s, table, base_dir) for s in (QUANT, SCALE, ZERO) if w.name + s in table]
-        dq = ir.Node("", "DequantizeLinear", inputs, [ir.AttrInt64("axis", 0), ir.AttrInt64("block_size", block_size)],
+        block = ir.AttrInt64("block_size", schemes[w.name].block)
+        dq = ir.Node("", "DequantizeLinear", inputs, [ir.AttrInt64("axis", 0), block],
                      name=f"{node.name}_dequantize", metadata_props=dict(node.metadata_props))
         dq.outputs[0].type, dq.outputs[0].shape = w.type, w.shape
         graph.insert_before(node, dq)
@@ -88,13 +91,16 @@ def _gather_dequantized(graph, gather, source: str, table: dict[str, tuple], blo
         half, odd = op("Div", [ids, const("two", np.array(2, np.int64))]), op("Mod", [ids, const("two_", np.array(2, np.int64))])
         shift = op("Mul", [op("Cast", [odd], to=ir.DataType.UINT8), const("four", np.array(4, np.uint8))])
 
-        def columns(suffix):  # [rows, B, S] uint8: the nibble of each id's column
+        def nibbles(suffix):  # [rows, B, S] uint8: the nibble of each id's column
             packed = op("Gather", [_initializer(graph, source + suffix + BYTES, table, base_dir), half], axis=1)
             return op("BitwiseAnd", [op("BitShift", [packed, shift], direction="RIGHT"),
                                      const(f"mask{suffix}", np.array(15, np.uint8))])
-    else:
-        def columns(suffix):
-            return op("Gather", [_initializer(graph, source + suffix, table, base_dir), ids], axis=1)
+
+    def gathered(suffix):  # [rows, B, S]: the alias is [rows, V, 1]
+        out = op("Gather", [_initializer(graph, source + suffix + BYTES, table, base_dir), ids], axis=1)
+        return op("Squeeze", [out, const(f"last{suffix}", np.array([-1], np.int64))])
+
+    columns = nibbles if four else gathered
 
     float_type = external_tensor(source + SCALE, table[source + SCALE], base_dir).dtype
     values = columns(QUANT)
@@ -106,8 +112,7 @@ def _gather_dequantized(graph, gather, source: str, table: dict[str, tuple], blo
         values = op("Sub", [values, op("Cast", [op("Gather", [columns(ZERO), rows], axis=0)], to=float_type)])
     elif kind == "int4":
         values = op("Sub", [values, const("bias", np.array(8, _np(table[source + SCALE][2])))])
-    scales = op("Gather", [op("Gather", [_initializer(graph, source + SCALE, table, base_dir), ids], axis=1), rows],
-                axis=0)
+    scales = op("Gather", [gathered(SCALE), rows], axis=0)
     out = op("Transpose", [op("Mul", [values, scales])], perm=[1, 2, 0])  # [K, B, S] -> [B, S, K]
     for node in nodes:
         graph.insert_before(gather, node)

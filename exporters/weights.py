@@ -118,8 +118,8 @@ def plan_weights(view: Decoder, precision: Precision | None = None) -> dict[str,
     """Where each parameter and buffer of the view goes in the weights file, before a byte is read:
     initializer name -> (offset, length, dtype, shape), page-aligned, in the view's order (dtype: a
     torch dtype, or "int4"/"uint4"). A quantized weight `W` is two or three entries instead (`_quant_entries`);
-    the 4-bit table a quantized embedding is gathered from also gets BYTES aliases of its integers and
-    zero points (uint8, same offset).
+    the table a quantized embedding is gathered from also gets BYTES aliases of its integers, scales and
+    zero points (same offset; 4-bit ones as uint8, two columns a byte; the others [rows, N, 1]).
     The graphs can point at the file while it is still being written."""
     schemes = quant_table(view, precision)
     embed = PREFIX + "embed.weight"
@@ -141,10 +141,11 @@ def plan_weights(view: Decoder, precision: Precision | None = None) -> dict[str,
         offset += length
     source = next((n for n in (embed + "_t", PREFIX + "lm_head.weight_t") if n + QUANT in table), None)
     if source is not None and precision.quantized_embedding:  # what the embedding's Gather reads
-        for name in (source + QUANT, source + ZERO):
-            offset, length, dtype, (k, n) = table.get(name, (0, 0, None, (0, 0)))
-            if dtype in ("int4", "uint4"):
-                table[name + BYTES] = (offset, length, torch.uint8, (k, n // 2))
+        for name in (source + QUANT, source + SCALE, source + ZERO):  # another name: ORT fuses a DQ whose
+            if name in table:  # inputs it alone reads (and another shape, or the exporter's optimizer merges them)
+                offset, length, dtype, (k, n) = table[name]
+                four = dtype in ("int4", "uint4")
+                table[name + BYTES] = (offset, length, torch.uint8 if four else dtype, (k, n // 2) if four else (k, n, 1))
     return table
 
 

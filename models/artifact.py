@@ -74,6 +74,7 @@ class Precision:
     mixed: str = "none"
     quantized_embedding: bool = False
     calibration: dict | None = None  # {"file", "sha256", "tokens"} of --calibration
+    head_block: int | None = None  # the LM head's (and embedding's) own block size, when it differs
 
     @classmethod
     def of(cls, dtype: str) -> "Precision":
@@ -91,6 +92,7 @@ class Precision:
         extras += ["LM head too"] if self.quantized_lm_head else []
         extras += ["embedding too"] if self.quantized_embedding else []
         extras += [f"int8 {self.mixed} layers"] if self.mixed != "none" else []
+        extras += [f"LM head in blocks of {self.head_block}"] if self.head_block else []
         extras += [f"calibrated on {self.calibration['tokens']:,} tokens"] if self.calibration else []
         return f"{self.weights} weights (block {self.block_size}, {', '.join(extras)}), {self.activations} activations"
 

@@ -78,7 +78,7 @@ class ExportOptions:
                    force: bool = False, weights: str | None = None, block_size: int | None = None,
                    quantize_lm_head: bool = True, quant_method: str | None = None, zero_points: bool | None = None,
                    mixed_precision: str | None = None, quantize_embedding: bool | None = None,
-                   calibration=None) -> "ExportOptions":
+                   calibration=None, lm_head_block_size: int | None = None) -> "ExportOptions":
         """The options of `tk export`, each checked alone and in combination (usage errors, exit 2).
         A flag left None takes its default, or the profile's value."""
         if profile is not None and profile not in PROFILES:
@@ -89,7 +89,7 @@ class ExportOptions:
                                "for weights in --dtype)")
         quant_flags = {"block-size": block_size, "quant-method": quant_method, "zero-points": zero_points,
                        "mixed-precision": mixed_precision, "quantize-embedding": quantize_embedding,
-                       "calibration": calibration}
+                       "calibration": calibration, "lm-head-block-size": lm_head_block_size}
         if weights is None and any(v is not None for v in quant_flags.values()):
             flag = next(f for f, v in quant_flags.items() if v is not None)
             raise UsageProblem(f"--{flag} is about quantized weights; add --weights int4 or int8")
@@ -97,6 +97,9 @@ class ExportOptions:
             raise UsageProblem(f"--weights {weights} needs --opset 21 or later (blocked DequantizeLinear, INT4)")
         if weights is not None and block_size is None and not (prof and prof.block_sizes):
             block_size = DEFAULT_BLOCK  # a profile's own blocks wait for the model's K (for_model)
+        if lm_head_block_size is not None and lm_head_block_size not in BLOCK_SIZES:
+            raise UsageProblem(f"--lm-head-block-size {lm_head_block_size} is not one ONNX Runtime's MatMulNBits "
+                               f"takes; use one of {', '.join(map(str, BLOCK_SIZES))}")
         if block_size is not None and block_size not in BLOCK_SIZES:
             raise UsageProblem(f"--block-size {block_size} is not one ONNX Runtime's MatMulNBits takes; use one of "
                                f"{', '.join(map(str, BLOCK_SIZES))}")
@@ -129,14 +132,15 @@ class ExportOptions:
         precision = Precision.of(dtype or "fp32")
         if weights is not None:
             precision = dataclasses.replace(precision, weights=weights, block_size=block_size,
-                                            quantized_lm_head=quantize_lm_head,
+                                            quantized_lm_head=quantize_lm_head, head_block=lm_head_block_size,
                                             **cls._quant_choices(prof, quantize_lm_head, quant_method, zero_points,
-                                                                 mixed_precision, quantize_embedding, calibration))
+                                                                 mixed_precision, quantize_embedding, calibration,
+                                                                 lm_head_block_size))
         return cls(precision, variant, validate, force, profile)
 
     @staticmethod
     def _quant_choices(prof: Profile | None, lm_head: bool, method: str | None, zero_points: bool | None,
-                       mixed: str | None, embedding: bool | None, calibration) -> dict:
+                       mixed: str | None, embedding: bool | None, calibration, head: int | None) -> dict:
         """The quantization flags with their defaults (a profile's symmetric blocks, else zero
         points; the search; a tied embedding quantized with the LM head, an untied one kept: for_model),
         checked together."""
@@ -150,6 +154,8 @@ class ExportOptions:
         zero_points = (not symmetric) if zero_points is None else zero_points
         if symmetric and embedding is None:
             embedding = False  # else for_model decides: a tied table is quantized with the LM head
+        if not lm_head and head is not None:
+            raise UsageProblem("--lm-head-block-size sets the quantized LM head's block; drop --no-quantize-lm-head")
         if mixed != "none" and not lm_head:
             raise UsageProblem(f"--mixed-precision {mixed} keeps the LM head in int8; drop --no-quantize-lm-head")
         return {"method": method, "zero_points": zero_points, "mixed": mixed, "quantized_embedding": embedding,

@@ -244,7 +244,8 @@ def quant_plan(cfg, precision) -> dict[str, Scheme]:
     """Each weight a quantized export stores quantized (our names; `embed.weight` is an untied
     embedding, stored transposed like a linear layer's weight: a tied one is read from the LM
     head's table), with its scheme: the precision's, or int8 where `mixed` keeps it (the LM head
-    and embedding for `lm-head`; also the fused QKV and down projections of `sensitive_layers`)."""
+    and embedding for `lm-head`; also the fused QKV and down projections of `sensitive_layers`), the
+    LM head and embedding in blocks of `head_block` when given."""
     base = Scheme(precision.weights, precision.block_size, precision.method, precision.zero_points)
     int8 = Scheme("int8", base.block, base.method, base.zero_points)
     names = quantized_layers(cfg, precision.quantized_lm_head)
@@ -255,7 +256,11 @@ def quant_plan(cfg, precision) -> dict[str, Scheme]:
     if precision.mixed == "sensitive":
         upgrade |= {f"layers.{i}.{w}" for i in sensitive_layers(cfg.num_layers)
                     for w in ("attn.wqkv.weight", "ffn.w_down.weight")}
-    return {name: int8 if name in upgrade else s for name, s in plan.items()}
+    plan = {name: int8 if name in upgrade else s for name, s in plan.items()}
+    for name in ("lm_head.weight", "embed.weight"):
+        if name in plan and precision.head_block:
+            plan[name] = Scheme(plan[name].bits, precision.head_block, base.method, base.zero_points)
+    return plan
 def layer_ks(cfg) -> dict[str, int]:
     """Each kind of quantized layer's K (its input size), named as an error message would."""
     ks = {"layers.*.attn.wqkv and layers.*.ffn.w_gate_up (hidden_size)": cfg.hidden_size,

@@ -76,11 +76,11 @@ def test_trt_int4_takes_a_block_tensorrt_accepts():
      "Error: --for ort-cpu conflicts with --prefill-logits all: the profile exports --prefill-logits last; drop one "
      "of them"),
     (("--for", "trt", "--weights", "int8"),
-     "Error: --for trt conflicts with --weights int8: TensorRT documents int4 weight-only quantization (blocks of 64 "
-     "or 128) and no int8 weight-only path; drop one of them"),
+     "Error: --for trt conflicts with --weights int8: TensorRT documents int4 weight-only quantization (symmetric "
+     "blocks of 64 or 128, no zero points) and no int8 weight-only path; drop one of them"),
     (("--for", "trt", "--weights", "int4", "--block-size", "32"),
-     "Error: --for trt conflicts with --block-size 32: TensorRT documents int4 weight-only quantization (blocks of 64 "
-     "or 128) and no int8 weight-only path; drop one of them"),
+     "Error: --for trt conflicts with --block-size 32: TensorRT documents int4 weight-only quantization (symmetric "
+     "blocks of 64 or 128, no zero points) and no int8 weight-only path; drop one of them"),
     (("--for", "ort-cuda", "--dtype", "fp32"),
      "Error: --for ort-cuda conflicts with --dtype fp32: ONNX Runtime's CUDA GroupQueryAttention runs fp16 and bf16 "
      "only; drop one of them"),

@@ -186,6 +186,10 @@ def test_eval_on_int4_shows_the_baseline(quantized, tmp_path):
     assert set(rows) == {"torch", "ort", "torch (full-precision weights)"}
     assert rows["torch"]["nll"] != rows["torch (full-precision weights)"]["nll"]
     assert rows["ort"]["nll"] == pytest.approx(rows["torch"]["nll"], rel=0.05)
+    for name in ("torch", "ort"):  # against the full-precision reference: KL and top-1, as llama.cpp reports them
+        row = rows[name]
+        assert 0 < row["kl_mean"] and 0 < row["kl_p99"] and 0.0 < row["top1_agreement"] <= 1.0  # a random model
+        assert row["perplexity_ratio"] == pytest.approx(np.exp(row["nll"] - rows["torch (full-precision weights)"]["nll"]))
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -247,3 +251,62 @@ def test_trained_model_keeps_its_tokens_within_the_table(trained, tmp_path, weig
     assert q["within_table"], q
     min_top1, _, max_kl = QUANT_TABLE[weights]
     assert q["top1_mean"] >= min_top1 and q["kl_max_mean"] <= max_kl
+
+
+def test_mixed_precision_and_the_tied_table(checkpoints, tmp_path):
+    """--mixed-precision sensitive on a tied model: the LM head's table (which the embedding is
+    gathered from: no float embedding is written) and the sensitive layers' QKV and down projections
+    in uint8, the rest uint4, every MatMul fused, the graphs equal to their reference, and tk inspect
+    counts the bytes by type."""
+    from tk.models.artifact import Manifest
+    from tk.models.quantize import sensitive_layers
+    from tk.toolkit.pipeline.export import export_artifact
+    from tk.toolkit.tools.describe import weight_bytes_by_dtype
+
+    art = tmp_path / "art"
+    export_artifact(checkpoints("qwen2"), art, weights="int4", mixed_precision="sensitive")
+    m = Manifest.read(art)
+    assert m.precision.quantized_embedding and m.precision.mixed == "sensitive" and m.validation["passed"]
+    layers = m.config["num_layers"]
+    assert m.validation["fused_matmulnbits"] == {"prefill": 4 * layers + 1, "decode": 4 * layers + 1}
+    kinds = {name.removeprefix("model.").removesuffix(".weight_t.quant"): e[2] for name, e in m.weights.items()
+             if name.endswith(".quant")}
+    int8 = {"lm_head"} | {f"layers.{i}.{w}" for i in sensitive_layers(layers) for w in ("attn.wqkv", "ffn.w_down")}
+    assert {n for n, k in kinds.items() if k == "uint8"} == int8
+    assert {k for n, k in kinds.items() if n not in int8} == {"uint4"}
+    assert "model.embed.weight" not in m.weights  # gathered from the LM head's table
+    graph = onnx.load(str(art / "decode.onnx"), load_external_data=False)
+    assert any(n.op_type == "Gather" and n.input[0] == "model.lm_head.weight_t.quant.bytes" for n in graph.graph.node)
+    by_dtype = weight_bytes_by_dtype(art, m)
+    assert set(by_dtype) >= {"uint4", "uint8", "float32"} and sum(by_dtype.values()) <= (art / "weights.onnx.data").stat().st_size
+
+
+def test_calibration_weights_the_search_and_rebuilds_its_reference(trained, tmp_path):
+    """--calibration: the activation statistics are kept in the artifact and recorded in the
+    manifest, change the integers the search picks, and the quantized reference rebuilt from them
+    later (tk parity) still matches the graphs."""
+    from tk.models.artifact import Manifest
+    from tk.models.presets import CORPUS
+    from tk.toolkit.pipeline.export import export_artifact
+
+    text = tmp_path / "calibration.txt"
+    text.write_text(CORPUS * 2, encoding="utf-8")
+    plain, calibrated = tmp_path / "plain", tmp_path / "calibrated"
+    export_artifact(trained, plain, weights="int4", validate=False)
+    r = subprocess.run([sys.executable, "-m", "tk.toolkit.cli.main", "export", str(trained), "-o", str(calibrated),
+                        "--weights", "int4", "--calibration", str(text)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    m = Manifest.read(calibrated)
+    assert m.validation["passed"] and m.precision.calibration["tokens"] > 100
+    assert m.precision.calibration["file"] == "calibration.txt" and (calibrated / "calibration.npz").is_file()
+    entry = m.weights["model.layers.1.ffn.w_down.weight_t.quant"]
+    read = lambda art: (art / "weights.onnx.data").read_bytes()[entry[0]:entry[0] + entry[1]]
+    assert read(plain) != read(calibrated)
+    r = subprocess.run([sys.executable, "-m", "tk.toolkit.cli.main", "parity", str(calibrated), "--backends",
+                        "torch,ort", "--steps", "4"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    bad = subprocess.run([sys.executable, "-m", "tk.toolkit.cli.main", "export", str(trained), "-o",
+                          str(tmp_path / "x"), "--weights", "int4", "--calibration", str(tmp_path / "missing.txt")],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "--calibration" in bad.stderr and "Traceback" not in bad.stderr
+    assert not (tmp_path / "x").exists()

@@ -59,13 +59,16 @@ def _profiles_help() -> str:
 @click.option("--quantize-embedding/--no-quantize-embedding", default=None,
               help="Quantize the embedding too (a tied one is read from the LM head's table) [default: a tied "
                    "embedding with the LM head, an untied one not; --for trt: no].")
+@click.option("--lm-head-block-size", type=int,
+              help="The LM head's (and a quantized embedding's) own block with --weights: smaller blocks for the "
+                   "layer that costs most when rounded [default: --block-size].")
 @click.option("--calibration", type=click.Path(path_type=Path),
               help="A text file: its activation statistics on the model weight the scale search per input channel.")
 def export(model_dir: Path, out: Path, profile: str | None, dtype: str | None, opset: int, no_validate: bool,
            force: bool, kv_cache: str | None, max_seq_len: int | None, debug_outputs: bool, target: str | None,
            prefill_logits: str | None, weights: str | None, block_size: int | None, quantize_lm_head: bool,
            quant_method: str | None, zero_points: bool | None, mixed_precision: str | None,
-           quantize_embedding: bool | None, calibration: Path | None) -> None:
+           quantize_embedding: bool | None, lm_head_block_size: int | None, calibration: Path | None) -> None:
     """Export MODEL_DIR (a Hugging Face checkpoint folder) to prefill/decode ONNX graphs."""
     from tk.models.options import ExportOptions
 
@@ -74,7 +77,7 @@ def export(model_dir: Path, out: Path, profile: str | None, dtype: str | None, o
         prefill_logits=prefill_logits, debug_outputs=debug_outputs, validate=not no_validate, force=force,
         weights=weights, block_size=block_size, quantize_lm_head=quantize_lm_head, quant_method=quant_method,
         zero_points=zero_points, mixed_precision=mixed_precision, quantize_embedding=quantize_embedding,
-        calibration=calibration)
+        calibration=calibration, lm_head_block_size=lm_head_block_size)
     from tk.toolkit.pipeline.export import export_artifact
 
     click.echo(f"tk export {model_dir} -> {out}", err=True)

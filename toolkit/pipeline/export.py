@@ -26,7 +26,7 @@ import onnx
 from tk.exporters.contract_check import check_graph_file
 from tk.exporters.onnx_export import CONTRIB_OPS, finish_graph, trace_graph
 from tk.exporters.trt_lint import lint_graphs
-from tk.exporters.weights import WEIGHTS_FILE, export_view, weights_record, write_weights
+from tk.exporters.weights import WEIGHTS_FILE, export_view, quant_table, weights_record, write_weights
 from tk.models import contract
 from tk.models.artifact import GraphFile, Manifest, Target, graph_dims, sha256_file
 from tk.models.options import PROFILES, ExportOptions
@@ -117,7 +117,7 @@ def _export_graphs(model_dir: Path, tmp: Path, config, options: ExportOptions, p
     opsets, seconds = {}, {}
     for graph in contract.GRAPHS:
         path = tmp / contract.GRAPH_FILES[graph]
-        seconds[graph], how = finish_graph(traced[graph], view, path, table, options.precision.block_size)
+        seconds[graph], how = finish_graph(traced[graph], view, path, table, quant_table(view, options.precision))
         opsets[graph] = onnx_opset(check_graph_file(path, graph, dims, CONTRIB_OPS[options.variant.target]))
         cache = f", static cache of {dims.kv_capacity}" if graph == contract.DECODE and dims.kv_capacity else ""
         fused = ", ONNX Runtime fused kernels" if options.variant.target is Target.ORT else ""

@@ -1,0 +1,106 @@
+"""The quantizers themselves (models/quantize.py), on weights drawn heavy-tailed like a trained
+model's: partial blocks, integer ranges, zero points that store 0 exactly, a search that never does
+worse than round-to-nearest and does better overall, calibration's weights reaching the channels
+they weight, the per-tensor plan of mixed precision, and tk eval's KL divergence."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tk.models.artifact import Precision
+from tk.models.quantize import QTensor, Scheme, dequantize, pack_int4, quant_plan, quantize, sensitive_layers, unpack_int4
+
+
+def heavy(k: int, n: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    w = rng.standard_t(3, (k, n)).astype(np.float32) * 0.02
+    w[rng.integers(0, k, 3)] *= 8  # a few outlier input channels, as trained weights have
+    return w
+
+
+def weighted_error(w, qt: QTensor, block: int, weights=None) -> float:
+    d = dequantize(qt, block) - w
+    return float(((weights if weights is not None else 1.0) * d * d).sum())
+
+
+@pytest.mark.parametrize("scheme", [Scheme("int4", 16, m, z) for m in ("rtn", "search") for z in (False, True)]
+                         + [Scheme("int8", 32, "search", True)])
+def test_partial_blocks_ranges_and_exact_zeros(scheme):
+    w = heavy(50, 24)  # 50 rows: blocks of 16 leave a last block of 2
+    w[5] = 0.0
+    qt = quantize(w, scheme)
+    nb = -(-50 // scheme.block)
+    assert qt.q.shape == (50, 24) and qt.scales.shape == (nb, 24) and (qt.scales > 0).all()
+    if scheme.zero_points:
+        top = 15 if scheme.bits == "int4" else 255
+        assert qt.q.dtype == np.uint8 and qt.zeros.shape == (nb, 24) and qt.q.max() <= top and qt.zeros.max() <= top
+    else:
+        lo, hi = (-8, 7) if scheme.bits == "int4" else (-128, 127)
+        assert qt.q.dtype == np.int8 and qt.zeros is None and lo <= qt.q.min() and qt.q.max() <= hi
+    d = dequantize(qt, scheme.block)
+    assert (d[5] == 0).all()  # zero stays exactly zero
+    assert np.abs(d - w).max() <= 1.01 * np.abs(w).max() / (7 if scheme.bits == "int4" else 127)
+
+
+@pytest.mark.parametrize("zero_points", [False, True])
+def test_search_never_worse_than_rtn_and_better_overall(zero_points):
+    w = heavy(256, 64, seed=1)
+    rtn = quantize(w, Scheme("int4", 32, "rtn", zero_points))
+    search = quantize(w, Scheme("int4", 32, "search", zero_points))
+    per_block = lambda qt: ((dequantize(qt, 32) - w) ** 2 * (np.abs(w) + 1e-3)).reshape(8, 32, 64).sum(1)
+    # the search minimizes its own weighted error per block; rtn is its first candidate
+    x2 = w.reshape(8, 32, 64) ** 2
+    wt = (np.sqrt(x2.mean(1, keepdims=True)) + np.abs(w.reshape(8, 32, 64))).reshape(256, 64)
+    err = lambda qt: ((dequantize(qt, 32) - w) ** 2 * wt).reshape(8, 32, 64).sum(1)
+    assert (err(search) <= err(rtn) * (1 + 1e-5)).all()
+    assert err(search).sum() < 0.95 * err(rtn).sum()
+    assert weighted_error(w, search, 32) < weighted_error(w, rtn, 32)  # the plain squared error too
+    assert per_block(search).sum() < per_block(rtn).sum()
+
+
+def test_importance_weights_the_channels_it_names():
+    w = heavy(128, 64, seed=2)
+    importance = np.ones(128, np.float32)
+    importance[::4] = 100.0  # channels 0, 4, 8, ... carry most of the activation energy
+    plain = quantize(w, Scheme("int4", 32, "search", True))
+    weighted = quantize(w, Scheme("int4", 32, "search", True), importance)
+    on = lambda qt: float(((dequantize(qt, 32) - w)[::4] ** 2).sum())
+    assert on(weighted) < 0.9 * on(plain)
+
+
+def test_pack_int4_round_trips_signed_and_unsigned():
+    rng = np.random.default_rng(3)
+    for signed, lo, hi in ((True, -8, 8), (False, 0, 16)):
+        q = rng.integers(lo, hi, 77).astype(np.int8 if signed else np.uint8)
+        np.testing.assert_array_equal(unpack_int4(pack_int4(q), 77, signed=signed), q)
+
+
+def test_mixed_precision_plan():
+    from tk.models.config import DecoderConfig
+
+    cfg = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=24, num_heads=4,
+                        num_kv_heads=2, tie_embeddings=False)
+    assert sensitive_layers(24) == [0, 1, 2, 5, 8, 11, 14, 17, 20, 21, 22, 23]  # onnxruntime-genai's mixed_layers
+    p = Precision(weights="int4", block_size=32, quantized_lm_head=True, method="search", zero_points=True,
+                  mixed="sensitive", quantized_embedding=True)
+    plan = quant_plan(cfg, p)
+    int8 = {n for n, s in plan.items() if s.bits == "int8"}
+    assert int8 == {"lm_head.weight", "embed.weight"} | {f"layers.{i}.{w}" for i in sensitive_layers(24)
+                                                         for w in ("attn.wqkv.weight", "ffn.w_down.weight")}
+    assert plan["layers.3.attn.wo.weight"] == Scheme("int4", 32, "search", True)
+    tied = quant_plan(DecoderConfig(**{**cfg.to_dict(), "tie_embeddings": True}), p)
+    assert "embed.weight" not in tied  # a tied embedding is read from the LM head's table
+
+
+def test_divergence_is_kl_and_top1():
+    from tk.toolkit.verify.perplexity import divergence
+
+    rng = np.random.default_rng(4)
+    a, b = rng.normal(size=(5, 11)) * 4, rng.normal(size=(5, 11)) * 4
+    p = np.exp(a) / np.exp(a).sum(-1, keepdims=True)
+    q = np.exp(b) / np.exp(b).sum(-1, keepdims=True)
+    kl, top1 = divergence(a, b)
+    np.testing.assert_allclose(kl, (p * np.log(p / q)).sum(-1), rtol=1e-9)
+    np.testing.assert_array_equal(top1, a.argmax(-1) == b.argmax(-1))
+    assert (divergence(a, a)[0] < 1e-12).all()
