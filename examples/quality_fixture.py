@@ -57,7 +57,7 @@ def main() -> None:
     from tk.models.decoder import Decoder
     from tk.models.families import config_from_hf
     from tk.models.loading import SINGLE_FILE
-    from tk.models.presets import EOS, PAD, _hf_names
+    from tk.models.presets import EOS, PAD, _hf_names, next_token_step
 
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -97,25 +97,14 @@ def main() -> None:
     rest = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
                             lr=2e-3, betas=(0.9, 0.95))
-    window, batch, warmup = 256, 16, 30
-    pos = torch.arange(window).expand(batch, window)
-    mask = torch.ones(batch, window, dtype=torch.int64)
-    start = time.time()
+    warmup, start = 30, time.time()
     for step in range(args.steps):
         lr = 2e-3 * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
         for group in opt.param_groups:
             group["lr"] = max(lr, 1e-4)
-        starts = torch.randint(0, len(ids) - window - 1, (batch,), generator=g)
-        x = torch.stack([ids[s:s + window] for s in starts])
-        y = torch.stack([ids[s + 1:s + window + 1] for s in starts])
-        logits, _ = model(x, mask, pos)
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, cfg.vocab_size), y.reshape(-1))
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        loss = next_token_step(model, opt, ids, 256, 16, g, clip=1.0)
         if step % 50 == 0 or step == args.steps - 1:
-            print(f"step {step} loss {loss.item():.3f} ({time.time() - start:.0f} s)", flush=True)
+            print(f"step {step} loss {loss:.3f} ({time.time() - start:.0f} s)", flush=True)
     sd = {k: v.detach() for k, v in model.state_dict().items() if k != "lm_head.weight"}
     sd["lm_head.weight"] = sd["embed.weight"]
     weights = _hf_names(cfg, sd)

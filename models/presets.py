@@ -224,20 +224,30 @@ def _train(hf_config: dict, seed: int, folder: Path, steps: int) -> dict[str, to
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
     ids = torch.tensor(Tokenizer.from_file(str(folder / "tokenizer.json")).encode(CORPUS * 8).ids)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    window, batch = 64, 8
-    pos = torch.arange(window).expand(batch, window)
-    mask = torch.ones(batch, window, dtype=torch.int64)
     for _ in range(steps):
-        starts = torch.randint(0, len(ids) - window - 1, (batch,), generator=g)
-        x = torch.stack([ids[s:s + window] for s in starts])
-        y = torch.stack([ids[s + 1:s + window + 1] for s in starts])
-        logits, _ = model(x, mask, pos)
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, cfg.vocab_size), y.reshape(-1))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        next_token_step(model, opt, ids, 64, 8, g)
     sd = {k: v.detach() for k, v in model.state_dict().items()}
     return _hf_names(cfg, sd)
+
+
+def next_token_step(model, opt, ids, window: int, batch: int, g, clip: float | None = None) -> float:
+    """One optimizer step of next-token loss on `batch` windows of `window` tokens drawn from `ids`
+    with generator `g` (the `trained` preset's loop, and examples/quality_fixture.py's); -> the loss."""
+    import torch
+
+    pos = torch.arange(window).expand(batch, window)
+    mask = torch.ones(batch, window, dtype=torch.int64)
+    starts = torch.randint(0, len(ids) - window - 1, (batch,), generator=g)
+    x = torch.stack([ids[s:s + window] for s in starts])
+    y = torch.stack([ids[s + 1:s + window + 1] for s in starts])
+    logits, _ = model(x, mask, pos)
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, model.config.vocab_size), y.reshape(-1))
+    opt.zero_grad()
+    loss.backward()
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+    return loss.item()
 
 
 def _hf_names(cfg, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
