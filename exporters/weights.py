@@ -102,9 +102,8 @@ def quant_table(view: Decoder, precision: Precision | None) -> dict[str, Scheme]
 
 
 def _quant_entries(name: str, k: int, n: int, scheme: Scheme, scale_dtype: torch.dtype) -> list[tuple]:
-    """The file entries of one quantized weight [K, N]: its integers (int4/uint4 packed two a byte),
-    its scales and zero points per block, and for a 4-bit table the same bytes again as uint8 with
-    half the columns (QUANT + BYTES: what the embedding's Gather reads, two columns a byte)."""
+    """The file entries of one quantized weight [K, N]: its integers (int4/uint4 packed two a byte,
+    or int8/uint8), its scales per block and, with zero points, its zero points per block."""
     nb, four = blocks_of(k, scheme.block), scheme.bits == "int4"
     ints = scheme.onnx_type if four else (torch.uint8 if scheme.zero_points else torch.int8)
     entries = [(name + QUANT, (k * n + 1) // 2 if four else k * n, ints, (k, n)),

@@ -92,7 +92,7 @@ def test_int4_weights_file_is_an_eighth(quantized, artifacts):
 
     fp = weight_bytes_by_dtype(artifacts("llama"), Manifest.read(artifacts("llama")))
     q = weight_bytes_by_dtype(quantized("llama", "int4"), Manifest.read(quantized("llama", "int4")))
-    assert set(q) == {"float32", "int4"}
+    assert set(q) == {"float32", "uint4"}  # integers and zero points; the untied embedding stays float
     assert q["float32"] < fp["float32"] / 3  # embeddings, norms, biases and the scales stay float
 
 
@@ -225,9 +225,12 @@ def test_int4_block_128_passes_the_tensorrt_lint(tmp_path, trained_like):
     from tk.models.artifact import Manifest
     from tk.toolkit.pipeline.export import export_artifact
 
-    export_artifact(trained_like, tmp_path / "art", weights="int4", block_size=128, validate=False)
+    export_artifact(trained_like, tmp_path / "art", weights="int4", block_size=128, validate=False, zero_points=False,
+                    quantize_embedding=False)  # TensorRT's form: what --for trt exports
     lint = Manifest.read(tmp_path / "art").trt_lint
     assert lint["ok"], lint["problems"][:2]
+    export_artifact(trained_like, tmp_path / "zp", weights="int4", block_size=128, validate=False)
+    assert {p["rule"] for p in Manifest.read(tmp_path / "zp").trt_lint["problems"]} >= {"quant-zero-points"}
     assert lint["min_tensorrt"] == "10.15"
 
 

@@ -79,12 +79,14 @@ def generate(artifact: Path, backend: str, prompts: tuple[str, ...], prompt_ids:
               help="Comma-separated: torch, ort, trt.")
 @click.option("--window", type=click.IntRange(min=2), help="Tokens per window (default: min(1024, the context)).")
 @click.option("--baseline/--no-baseline", default=True, show_default=True,
-              help="With quantized weights, also the full-precision reference.")
+              help="With quantized weights (or fp16/bf16), also the full-precision float32 reference: the row "
+                   "each backend's KL divergence and top-1 agreement are measured against.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @backend_options
 def eval_(artifact: Path, text_file: Path, backends: list[str], window: int | None, baseline: bool, as_json: bool,
           threads: int | None, device: str, provider: str, prepack: bool) -> None:
-    """Perplexity of a text on each backend of ARTIFACT (what quantization costs, on your text)."""
+    """Perplexity of a text on each backend of ARTIFACT, and each backend's KL divergence and top-1
+    agreement with the full-precision model (what quantization costs, on your text)."""
     from tk.toolkit.verify.perplexity import evaluate, format_eval
 
     result = evaluate(artifact, text_file.read_text(encoding="utf-8"), backends, window,
