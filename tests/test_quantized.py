@@ -214,7 +214,7 @@ def test_bad_quantization_options(checkpoints, tmp_path, flags, message):
 def test_build_engine_refuses_blocks_tensorrt_does_not_take(quantized):
     from tk.models.artifact import Manifest
 
-    art = quantized("llama", "int4")  # block 32: ONNX Runtime's default, not TensorRT's
+    art = quantized("llama", "int4", zero_points=False)  # symmetric, block 32: ONNX Runtime's default, not TensorRT's
     assert any(p["rule"] == "int4-block" for p in Manifest.read(art).trt_lint["problems"])
     r = subprocess.run([sys.executable, "-m", "tk.toolkit.cli.main", "build-engine", str(art)], capture_output=True, text=True)
     assert r.returncode == 2 and "TensorRT takes blocks of 64 or 128; re-export with --block-size 128" in r.stderr
