@@ -106,17 +106,13 @@ def _round(x: np.ndarray, inv: np.ndarray, z, lo: int, hi: int) -> np.ndarray:
     return np.clip(np.rint(x * inv) + z, lo, hi)
 
 
-def _safe_inv(s: np.ndarray) -> np.ndarray:
-    return np.where(s > 0, 1 / np.where(s > 0, s, 1), 0).astype(np.float32)
-
-
 def _rtn(x: np.ndarray, scheme: Scheme, imp=None):
     """Round to nearest; x [nb, B, n] -> (q, s [nb, n], z [nb, n] or None)."""
     if not scheme.zero_points:
         qmax = QMAX[scheme.bits]
         s = np.abs(x).max(axis=1) / np.float32(qmax)
         s = np.where(s > 0, s, np.float32(1)).astype(np.float32)  # positive always
-        return _round(x, _safe_inv(s)[:, None], 0, -qmax - 1, qmax).astype(np.int8), s, None
+        return _round(x, (1 / s)[:, None], 0, -qmax - 1, qmax).astype(np.int8), s, None
     top = LEVELS[scheme.bits]
     lo, hi = np.minimum(x.min(axis=1), 0), np.maximum(x.max(axis=1), 0)
     s = ((hi - lo) / np.float32(top)).astype(np.float32)
