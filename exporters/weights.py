@@ -36,6 +36,7 @@ from tk.models.config import DecoderConfig
 from tk.models.decoder import Decoder, RMSNorm
 from tk.models.positions import rope_inv_freq
 from tk.models.artifact import Precision
+from tk.models.calibration import Calibration
 from tk.models.loading import CheckpointReader, ReusableBuffer
 from tk.models.quantize import Scheme, blocks_of, pack_int4, quant_plan, quantize
 
@@ -77,15 +78,17 @@ def export_view(cfg: DecoderConfig, dtype: torch.dtype) -> Decoder:
 
 
 def _tensor(reader: CheckpointReader, name: str, dtype: torch.dtype,
-            bufs: tuple[ReusableBuffer, ReusableBuffer]) -> torch.Tensor:
-    """One tensor of the export view, computed from the checkpoint (in `bufs` when large)."""
+            bufs: tuple[ReusableBuffer, ReusableBuffer], calibration: Calibration | None = None) -> torch.Tensor:
+    """One tensor of the export view, computed from the checkpoint (in `bufs` when large), with
+    calibration's channel scales applied (models/calibration.py)."""
     cfg = reader.cfg
     if name in ("inv_freq", "inv_freq_local"):
         return rope_inv_freq(cfg, "local" if name.endswith("local") else "global")
+    scaled = calibration.apply_ if calibration is not None else (lambda cfg, name, t: t)
     if name.endswith("norm.weight"):  # computed as RMSNorm.scale() computes it, from the dtype's weight
-        return reader.tensor(name, dtype).float() + cfg.norm_offset
+        return scaled(cfg, name, reader.tensor(name, dtype)).float() + cfg.norm_offset
     ours = name.removesuffix("_t")
-    t = reader.tensor(ours, dtype, out=bufs[0].view(reader.shape(ours), dtype))
+    t = scaled(cfg, ours, reader.tensor(ours, dtype, out=bufs[0].view(reader.shape(ours), dtype)))
     if name.endswith(".weight_t"):  # a contiguous transposed copy: 4-9x faster than into column slices
         return bufs[1].view(t.T.shape, dtype).copy_(t.T)
     return t
@@ -150,11 +153,10 @@ def plan_weights(view: Decoder, precision: Precision | None = None) -> dict[str,
 
 def write_weights(reader: CheckpointReader, view: Decoder, path: Path, dtype: torch.dtype,
                   stop: threading.Event | None = None, precision: Precision | None = None,
-                  importance: dict[str, np.ndarray] | None = None) -> dict[str, tuple] | None:
+                  calibration: Calibration | None = None) -> dict[str, tuple] | None:
     """Stream every parameter and buffer of the view into `path`, at the places `plan_weights` gives
-    (quantizing where `precision` says, models/quantize.py, weighted by calibration's `importance`:
-    our weight name -> [K]); -> that plan, or None when `stop` was set before the end (the caller
-    failed meanwhile)."""
+    (quantizing where `precision` says, models/quantize.py, with `calibration`'s channel scales and
+    importance); -> that plan, or None when `stop` was set before the end (the caller failed meanwhile)."""
     table, bufs = plan_weights(view, precision), (ReusableBuffer(), ReusableBuffer())  # read, transposed
     schemes = quant_table(view, precision)
     with open(path, "wb") as out:
@@ -169,8 +171,8 @@ def write_weights(reader: CheckpointReader, view: Decoder, path: Path, dtype: to
                 if ours in reader.packed:  # a GPTQ/AWQ checkpoint's own integers
                     qt = reader.quantized(ours)
                 else:
-                    w_t = _tensor(reader, base.removeprefix(PREFIX), torch.float32, bufs).numpy()
-                    qt = quantize(w_t, schemes[base], (importance or {}).get(ours))
+                    w_t = _tensor(reader, base.removeprefix(PREFIX), torch.float32, bufs, calibration).numpy()
+                    qt = quantize(w_t, schemes[base], calibration and calibration.importance_of(ours))
                 for suffix, values in ((QUANT, qt.q), (SCALE, qt.scales), (ZERO, qt.zeros)):
                     if values is None:
                         continue
@@ -181,7 +183,7 @@ def write_weights(reader: CheckpointReader, view: Decoder, path: Path, dtype: to
                         values = torch.from_numpy(values).to(e_dtype)
                     _write(out, e_offset, values, e_length, base + suffix)
                 continue
-            t = _tensor(reader, name.removeprefix(PREFIX), dtype, bufs).contiguous()
+            t = _tensor(reader, name.removeprefix(PREFIX), dtype, bufs, calibration).contiguous()
             if t.dtype != want_dtype or tuple(t.shape) != shape:
                 raise AssertionError(f"{name}: wrote {t.dtype} {tuple(t.shape)}, planned {want_dtype} {shape}")
             _write(out, offset, t, length, name)

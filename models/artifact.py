@@ -73,7 +73,7 @@ class Precision:
     zero_points: bool = False
     mixed: str = "none"
     quantized_embedding: bool = False
-    calibration: dict | None = None  # {"file", "sha256", "tokens"} of --calibration
+    calibration: dict | None = None  # {"file", "sha256", "tokens", "scaled_weights"} of --calibration
     head_block: int | None = None  # the LM head's (and embedding's) own block size, when it differs
 
     @classmethod
@@ -93,7 +93,10 @@ class Precision:
         extras += ["embedding too"] if self.quantized_embedding else []
         extras += [f"int8 {self.mixed} layers"] if self.mixed != "none" else []
         extras += [f"LM head in blocks of {self.head_block}"] if self.head_block else []
-        extras += [f"calibrated on {self.calibration['tokens']:,} tokens"] if self.calibration else []
+        if self.calibration:
+            scaled = self.calibration.get("scaled_weights")
+            extras += [f"calibrated on {self.calibration['tokens']:,} tokens"
+                       + (f", {scaled} weights channel-scaled" if scaled else "")]
         return f"{self.weights} weights (block {self.block_size}, {', '.join(extras)}), {self.activations} activations"
 
 

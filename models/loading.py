@@ -334,21 +334,23 @@ def load_decoder(folder: str | Path, dtype: str | torch.dtype = "float32") -> De
     return model.eval()
 
 
-def quantize_weights_(model: Decoder, precision, importance: dict | None = None) -> Decoder:
+def quantize_weights_(model: Decoder, precision, calibration=None) -> Decoder:
     """The quantized reference: each weight a quantized export stores quantized replaced, in place,
-    by its dequantized value (models/quantize.py, weighted by the same calibration `importance`;
-    scales rounded to the activations' dtype as the artifact stores them), so that eager PyTorch
-    computes what the graphs compute. A quantized embedding is its own table's, or when tied the
-    LM head's, dequantized."""
+    by its dequantized value (models/quantize.py, after the same `calibration`'s channel scales and
+    weighted by its importance, models/calibration.py; scales rounded to the activations' dtype as
+    the artifact stores them), so that eager PyTorch computes what the graphs compute. A quantized
+    embedding is its own table's, or when tied the LM head's, dequantized."""
     from tk.models.prequantized import METHODS as PREQUANTIZED
     from tk.models.quantize import dequantize, quant_plan, quantize
 
     if precision.method in PREQUANTIZED:
         return model  # loaded from its integers, dequantized (CheckpointReader.tensor)
     scale_dtype = torch_dtype(precision.activations)
+    if calibration is not None:
+        calibration.scale_(model)
     for name, scheme in quant_plan(model.config, precision).items():
         module = model.get_submodule(name.removesuffix(".weight"))
-        qt = quantize(module.weight.detach().float().T.numpy(), scheme, (importance or {}).get(name))
+        qt = quantize(module.weight.detach().float().T.numpy(), scheme, calibration and calibration.importance_of(name))
         qt.scales = torch.from_numpy(qt.scales).to(scale_dtype).float().numpy()
         w = torch.from_numpy(dequantize(qt, scheme.block)).T.contiguous()
         module.weight = torch.nn.Parameter(w.to(module.weight.dtype), requires_grad=False)  # unties a tied head

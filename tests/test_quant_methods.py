@@ -104,3 +104,56 @@ def test_divergence_is_kl_and_top1():
     np.testing.assert_allclose(kl, (p * np.log(p / q)).sum(-1), rtol=1e-9)
     np.testing.assert_array_equal(top1, a.argmax(-1) == b.argmax(-1))
     assert (divergence(a, a)[0] < 1e-12).all()
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma3", "olmo2", "qwen2_moe"])
+def test_channel_scales_keep_the_function_and_lower_the_error(family, tmp_path):
+    """Activation-aware scales (models/calibration.py) on each kind of block: GQA and MQA value rows
+    (and their biases), Gemma's (1 + w) sandwich norms, OLMo 2's post-norms (no norm to fold into:
+    QKV and gate/up stay unscaled), a mixture of experts with a shared expert (each expert's down
+    through its own up rows; the shared norm not folded). The scaled float model computes the same
+    logits; every scaled weight has less importance-weighted round-to-nearest error than unscaled."""
+    import torch
+
+    from tk.models.calibration import Calibration, channel_scales
+    from tk.models.loading import load_decoder
+
+    from hf_models import make_checkpoint
+
+    model = load_decoder(make_checkpoint(family, tmp_path / family))
+    cfg = model.config
+    precision = Precision("int4", "float32", "float32", 16, False, "search", True)
+    plan = quant_plan(cfg, precision)
+    rng = np.random.default_rng(0)
+    importance = {}
+    for name in plan:  # activations with a few loud channels, as a trained model's are
+        k = model.get_submodule(name.removesuffix(".weight")).in_features
+        imp = rng.uniform(0.5, 1.5, k).astype(np.float32)
+        imp[rng.choice(k, 3, replace=False)] *= 400
+        importance[name] = imp
+    scales = channel_scales(model, plan, importance)
+    post, moe = cfg.norm_placement == "post", cfg.layer(0).moe
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        assert (p + "attn.wqkv.weight" in scales) != post
+        assert (p + "ffn.w_gate_up.weight" in scales) == (not post and not cfg.layer(i).moe)
+        assert p + "attn.wo.weight" in scales
+    downs = [n for n in scales if n.endswith("w_down.weight")]
+    assert downs and (not moe or any(".experts." in n for n in downs))
+    ids = torch.from_numpy(rng.integers(0, cfg.vocab_size, (1, 24)))
+    args = (ids, torch.ones_like(ids), torch.arange(24)[None])
+    with torch.no_grad():
+        before = model(*args)[0]
+        calibration = Calibration(importance, scales)
+        calibration.scale_(model)
+        after = model(*args)[0]
+    np.testing.assert_allclose(after.numpy(), before.numpy(), rtol=0, atol=2e-5 * float(before.abs().max()))
+    rtn = Scheme("int4", 16, "rtn", True)
+    for name, s in scales.items():
+        w_scaled = model.get_submodule(name.removesuffix(".weight")).weight.detach().T.numpy()
+        w = w_scaled / s[:, None]  # the unscaled weight (its rows may carry another weight's scales)
+        imp = importance[name][:, None]
+        plain = weighted_error(w, quantize(w, rtn), 16, imp)
+        d = dequantize(quantize(w_scaled, rtn), 16) / s[:, None] - w
+        assert float((imp * d * d).sum()) < plain, name
+        assert np.allclose(calibration.importance_of(name), importance[name] / s**2)

@@ -285,11 +285,15 @@ def test_mixed_precision_and_the_tied_table(checkpoints, tmp_path):
 
 
 def test_calibration_weights_the_search_and_rebuilds_its_reference(trained, tmp_path):
-    """--calibration: the activation statistics are kept in the artifact and recorded in the
-    manifest, change the integers the search picks, and the quantized reference rebuilt from them
-    later (tk parity) still matches the graphs."""
+    """--calibration: the activation statistics and the channel scales searched with them are kept
+    in the artifact and recorded in the manifest, change the integers the search picks, a scaled QKV's
+    norm is folded into the graphs' norm, and the quantized reference rebuilt from them later (tk
+    parity) still matches the graphs."""
+    from safetensors.numpy import load_file
+
     from tk.models.artifact import Manifest
     from tk.models.presets import CORPUS
+    from tk.toolkit.pipeline.calibrate import load
     from tk.toolkit.pipeline.export import export_artifact
 
     text = tmp_path / "calibration.txt"
@@ -305,6 +309,13 @@ def test_calibration_weights_the_search_and_rebuilds_its_reference(trained, tmp_
     entry = m.weights["model.layers.1.ffn.w_down.weight_t.quant"]
     read = lambda art: (art / "weights.onnx.data").read_bytes()[entry[0]:entry[0] + entry[1]]
     assert read(plain) != read(calibrated)
+    calibration = load(calibrated)
+    assert m.precision.calibration["scaled_weights"] == len(calibration.scales) > 0
+    layer = next(i for i in range(4) if f"layers.{i}.attn.wqkv.weight" in calibration.scales)
+    offset, length = m.weights[f"model.layers.{layer}.attn_norm.weight"][:2]
+    folded = np.frombuffer((calibrated / "weights.onnx.data").read_bytes()[offset:offset + length], np.float32)
+    original = load_file(str(trained / "model.safetensors"))[f"model.layers.{layer}.input_layernorm.weight"]
+    np.testing.assert_allclose(folded, original / calibration.scales[f"layers.{layer}.attn.wqkv.weight"], rtol=1e-6)
     r = subprocess.run([sys.executable, "-m", "tk.toolkit.cli.main", "parity", str(calibrated), "--backends",
                         "torch,ort", "--steps", "4"], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr

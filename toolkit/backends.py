@@ -60,27 +60,27 @@ def reference_runtime(artifact: str | Path, manifest: Manifest | None = None, dt
     if sha256_file(source / "config.json") != manifest.source["config_sha256"]:
         raise ArtifactError(f"the checkpoint at {source} changed since export (config.json differs); re-export")
     quantized = manifest.precision if manifest.precision.quantized and quantized else None
-    importance = None
+    calibration = None
     if quantized is not None and quantized.calibration:
         from tk.toolkit.pipeline.calibrate import load
 
-        importance = load(Path(artifact))
+        calibration = load(Path(artifact))
     return torch_reference(source, manifest.dims, manifest.max_context, dtype, device, debug, quantized, static_cache,
-                           importance)
+                           calibration)
 
 
 def torch_reference(source: Path, dims, max_context: int, dtype: str = "float32", device: str = "cpu",
-                    debug: bool = False, quantized=None, static_cache: bool = False, importance: dict | None = None):
+                    debug: bool = False, quantized=None, static_cache: bool = False, calibration=None):
     """The reference decoder of the checkpoint at `source` for graphs of `dims`, loaded on activation;
     with `quantized` (a quantized Precision), the quantized reference: its linear weights are what
-    the artifact's quantized weights dequantize to (quantized with calibration's `importance`)."""
+    the artifact's quantized weights dequantize to (with the export's `calibration`)."""
     from tk.runtimes.torch_runtime import TorchRuntime
 
     def load():
         from tk.models.loading import load_decoder, quantize_weights_
 
         model = load_decoder(source, dtype)
-        return quantize_weights_(model, quantized, importance) if quantized is not None else model
+        return quantize_weights_(model, quantized, calibration) if quantized is not None else model
 
     # the reference runs the plain graphs' math: no static buffer, every position's logits
     dims = dataclasses.replace(dims, kv_dtype=dtype, kv_capacity=dims.kv_capacity if static_cache else None,

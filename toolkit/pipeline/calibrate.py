@@ -1,12 +1,14 @@
 """`tk export --calibration FILE`: the input channels' mean squared activation of every quantized
 weight, measured by the full-precision reference decoder on the user's text (llama.cpp's importance
-matrix, `llama-imatrix`): the scale search (models/quantize.py) weighs each channel's rounding error
-by it, so the channels the model actually drives get the finer grid.
+matrix, `llama-imatrix`), and the activation-aware channel scales searched with it (AWQ): the scale
+search (models/quantize.py) weighs each channel's rounding error by it, so the channels the model
+actually drives get the finer grid, and the scales give those channels more of their blocks
+(models/calibration.py).
 
 Bounded: at most MAX_TOKENS tokens of the file, in windows of WINDOW (a forward pass each, no
 cache, no gradient); only [K] sums are kept per weight. The artifact keeps the result
 (`calibration.npz`) so that its quantized reference is rebuilt exactly, and the manifest records
-the file's name, SHA-256 and token count.
+the file's name, SHA-256 and token count, and how many weights were scaled.
 """
 
 from __future__ import annotations
@@ -15,18 +17,21 @@ from pathlib import Path
 
 import numpy as np
 
+from tk.models.calibration import Calibration
 from tk.models.errors import UsageProblem
 
 MAX_TOKENS = 16384
 WINDOW = 512
 CALIBRATION_FILE = "calibration.npz"
+SCALES = "scales:"  # its keys: our weight names (importance), and SCALES + name (channel scales)
 
 
-def calibrate(model_dir: Path, config, precision, text_file: Path) -> tuple[dict[str, np.ndarray], dict]:
-    """-> (our weight name -> [K] mean squared input activation, the manifest's record)."""
+def calibrate(model_dir: Path, config, precision, text_file: Path) -> tuple[Calibration, dict]:
+    """-> (the statistics and channel scales, the manifest's record)."""
     import torch
 
     from tk.models.artifact import sha256_file
+    from tk.models.calibration import channel_scales
     from tk.models.loading import load_decoder
     from tk.models.quantize import quant_plan
     from tk.toolkit.textgen import Tokenizer
@@ -61,16 +66,20 @@ def calibrate(model_dir: Path, config, precision, text_file: Path) -> tuple[dict
         for h in hooks:
             h.remove()
     importance = {name: (s / len(ids)).numpy().astype(np.float32) for name, s in sums.items()}
-    return importance, {"file": Path(text_file).name, "sha256": sha256_file(Path(text_file)), "tokens": len(ids)}
+    scales = channel_scales(model, quant_plan(config, precision), importance)
+    return Calibration(importance, scales), {"file": Path(text_file).name, "sha256": sha256_file(Path(text_file)),
+                                             "tokens": len(ids), "scaled_weights": len(scales)}
 
 
-def save(folder: Path, importance: dict[str, np.ndarray]) -> None:
-    np.savez(folder / CALIBRATION_FILE, **importance)
+def save(folder: Path, calibration: Calibration) -> None:
+    np.savez(folder / CALIBRATION_FILE, **calibration.importance,
+             **{SCALES + name: s for name, s in calibration.scales.items()})
 
 
-def load(folder: Path) -> dict[str, np.ndarray] | None:
+def load(folder: Path) -> Calibration | None:
     path = Path(folder) / CALIBRATION_FILE
     if not path.is_file():
         return None
     with np.load(path) as data:
-        return {k: data[k] for k in data.files}
+        return Calibration({k: data[k] for k in data.files if not k.startswith(SCALES)},
+                           {k.removeprefix(SCALES): data[k] for k in data.files if k.startswith(SCALES)})

@@ -29,13 +29,14 @@ from tk.exporters.trt_lint import lint_graphs
 from tk.exporters.weights import WEIGHTS_FILE, export_view, quant_table, weights_record, write_weights
 from tk.models import contract
 from tk.models.artifact import GraphFile, Manifest, Target, graph_dims, sha256_file
+from tk.models.calibration import Calibration
 from tk.models.options import PROFILES, ExportOptions
 from tk.models.prequantized import read_prequantized
 from tk.models.dtypes import DTYPES
 from tk.models.errors import FilesystemProblem
 from tk.models.loading import CheckpointReader, read_config, torch_dtype
 from tk.toolkit.pipeline.background import Background
-from tk.toolkit.pipeline.calibrate import calibrate, save as save_importance
+from tk.toolkit.pipeline.calibrate import calibrate, save as save_calibration
 from tk.toolkit.pipeline.validate import reference_run, run_validation
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -94,7 +95,7 @@ def _move_into_place(tmp: Path, out: Path) -> None:
 
 
 def _export_graphs(model_dir: Path, tmp: Path, config, options: ExportOptions, progress: Callable[[str], None],
-                   importance: dict | None = None) -> tuple[dict[str, GraphFile], dict]:
+                   calibration: Calibration | None = None) -> tuple[dict[str, GraphFile], dict]:
     """Write the artifact's one weights file on a thread while both graphs are traced on the meta
     device (exporters/weights.py: the weights are never in memory whole, and tracing needs none),
     then point the graphs at the file, optimize, grow and contract-check them."""
@@ -103,7 +104,7 @@ def _export_graphs(model_dir: Path, tmp: Path, config, options: ExportOptions, p
     view = export_view(config, dtype)  # on the meta device
     stop = threading.Event()
     writer = Background.thread(write_weights, CheckpointReader(model_dir, config), view, tmp / WEIGHTS_FILE, dtype,
-                               stop=stop, precision=options.precision, importance=importance)
+                               stop=stop, precision=options.precision, calibration=calibration)
     dims = graph_dims(config, options.precision, options.variant)
     try:
         traced = {g: trace_graph(view, g, dims, options.variant) for g in contract.GRAPHS}
@@ -141,22 +142,23 @@ def export_artifact(model_dir: str | Path, out: str | Path, options: ExportOptio
     options.check(config, has_cuda_provider=_ort_has_cuda)
     if options.profile is not None:
         progress(f"--for {options.profile}: {PROFILES[options.profile].why}; that is {recipe(options)}")
-    importance = None
+    calibration = None
     if options.precision.calibration is not None:
         start = time.perf_counter()
-        importance, record = calibrate(model_dir, config, options.precision, Path(options.precision.calibration["file"]))
+        calibration, record = calibrate(model_dir, config, options.precision, Path(options.precision.calibration["file"]))
         options = dataclasses.replace(options, precision=dataclasses.replace(options.precision, calibration=record))
-        progress(f"calibration: activation statistics of {len(importance)} weights on {record['tokens']:,} tokens "
-                 f"of {record['file']}: {time.perf_counter() - start:.1f} s")
+        progress(f"calibration: activation statistics of {len(calibration.importance)} weights on {record['tokens']:,} "
+                 f"tokens of {record['file']}, channel scales for {record['scaled_weights']} of them: "
+                 f"{time.perf_counter() - start:.1f} s")
     tmp, created = _prepare_out(out, options.force)
     # the float32 reference needs only the checkpoint: a child process runs it while this one
     # writes and traces, and exits (its memory with it) before ONNX Runtime maps the weights
-    reference = Background.process(reference_run, model_dir, config, options, importance,
+    reference = Background.process(reference_run, model_dir, config, options, calibration,
                                    env=REFERENCE_ENV) if options.validate else None
     try:
-        if importance is not None:
-            save_importance(tmp, importance)
-        graphs, graphs_table = _export_graphs(model_dir, tmp, config, options, progress, importance)
+        if calibration is not None:
+            save_calibration(tmp, calibration)
+        graphs, graphs_table = _export_graphs(model_dir, tmp, config, options, progress, calibration)
         lint = lint_graphs({g: onnx.load(str(tmp / contract.GRAPH_FILES[g]), load_external_data=False)
                             for g in contract.GRAPHS})
         progress(f"TensorRT lint: {'ok' if lint.ok else f'{len(lint.problems)} problem(s)'}, needs TensorRT "

@@ -82,18 +82,18 @@ def _reference_runs(open_reference, precision, cases, steps, tol) -> tuple[Refer
     return runs[0], runs[1] if len(runs) > 1 else None
 
 
-def reference_run(model_dir: Path, config, options: ExportOptions, importance: dict | None = None,
+def reference_run(model_dir: Path, config, options: ExportOptions, calibration=None,
                   steps: int = VALIDATION_STEPS) -> tuple[ReferenceRun, ReferenceRun | None]:
     """What validation compares ORT with: the float32 reference decoder of the checkpoint on the
     validation cases (a debug export localizes to the layer outputs; quantized weights: also the
-    quantized reference, weighted by calibration's `importance`). Needs no artifact, so export runs
+    quantized reference, with its `calibration`). Needs no artifact, so export runs
     it in a child process while it writes and traces."""
     dims = graph_dims(config, options.precision, options.variant)
     tol = tolerance_for(options.precision.activations, config.to_dict())
     p = options.precision
     return _reference_runs(lambda quantized: torch_reference(
         model_dir, dims, config.max_position_embeddings, debug=options.variant.debug_outputs,
-        quantized=p if quantized else None, importance=importance), p, random_cases(dims.vocab_size), steps, tol)
+        quantized=p if quantized else None, calibration=calibration), p, random_cases(dims.vocab_size), steps, tol)
 
 
 def run_validation(tmp: Path, manifest: Manifest, reference: "Background", progress: Callable[[str], None]) -> None:

@@ -1,0 +1,156 @@
+"""What `tk export --calibration FILE` measured, and what it changes in the weights.
+
+Two uses of the same statistics, each input channel's mean squared activation on the user's text
+(toolkit/pipeline/calibrate.py collects them):
+
+- importance: the scale search (models/quantize.py) weighs each channel's rounding error by it
+  (llama.cpp's importance matrix);
+- activation-aware channel scales (AWQ, Lin et al. 2024): a weight's input channels are multiplied by
+  s before it is quantized and its input divided by s, which is folded, exactly, into the op that
+  makes that input: the pre-norm's scale for the fused QKV and gate/up projections, the value rows
+  of the QKV projection for the output projection (one scale per value channel, shared by the
+  query heads of its group), the up rows of the gate/up projection for the down projection. The
+  channels that carry large activations get more of their block's grid. s = m^alpha / sqrt(max m^alpha
+  * min m^alpha) for m the channels' RMS activation, alpha on a grid of 20 from 0 (no scaling):
+  the one with the least importance-weighted error of round-to-nearest wins (AutoAWQ's search,
+  with llama.cpp's diagonal error in place of sampled outputs). The float model computes the same
+  function; the artifact's graphs store the scaled norms and weights.
+
+Not scaled: the LM head (tied to the embedding in most checkpoints), a post-norm model's QKV and
+gate/up (no norm on their input: OLMo 2), a mixture of experts' gate/up (the router and every expert
+read the one norm). Both the export's weights writer and the quantized reference apply the scales
+with `Calibration.apply_`, so they cannot disagree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+ALPHAS = np.arange(20) / 20
+FLOOR = 1e-2  # a channel's magnitude counts as at least this share of the largest: the scales span <= 10x
+SEARCH_COLUMNS = 2048  # output columns the alpha search quantizes (strided): its time stays bounded on 1B weights
+
+
+@dataclass
+class Calibration:
+    """importance: our weight name -> [K] mean squared input activation; scales: our weight name ->
+    [K] the factors its input channels are multiplied by (only where the search chose scaling)."""
+
+    importance: dict[str, np.ndarray]
+    scales: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def importance_of(self, name: str) -> np.ndarray | None:
+        """The importance a stored weight is quantized with: its input is x / s, so imp / s^2."""
+        imp = self.importance.get(name)
+        if imp is None or name not in self.scales:
+            return imp
+        return (imp / np.square(self.scales[name])).astype(np.float32)
+
+    def apply_(self, cfg, name: str, t: torch.Tensor) -> torch.Tensor:
+        """Parameter `name` (ours, e.g. layers.0.attn_norm.weight, layers.0.attn.wqkv.weight [N, K] or
+        its bias) with the scales applied, in place; -> t. Norms are scaled as `offset + weight`."""
+        if not self.scales:
+            return t
+        for factor, rows, columns in _factors(cfg, name, self.scales):
+            f = torch.from_numpy(factor)
+            if name.endswith("norm.weight"):
+                off = cfg.norm_offset
+                t.copy_((t.float() + off) * f - off)
+            elif rows is None and columns:
+                t.copy_(t.float() * f[None, :])
+            else:
+                part = t[rows]
+                part.copy_(part.float() * (f[:, None] if part.dim() == 2 else f))
+        return t
+
+    def scale_(self, model) -> None:
+        """Apply the scales to a loaded Decoder's parameters, in place."""
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                self.apply_(model.config, name, p.data)
+
+
+def _factors(cfg, name: str, scales: dict[str, np.ndarray]):
+    """(factor, rows, columns) for each scale that touches parameter `name`: a norm (divided), a
+    weight's input columns (multiplied), or the rows that make another weight's input (divided)."""
+    parts = name.split(".")
+    if parts[0] != "layers":
+        return
+    layer = f"layers.{parts[1]}."
+    rest = ".".join(parts[2:])
+    fold = {"attn_norm.weight": "attn.wqkv.weight", "ffn_norm.weight": "ffn.w_gate_up.weight"}
+    if rest in fold and layer + fold[rest] in scales:
+        yield 1 / scales[layer + fold[rest]], None, False
+        return
+    if name.endswith(".weight") and name in scales:
+        yield scales[name], None, True
+    if rest in ("attn.wqkv.weight", "attn.wqkv.bias") and layer + "attn.wo.weight" in scales:
+        start = cfg.q_size + cfg.kv_size  # the value rows
+        yield 1 / value_scales(cfg, scales[layer + "attn.wo.weight"]), slice(start, start + cfg.kv_size), False
+    if name.endswith(("w_gate_up.weight", "w_gate_up.bias")):
+        down = name.rsplit(".", 2)[0] + ".w_down.weight"
+        if down in scales:
+            size = len(scales[down])  # the up rows: the second half
+            yield 1 / scales[down], slice(size, 2 * size), False
+
+
+def value_scales(cfg, o_scales: np.ndarray) -> np.ndarray:
+    """The output projection's [H * D] input scales -> the [Hkv * D] value channels' (equal within a group)."""
+    return o_scales.reshape(cfg.num_kv_heads, -1, cfg.head_dim)[:, 0].reshape(-1)
+
+
+def channel_scales(model, plan: dict, importance: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The scales of every weight `plan` quantizes that can take them (see the module docstring),
+    searched on the loaded full-precision `model` (not changed) with calibration's `importance`."""
+    cfg, scales = model.config, {}
+    heads_per_kv = cfg.num_heads // cfg.num_kv_heads
+    pre_norm = cfg.norm_placement != "post"
+    found = Calibration(importance, scales)
+
+    def weight(name: str) -> np.ndarray:  # [K, N], with the scales found so far on its rows
+        t = model.get_submodule(name.removesuffix(".weight")).weight.detach().float().clone()
+        return found.apply_(cfg, name, t).T.numpy()
+
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        names = [p + "attn.wo.weight"]
+        names += [n for n in plan if n.startswith(p) and n.endswith("w_down.weight")]
+        names += [p + "attn.wqkv.weight"] if pre_norm else []  # after wo: the value rows are scaled by then
+        names += [p + "ffn.w_gate_up.weight"] if pre_norm and not cfg.layer(i).moe else []
+        for name in names:
+            if name not in plan or name not in importance:
+                continue
+            group = heads_per_kv if name.endswith("wo.weight") else 1
+            s = _search_alpha(weight(name), importance[name], plan[name], group, cfg.head_dim)
+            if s is not None:
+                scales[name] = s
+    return scales
+
+
+def _search_alpha(w_t: np.ndarray, imp: np.ndarray, scheme, group: int, head_dim: int) -> np.ndarray | None:
+    """The scales (None: alpha 0 wins) that minimize sum_k imp_k sum_n (Q(w s)_kn / s_k - w_kn)^2
+    with round-to-nearest in `scheme`'s bits, block and zero points; channels k of the same head
+    dimension in `group` consecutive heads share one scale."""
+    from tk.models.quantize import Scheme, dequantize, quantize
+
+    rtn = Scheme(scheme.bits, scheme.block, "rtn", scheme.zero_points)
+    step = -(-w_t.shape[1] // SEARCH_COLUMNS)
+    w = np.ascontiguousarray(w_t[:, ::step])
+    imp = np.maximum(imp.astype(np.float64), 0)
+    m = np.sqrt(imp)
+    if group > 1:  # the value channel's magnitude: the mean over the query heads that read it
+        m = np.broadcast_to(m.reshape(-1, group, head_dim).mean(1, keepdims=True),
+                            (len(m) // (group * head_dim), group, head_dim)).reshape(-1)
+    m = np.maximum(m, m.max() * FLOOR + 1e-30)
+    best, best_err = None, None
+    for alpha in ALPHAS:
+        s = m ** alpha
+        s = (s / np.sqrt(s.max() * s.min())).astype(np.float32)
+        d = dequantize(quantize(w * s[:, None], rtn), rtn.block) / s[:, None]
+        err = float((imp[:, None] * np.square(d - w, dtype=np.float64)).sum())
+        if best_err is None or err < best_err:
+            best, best_err = (None if alpha == 0 else s), err
+    return best
