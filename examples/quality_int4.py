@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import subprocess
 import sys
@@ -128,7 +127,7 @@ def main() -> None:
     from tk.toolkit.backends import reference_runtime
     from tk.toolkit.pipeline.export import export_artifact
     from tk.toolkit.textgen import Tokenizer
-    from tk.toolkit.verify.perplexity import divergence, log_softmax, window_logits, windows
+    from tk.toolkit.verify.perplexity import Scores, window_logits, windows
 
     args.work.mkdir(parents=True, exist_ok=True)
     builds = dict(TK_BUILDS)
@@ -168,31 +167,24 @@ def main() -> None:
     text = args.text.read_text(encoding="utf-8")
     ids = Tokenizer(fp32).encode(text)[:args.max_tokens]
     chunks = windows(ids, args.window)
-    count = sum(len(c) - 1 for c in chunks)
     with reference_runtime(fp32) as ref:
         reference = [window_logits(ref, c)[:-1] for c in chunks]
-    ref_nll = -sum(float(log_softmax(r)[np.arange(len(c) - 1), c[1:]].sum()) for r, c in zip(reference, chunks))
-    report = {"reference": {"perplexity": math.exp(ref_nll / count), "tokens": count,
-                            "bytes": folder_bytes(fp32, "weights.onnx.data")}}
+    base = Scores()
+    for r, c in zip(reference, chunks):
+        base.add(r, c)
+    report = {"reference": {**base.row(), "bytes": folder_bytes(fp32, "weights.onnx.data")}}
     for name, (folder, size) in runs.items():
         if name.startswith("genai"):
             run, close = genai_logits(folder), None
         else:
             rt = OrtRuntime(folder, quant_compute="int8").__enter__()
             run, close = (lambda c, rt=rt: window_logits(rt, c)), rt
-        total, kls, agree = 0.0, [], []
+        scores = Scores()
         for r, c in zip(reference, chunks):
-            lg = run(c)[:-1]
-            total -= float(log_softmax(lg)[np.arange(len(c) - 1), c[1:]].sum())
-            kl, top1 = divergence(r, lg)
-            kls.append(kl)
-            agree.append(top1)
+            scores.add(run(c)[:-1], c, r)
         if close is not None:
             close.__exit__(None, None, None)
-        kl = np.concatenate(kls)
-        report[name] = {"perplexity": math.exp(total / count), "perplexity_ratio": math.exp((total - ref_nll) / count),
-                        "kl_mean": float(kl.mean()), "kl_p99": float(np.percentile(kl, 99)),
-                        "top1_agreement": float(np.concatenate(agree).mean()), "bytes": size}
+        report[name] = {**scores.row(base), "bytes": size}
         print(f"{name:48} {size / 1e6:8.2f} MB  ppl {report[name]['perplexity']:8.3f}  ratio "
               f"{report[name]['perplexity_ratio']:.4f}  KL {report[name]['kl_mean']:.5f} "
               f"(p99 {report[name]['kl_p99']:.4f})  top-1 {report[name]['top1_agreement']:.2%}", flush=True)
@@ -203,7 +195,7 @@ def main() -> None:
             report[name] = row
             print(f"{name:48} {row['bytes'] / 1e6:8.2f} MB  ppl {row['perplexity']}  ratio {row['perplexity_ratio']}  "
                   f"KL {row['kl_mean']} (p99 {row['kl_p99']})  top-1 {row['top1_agreement']}", flush=True)
-    print(f"reference float32: perplexity {report['reference']['perplexity']:.3f} over {count} tokens "
+    print(f"reference float32: perplexity {report['reference']['perplexity']:.3f} over {base.count} tokens "
           f"(windows of {args.window})")
     if args.report:
         args.report.write_text(json.dumps(report, indent=2))

@@ -275,9 +275,8 @@ class CheckpointReader:
             for part in ("qweight", "qzeros", "scales", "g_idx"):
                 if f"{base}.{part}" in self.files:
                     info = self._info(f"{base}.{part}")[1]
-                    t = torch.empty(info["shape"], dtype=_ST_DTYPES[info["dtype"]] if info["dtype"] in _ST_DTYPES
-                                    else torch.float32)
-                    self._read_into(f"{base}.{part}", t)
+                    t = torch.empty(info["shape"], dtype=_ST_DTYPES.get(info["dtype"], torch.uint8))
+                    self._read_into(f"{base}.{part}", t)  # refuses a dtype tk does not read
                     tensors[part] = t.float().numpy() if part == "scales" else t.numpy()
             parts.append(unpack(self.prequantized, base, tensors, self.shape(ours)[1], rows))
         return QTensor(np.concatenate([p.q for p in parts], 1), np.concatenate([p.scales for p in parts], 1),

@@ -36,13 +36,6 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return logits - (np.log(np.exp(logits - top).sum(axis=-1, keepdims=True)) + top)
 
 
-def window_nll(logits: np.ndarray, chunk: list[int]) -> float:
-    """Summed negative log-likelihood of a window's tokens after its first, from its (S, V) logits
-    (position t predicts token t + 1)."""
-    lp = log_softmax(logits[:-1])
-    return float(-lp[np.arange(len(chunk) - 1), chunk[1:]].sum())
-
-
 def window_logits(runtime, chunk: list[int]) -> np.ndarray:
     """(S, V) logits of one window, one prefill."""
     ids = np.array([chunk], dtype=np.int64)
@@ -51,17 +44,40 @@ def window_logits(runtime, chunk: list[int]) -> np.ndarray:
     return out.logits[0]
 
 
-def nll(runtime, chunks: list[list[int]]) -> tuple[float, int]:
-    """Summed negative log-likelihood of the windows on `runtime`, and how many tokens it counts."""
-    return sum(window_nll(window_logits(runtime, c), c) for c in chunks), sum(len(c) - 1 for c in chunks)
-
-
 def divergence(reference: np.ndarray, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per position of (S, V) logits: KL(reference || logits) in nats, and whether the top-1 agrees
     (what llama.cpp's `perplexity --kl-divergence` reports)."""
     ref, lp = log_softmax(reference), log_softmax(logits)
     kl = (np.exp(ref) * (ref - lp)).sum(axis=-1)
     return np.maximum(kl, 0.0), ref.argmax(axis=-1) == lp.argmax(axis=-1)
+
+
+class Scores:
+    """One model's running score over windows: summed NLL of each window's next tokens and, given a
+    reference's logits of the same window, each position's KL divergence and top-1 agreement."""
+
+    def __init__(self):
+        self.nll, self.count, self.kls, self.agree = 0.0, 0, [], []
+
+    def add(self, logits: np.ndarray, chunk: list[int], reference: np.ndarray | None = None) -> None:
+        """logits (S - 1, V): positions 0..S-2 of window `chunk` (S tokens), each predicting the next."""
+        self.nll -= float(log_softmax(logits)[np.arange(len(chunk) - 1), chunk[1:]].sum())
+        self.count += len(chunk) - 1
+        if reference is not None:
+            kl, top1 = divergence(reference, logits)
+            self.kls.append(kl)
+            self.agree.append(top1)
+
+    def row(self, reference: "Scores | None" = None) -> dict:
+        """tokens, nll, perplexity; with the reference's scores, also perplexity_ratio, kl_mean,
+        kl_p99 and top1_agreement."""
+        out = {"tokens": self.count, "nll": self.nll / self.count, "perplexity": math.exp(self.nll / self.count)}
+        if reference is not None and self.kls:
+            kl = np.concatenate(self.kls)
+            out.update({"perplexity_ratio": math.exp((self.nll - reference.nll) / self.count),
+                        "kl_mean": float(kl.mean()), "kl_p99": float(np.percentile(kl, 99)),
+                        "top1_agreement": float(np.concatenate(self.agree).mean())})
+        return out
 
 
 def evaluate(artifact: Path, text: str, backends: list[str], window: int | None = None,
@@ -96,26 +112,13 @@ def evaluate(artifact: Path, text: str, backends: list[str], window: int | None 
                 runtimes[name] = stack.enter_context(opener())
             except BackendUnavailable as e:
                 rows[name] = {"status": "skipped", "reason": str(e)}
-        total = {name: 0.0 for name in runtimes}
-        kls = {name: [] for name in runtimes}
-        agree = {name: [] for name in runtimes}
+        scores = {name: Scores() for name in runtimes}
         for chunk in chunks:
             logits = {name: window_logits(rt, chunk)[:-1] for name, rt in runtimes.items()}
             for name, lg in logits.items():
-                total[name] -= float(log_softmax(lg)[np.arange(len(chunk) - 1), chunk[1:]].sum())
-                if reference in logits and name != reference:
-                    kl, top1 = divergence(logits[reference], lg)
-                    kls[name].append(kl)
-                    agree[name].append(top1)
-    count = sum(len(c) - 1 for c in chunks)
+                scores[name].add(lg, chunk, logits.get(reference) if name != reference else None)
     for name in runtimes:
-        rows[name] = {"status": "ok", "tokens": count, "nll": total[name] / count,
-                      "perplexity": math.exp(total[name] / count)}
-        if kls[name]:
-            kl = np.concatenate(kls[name])
-            rows[name].update({"perplexity_ratio": math.exp((total[name] - total[reference]) / count),
-                               "kl_mean": float(kl.mean()), "kl_p99": float(np.percentile(kl, 99)),
-                               "top1_agreement": float(np.concatenate(agree[name]).mean())})
+        rows[name] = {"status": "ok", **scores[name].row(scores.get(reference))}
     return {"artifact": str(artifact), "precision": manifest.precision.describe(), "window": window,
             "text_tokens": len(ids), "reference": reference, "backends": {n: rows[n] for n in named}}
 
