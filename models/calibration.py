@@ -13,8 +13,9 @@ Two uses of the same statistics, each input channel's mean squared activation on
   channels that carry large activations get more of their block's grid. s = m^alpha / sqrt(max m^alpha
   * min m^alpha) for m the channels' RMS activation, alpha on a grid of 20 from 0 (no scaling):
   the one with the least importance-weighted error of round-to-nearest wins (AutoAWQ's search,
-  with llama.cpp's diagonal error in place of sampled outputs). The float model computes the same
-  function; the artifact's graphs store the scaled norms and weights.
+  with llama.cpp's diagonal error in place of sampled outputs), and is kept only if the weight's
+  own method (the scale search) also has less error with it than without. The float model
+  computes the same function; the artifact's graphs store the scaled norms and weights.
 
 Not scaled: the LM head (tied to the embedding in most checkpoints), a post-norm model's QKV and
 gate/up (no norm on their input: OLMo 2), a mixture of experts' gate/up (the router and every expert
@@ -131,9 +132,10 @@ def channel_scales(model, plan: dict, importance: dict[str, np.ndarray]) -> dict
 
 
 def _search_alpha(w_t: np.ndarray, imp: np.ndarray, scheme, group: int, head_dim: int) -> np.ndarray | None:
-    """The scales (None: alpha 0 wins) that minimize sum_k imp_k sum_n (Q(w s)_kn / s_k - w_kn)^2
-    with round-to-nearest in `scheme`'s bits, block and zero points; channels k of the same head
-    dimension in `group` consecutive heads share one scale."""
+    """The scales that minimize sum_k imp_k sum_n (Q(w s)_kn / s_k - w_kn)^2 with round-to-nearest in
+    `scheme`'s bits, block and zero points, if `scheme` itself (its method: the search) also has less
+    error with them than without; else None. Channels k of the same head dimension in `group`
+    consecutive heads share one scale."""
     from tk.models.quantize import Scheme, dequantize, quantize
 
     rtn = Scheme(scheme.bits, scheme.block, "rtn", scheme.zero_points)
@@ -145,12 +147,14 @@ def _search_alpha(w_t: np.ndarray, imp: np.ndarray, scheme, group: int, head_dim
         m = np.broadcast_to(m.reshape(-1, group, head_dim).mean(1, keepdims=True),
                             (len(m) // (group * head_dim), group, head_dim)).reshape(-1)
     m = np.maximum(m, m.max() * FLOOR + 1e-30)
-    best, best_err = None, None
-    for alpha in ALPHAS:
-        s = m ** alpha
-        s = (s / np.sqrt(s.max() * s.min())).astype(np.float32)
-        d = dequantize(quantize(w * s[:, None], rtn), rtn.block) / s[:, None]
-        err = float((imp[:, None] * np.square(d - w, dtype=np.float64)).sum())
-        if best_err is None or err < best_err:
-            best, best_err = (None if alpha == 0 else s), err
+
+    def error(s, how) -> float:  # the importance-weighted error of w stored scaled by s under `how`
+        d = dequantize(quantize(w * s[:, None], how, (imp / np.square(s)).astype(np.float32)), how.block) / s[:, None]
+        return float((imp[:, None] * np.square(d - w, dtype=np.float64)).sum())
+
+    candidates = [(s / np.sqrt(s.max() * s.min())).astype(np.float32) for s in (m ** a for a in ALPHAS)]
+    errors = [error(s, rtn) for s in candidates]
+    best = candidates[int(np.argmin(errors))]
+    if np.argmin(errors) == 0 or error(best, scheme) >= error(candidates[0], scheme):
+        return None  # no scaling (alpha 0), or none under the method that stores the weight
     return best

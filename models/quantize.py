@@ -103,7 +103,11 @@ def dequantize(t: QTensor, block: int) -> np.ndarray:
 
 
 def _round(x: np.ndarray, inv: np.ndarray, z, lo: int, hi: int) -> np.ndarray:
-    return np.clip(np.rint(x * inv) + z, lo, hi)
+    y = np.multiply(x, inv)  # one temporary, rounded, shifted and clipped in place
+    np.rint(y, out=y)
+    if not (isinstance(z, int) and z == 0):
+        y += z
+    return np.clip(y, lo, hi, out=y)
 
 
 def _rtn(x: np.ndarray, scheme: Scheme, imp=None):
@@ -141,6 +145,7 @@ def _search(x: np.ndarray, scheme: Scheme, imp=None, steps: int = 16, rmin: floa
         top = LEVELS[scheme.bits]
         lo, hi = np.minimum(x.min(axis=1), 0), np.maximum(x.max(axis=1), 0)
         span = hi - lo
+        sw, sx = wt.sum(1), (wt * x).sum(1)
     else:
         qmax = QMAX[scheme.bits]
         amax = np.abs(x).max(axis=1)
@@ -151,8 +156,8 @@ def _search(x: np.ndarray, scheme: Scheme, imp=None, steps: int = 16, rmin: floa
             z = np.clip(np.rint(-lo / s), 0, top)
             q = _round(x, (1 / s)[:, None], z[:, None], 0, top)
             # the weighted least-squares affine fit x ~ a q + c, its offset then put on the grid
-            sw, sq, sx = wt.sum(1), (wt * q).sum(1), (wt * x).sum(1)
-            sqq, sqx = (wt * q * q).sum(1), (wt * q * x).sum(1)
+            wq = wt * q
+            sq, sqq, sqx = wq.sum(1), (wq * q).sum(1), (wq * x).sum(1)
             det = sw * sqq - sq * sq
             ok = det > 0
             a = np.where(ok, (sw * sqx - sx * sq) / np.where(ok, det, 1), s)
@@ -167,7 +172,8 @@ def _search(x: np.ndarray, scheme: Scheme, imp=None, steps: int = 16, rmin: floa
             d = _round(x, (1 / s)[:, None], 0, -qmax - 1, qmax)
             z = None
         # the scale fit to these integers, and the integers again to that scale
-        num, den = (wt * d * x).sum(1), (wt * d * d).sum(1)
+        wd = wt * d
+        num, den = (wd * x).sum(1), (wd * d).sum(1)
         a = np.where((den > 0) & (num > 0), num / np.where(den > 0, den, 1), s).astype(np.float32)
         if scheme.zero_points:
             q = _round(x, (1 / a)[:, None], z[:, None], 0, top)
@@ -186,8 +192,12 @@ def _search(x: np.ndarray, scheme: Scheme, imp=None, steps: int = 16, rmin: floa
 
 
 def _error(x, wt, q, s, z) -> np.ndarray:
-    d = q - z[:, None] if z is not None else q
-    return (wt * (d * s[:, None] - x) ** 2).sum(axis=1)
+    d = q - z[:, None] if z is not None else q.copy()
+    d *= s[:, None]
+    d -= x
+    np.square(d, out=d)
+    d *= wt
+    return d.sum(axis=1)
 
 
 _METHODS = {"rtn": _rtn, "search": _search}

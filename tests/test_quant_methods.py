@@ -156,4 +156,7 @@ def test_channel_scales_keep_the_function_and_lower_the_error(family, tmp_path):
         plain = weighted_error(w, quantize(w, rtn), 16, imp)
         d = dequantize(quantize(w_scaled, rtn), 16) / s[:, None] - w
         assert float((imp * d * d).sum()) < plain, name
+        search = Scheme("int4", 16, "search", True)  # and under the method that stores it
+        d = dequantize(quantize(w_scaled, search, calibration.importance_of(name)), 16) / s[:, None] - w
+        assert float((imp * d * d).sum()) < weighted_error(w, quantize(w, search, importance[name]), 16, imp), name
         assert np.allclose(calibration.importance_of(name), importance[name] / s**2)
