@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -8,6 +9,16 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+# pytest-xdist's workers share the cores: each worker's PyTorch (OpenMP) and the tk commands it
+# starts get their share of them. With a team of all the cores in each worker, the teams' spinning
+# threads take turns on the same cores: 14 mutation cases of tests/test_parity.py on 2 workers and
+# 2 cores took 544 s, 57 s with one thread a worker.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    _SHARE = max(1, (os.cpu_count() or 1) // _WORKERS)
+    os.environ["OMP_NUM_THREADS"] = str(_SHARE)
+    torch.set_num_threads(_SHARE)
 
 from hf_models import ALL, FAMILIES, make_checkpoint  # noqa: E402
 
