@@ -225,11 +225,12 @@ def test_int4_block_128_passes_the_tensorrt_lint(tmp_path, trained_like):
     from tk.models.artifact import Manifest
     from tk.toolkit.pipeline.export import export_artifact
 
+    # the lint reads the graphs, not the integers: round-to-nearest makes the same graphs as the search, sooner
     export_artifact(trained_like, tmp_path / "art", weights="int4", block_size=128, validate=False, zero_points=False,
-                    quantize_embedding=False)  # TensorRT's form: what --for trt exports
+                    quantize_embedding=False, quant_method="rtn")  # TensorRT's form: what --for trt exports
     lint = Manifest.read(tmp_path / "art").trt_lint
     assert lint["ok"], lint["problems"][:2]
-    export_artifact(trained_like, tmp_path / "zp", weights="int4", block_size=128, validate=False)
+    export_artifact(trained_like, tmp_path / "zp", weights="int4", block_size=128, validate=False, quant_method="rtn")
     assert {p["rule"] for p in Manifest.read(tmp_path / "zp").trt_lint["problems"]} >= {"quant-zero-points"}
     assert lint["min_tensorrt"] == "10.15"
 
@@ -293,13 +294,12 @@ def test_calibration_weights_the_search_and_rebuilds_its_reference(trained, tmp_
 
     from tk.models.artifact import Manifest
     from tk.models.presets import CORPUS
+    from tk.models.quantize import Scheme, pack_int4, quantize
     from tk.toolkit.pipeline.calibrate import load
-    from tk.toolkit.pipeline.export import export_artifact
 
     text = tmp_path / "calibration.txt"
     text.write_text(CORPUS * 2, encoding="utf-8")
-    plain, calibrated = tmp_path / "plain", tmp_path / "calibrated"
-    export_artifact(trained, plain, weights="int4", validate=False)
+    calibrated = tmp_path / "calibrated"
     r = subprocess.run([sys.executable, "-m", "tk.toolkit.cli.main", "export", str(trained), "-o", str(calibrated),
                         "--weights", "int4", "--calibration", str(text)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
@@ -307,8 +307,10 @@ def test_calibration_weights_the_search_and_rebuilds_its_reference(trained, tmp_
     assert m.validation["passed"] and m.precision.calibration["tokens"] > 100
     assert m.precision.calibration["file"] == "calibration.txt" and (calibrated / "calibration.npz").is_file()
     entry = m.weights["model.layers.1.ffn.w_down.weight_t.quant"]
-    read = lambda art: (art / "weights.onnx.data").read_bytes()[entry[0]:entry[0] + entry[1]]
-    assert read(plain) != read(calibrated)
+    stored = (calibrated / "weights.onnx.data").read_bytes()[entry[0]:entry[0] + entry[1]]
+    down = load_file(str(trained / "model.safetensors"))["model.layers.1.mlp.down_proj.weight"]
+    plain = pack_int4(quantize(np.ascontiguousarray(down.T), Scheme("int4", 32, "search", True)).q)  # uncalibrated
+    assert plain.tobytes() != stored and len(plain.tobytes()) == len(stored)
     calibration = load(calibrated)
     assert m.precision.calibration["scaled_weights"] == len(calibration.scales) > 0
     layer = next(i for i in range(4) if f"layers.{i}.attn.wqkv.weight" in calibration.scales)
