@@ -107,11 +107,3 @@ def serve_artifact(tmp_path_factory, tiny):
     export_artifact(ckpt, out, kv_cache="static", max_seq_len=128)
     return out
 
-
-# The longest file goes first: `--dist loadfile` hands files to the workers in collection order,
-# and the README's end-to-end run (minutes, one test) at the end kept one worker busy alone.
-FIRST = ("test_readme.py",)
-
-
-def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: item.path.name not in FIRST)  # stable: every other order is kept
