@@ -32,7 +32,8 @@ import torch
 
 ALPHAS = np.arange(20) / 20
 FLOOR = 1e-2  # a channel's magnitude counts as at least this share of the largest: the scales span <= 10x
-SEARCH_COLUMNS = 2048  # output columns the alpha search quantizes (strided): its time stays bounded on 1B weights
+SEARCH_COLUMNS = 2048
+FOLDED = {"attn_norm.weight": "attn.wqkv.weight", "ffn_norm.weight": "ffn.w_gate_up.weight"}  # norm -> its reader  # output columns the alpha search quantizes (strided): its time stays bounded on 1B weights
 
 
 @dataclass
@@ -55,12 +56,12 @@ class Calibration:
         its bias) with the scales applied, in place; -> t. Norms are scaled as `offset + weight`."""
         if not self.scales:
             return t
-        for factor, rows, columns in _factors(cfg, name, self.scales):
+        for factor, rows in _factors(cfg, name, self.scales):
             f = torch.from_numpy(factor)
             if name.endswith("norm.weight"):
                 off = cfg.norm_offset
                 t.copy_((t.float() + off) * f - off)
-            elif rows is None and columns:
+            elif rows is None:  # the weight's own input columns
                 t.copy_(t.float() * f[None, :])
             else:
                 part = t[rows]
@@ -75,27 +76,27 @@ class Calibration:
 
 
 def _factors(cfg, name: str, scales: dict[str, np.ndarray]):
-    """(factor, rows, columns) for each scale that touches parameter `name`: a norm (divided), a
-    weight's input columns (multiplied), or the rows that make another weight's input (divided)."""
+    """(factor, rows) for each scale that touches parameter `name`: a norm (divided; rows None), a
+    weight's input columns (multiplied; rows None), or the rows that make another weight's input
+    (divided)."""
     parts = name.split(".")
     if parts[0] != "layers":
         return
     layer = f"layers.{parts[1]}."
     rest = ".".join(parts[2:])
-    fold = {"attn_norm.weight": "attn.wqkv.weight", "ffn_norm.weight": "ffn.w_gate_up.weight"}
-    if rest in fold and layer + fold[rest] in scales:
-        yield 1 / scales[layer + fold[rest]], None, False
+    if rest in FOLDED and layer + FOLDED[rest] in scales:
+        yield 1 / scales[layer + FOLDED[rest]], None
         return
     if name.endswith(".weight") and name in scales:
-        yield scales[name], None, True
+        yield scales[name], None
     if rest in ("attn.wqkv.weight", "attn.wqkv.bias") and layer + "attn.wo.weight" in scales:
         start = cfg.q_size + cfg.kv_size  # the value rows
-        yield 1 / value_scales(cfg, scales[layer + "attn.wo.weight"]), slice(start, start + cfg.kv_size), False
+        yield 1 / value_scales(cfg, scales[layer + "attn.wo.weight"]), slice(start, start + cfg.kv_size)
     if name.endswith(("w_gate_up.weight", "w_gate_up.bias")):
         down = name.rsplit(".", 2)[0] + ".w_down.weight"
         if down in scales:
             size = len(scales[down])  # the up rows: the second half
-            yield 1 / scales[down], slice(size, 2 * size), False
+            yield 1 / scales[down], slice(size, 2 * size)
 
 
 def value_scales(cfg, o_scales: np.ndarray) -> np.ndarray:
