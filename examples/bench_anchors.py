@@ -34,8 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tk.runtimes.generate import generate
-from tk.runtimes.ort_runtime import open_ort
+from tk.runtimes.decoding.generate import generate
+from tk.runtimes.backends.ort import open_ort
 
 
 def tk_ort(artifact: Path, threads: int, huge_pages: bool = True):
@@ -134,7 +134,7 @@ def genai_anchor(checkpoint: Path, folder: Path, threads: int, precision: str = 
 def _worker(name: str, args: argparse.Namespace, conn) -> None:
     """One stack in its own process: ORT thread pools of different stacks never share a process."""
     if name.startswith("tk"):
-        from tk.runtimes.ort_runtime import use_shared_thread_pool
+        from tk.runtimes.backends.ort import use_shared_thread_pool
 
         use_shared_thread_pool()  # this worker process is tk's alone, as in the tk command
     make = {"transformers": lambda: transformers_anchor(args.checkpoint, args.threads),
@@ -162,7 +162,7 @@ def _rss() -> int:
 
 
 def _label(artifact: Path) -> str:
-    from tk.models.artifact import Manifest
+    from tk.models.spec.manifest import Manifest
 
     m = Manifest.read(artifact)
     v, p = m.variant, m.precision
@@ -190,8 +190,8 @@ def decode_bytes(checkpoint: Path, context: int, artifact: Path | None = None) -
     gathered; a tied head reads the whole table anyway), plus the KV cache of `context` tokens.
     With a tk `artifact`, its weights file's bytes (quantized weights are smaller); else the
     checkpoint's parameters in float32."""
-    from tk.models.loading import read_config
-    from tk.models.artifact import Precision
+    from tk.models.checkpoint.loading import read_config
+    from tk.models.spec.manifest import Precision
     from tk.toolkit.tools.describe import memory_plan
 
     cfg = read_config(checkpoint)
@@ -221,7 +221,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--report", type=Path)
     ap.add_argument("--also-without-huge-pages", action="store_true",
-                    help="also run each artifact with its weights on ordinary 4 KiB pages (runtimes/hugepages.py)")
+                    help="also run each artifact with its weights on ordinary 4 KiB pages (runtimes/backends/hugepages.py)")
     args = ap.parse_args()
 
     args.tk = {}  # label -> (artifact, huge pages)

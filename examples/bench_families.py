@@ -1,7 +1,7 @@
 """The families issue's benchmarks: a mixture of experts against a dense model of the same active
 parameters, and a Gemma-3-style model at long context against short.
 
-Writes the presets (models/presets.py) `small` (55M, dense), `small-moe` (Mixtral-style, 8 experts of
+Writes the presets (models/fixtures/presets.py) `small` (55M, dense), `small-moe` (Mixtral-style, 8 experts of
 half small's FFN, top 2: small's active parameters, 106M in all) and `small-gemma3` (12 layers, 5
 sliding with a window of 512 to 1 global), plus a control: `small-gemma3` with every layer global.
 Exports each `--for ort-cpu` (the fastest CPU graphs; the Gemma ones with a static cache of 4,608
@@ -41,7 +41,7 @@ def sh(*args) -> str:
 
 def prepare(work: Path) -> dict[str, Path]:
     """name -> artifact (written and exported once; kept between runs of this script)."""
-    from tk.models.presets import write_preset
+    from tk.models.fixtures.presets import write_preset
 
     models = {"small": ("small", {}), "small-moe": ("small-moe", {}), "small-gemma3": ("small-gemma3", {}),
               "all-global": ("small-gemma3", {"sliding_window_pattern": 1})}  # (i + 1) % 1 == 0: every layer global
@@ -60,7 +60,7 @@ def prepare(work: Path) -> dict[str, Path]:
 RSS_PROBE = """
 import os, sys
 import numpy as np
-from tk.runtimes.ort_runtime import OrtRuntime
+from tk.runtimes.backends.ort import OrtRuntime
 
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -151,8 +151,8 @@ def run_long(url: str, model: str | None, requests) -> tuple[dict, list[dict]]:
 
 
 def solo_tokens(artifact: Path, requests) -> list[list[int]]:
-    from tk.models.artifact import Manifest
-    from tk.runtimes.generate import generate
+    from tk.models.spec.manifest import Manifest
+    from tk.runtimes.decoding.generate import generate
     from tk.toolkit.backends import BackendOptions, open_runtime
 
     manifest = Manifest.read(artifact)
@@ -236,7 +236,7 @@ def main() -> None:
     ap.add_argument("--no-check", action="store_true", help="Skip the solo check (tokens are still counted)")
     ap.add_argument("--report", type=Path)
     args = ap.parse_args()
-    from tk.models.artifact import Manifest
+    from tk.models.spec.manifest import Manifest
 
     vocab = Manifest.read(args.artifact).dims.vocab_size
     specs = [s.split("=", 1) for s in args.server] + [[u, u] for u in args.url] or [["tk", f"tk serve {args.artifact} --slots {args.slots} "

@@ -40,9 +40,9 @@ def write_checkpoint(folder: Path, shape: str, dtype: str, shard_bytes: int = 2 
     import torch
     from safetensors.torch import save_file
 
-    from tk.models.families import config_from_hf
-    from tk.models.loading import hf_shapes
-    from tk.models.presets import _LLAMA, train_tokenizer
+    from tk.models.checkpoint.families import config_from_hf
+    from tk.models.checkpoint.loading import hf_shapes
+    from tk.models.fixtures.presets import _LLAMA, train_tokenizer
 
     hf = {**_LLAMA, **SHAPES[shape], "torch_dtype": {"fp32": "float32", "fp16": "float16"}[dtype]}
     folder.mkdir(parents=True, exist_ok=True)
@@ -132,8 +132,8 @@ def watched(cmd: list[str], max_rss: int) -> str:
 
 RUNTIME = """
 import json, sys
-from tk.runtimes.ort_runtime import OrtRuntime
-from tk.runtimes.generate import generate
+from tk.runtimes.backends.ort import OrtRuntime
+from tk.runtimes.decoding.generate import generate
 def mem():
     rss = int(open('/proc/self/statm').read().split()[1]) * 4096
     pss = next(int(l.split()[1]) * 1024 for l in open('/proc/self/smaps_rollup') if l.startswith('Pss:'))

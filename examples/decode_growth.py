@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tk.runtimes.generate import generate
-from tk.runtimes.ort_runtime import open_ort
+from tk.runtimes.decoding.generate import generate
+from tk.runtimes.backends.ort import open_ort
 
 
 def main() -> None:

@@ -11,9 +11,9 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from tk.models.presets import write_preset
-from tk.runtimes.generate import generate
-from tk.runtimes.sampling import SamplingConfig
+from tk.models.fixtures.presets import write_preset
+from tk.runtimes.decoding.generate import generate
+from tk.runtimes.decoding.sampling import SamplingConfig
 from tk.toolkit.pipeline.export import export_artifact
 from tk.toolkit.backends import open_runtime
 from tk.toolkit.textgen import Tokenizer

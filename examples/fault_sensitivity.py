@@ -22,10 +22,10 @@ import math
 import tempfile
 from pathlib import Path
 
-from tk.models.positions import rope_inv_freq
-from tk.models.loading import load_decoder
-from tk.models.presets import PRESETS, write_preset
-from tk.runtimes.torch_runtime import TorchRuntime
+from tk.models.reference.positions import rope_inv_freq
+from tk.models.checkpoint.loading import load_decoder
+from tk.models.fixtures.presets import PRESETS, write_preset
+from tk.runtimes.backends.torch import TorchRuntime
 from tk.toolkit.verify.metrics import random_cases, tolerance_for
 from tk.toolkit.verify.compare import compare_backends
 

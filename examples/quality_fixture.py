@@ -54,10 +54,10 @@ def main() -> None:
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from tk.models.decoder import Decoder
-    from tk.models.families import config_from_hf
-    from tk.models.loading import SINGLE_FILE
-    from tk.models.presets import EOS, PAD, _hf_names, next_token_step
+    from tk.models.reference.decoder import Decoder
+    from tk.models.checkpoint.families import config_from_hf
+    from tk.models.checkpoint.loading import SINGLE_FILE
+    from tk.models.fixtures.presets import EOS, PAD, _hf_names, next_token_step
 
     out = args.out
     out.mkdir(parents=True, exist_ok=True)

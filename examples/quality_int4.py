@@ -123,7 +123,7 @@ def main() -> None:
     ap.add_argument("--report", type=Path)
     args = ap.parse_args()
 
-    from tk.runtimes.ort_runtime import OrtRuntime
+    from tk.runtimes.backends.ort import OrtRuntime
     from tk.toolkit.backends import reference_runtime
     from tk.toolkit.pipeline.export import export_artifact
     from tk.toolkit.textgen import Tokenizer

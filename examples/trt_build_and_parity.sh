@@ -7,7 +7,7 @@ work=$(mktemp -d -t tk-trt-XXXX)
 ckpt=${1:-}
 if [ -z "$ckpt" ]; then
   ckpt=$work/checkpoint
-  python -c "from tk.models.presets import write_preset; write_preset('tiny', '$ckpt')"
+  python -c "from tk.models.fixtures.presets import write_preset; write_preset('tiny', '$ckpt')"
 fi
 tk doctor
 tk export "$ckpt" -o "$work/artifact"

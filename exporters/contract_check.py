@@ -11,8 +11,8 @@ from pathlib import Path
 
 import onnx
 
-from tk.models import contract
-from tk.models.dtypes import DTYPES
+from tk.models.spec import contract
+from tk.models.spec.dtypes import DTYPES
 
 _ELEM = {d.onnx: d.name for d in DTYPES.values()}
 FORBIDDEN_OPS = ("If", "Loop", "Scan")

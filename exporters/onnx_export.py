@@ -17,10 +17,10 @@ import torch
 from torch import nn
 from torch.export import Dim
 
-from tk.models import contract
-from tk.models.artifact import STATIC_OPSET, Target, Variant
-from tk.models.decoder import Decoder
-from tk.models.errors import TkError
+from tk.models.spec import contract
+from tk.models.spec.manifest import STATIC_OPSET, Target, Variant
+from tk.models.reference.decoder import Decoder
+from tk.models.spec.errors import TkError
 from tk.exporters.quantize_graph import dequantize_matmuls
 from tk.exporters.replicate import TRACED_LAYERS, grow, order_io
 from tk.exporters.weights import attach_external, export_view
@@ -56,7 +56,7 @@ class GraphModule(nn.Module):
             write_index, rest = rest[0], rest[1:]
         past = [(rest[2 * i], rest[2 * i + 1]) for i in range(len(rest) // 2)] or None
         if self.fused:  # ONNX Runtime's kernels (tk export --target ort)
-            from tk.models import ort_kernels
+            from tk.models.reference import ort_kernels
 
             out = ort_kernels.forward(self.model, input_ids, attention_mask, position_ids, past, write_index,
                                       self.last_only, self.decode_prefills)
@@ -264,7 +264,7 @@ def _trace(model: Decoder, graph: str, dims: contract.GraphDims, variant: Varian
     if static:
         table[torch.ops.tk.kv_write.default] = _tensor_scatter
     if fused:
-        import tk.models.ort_kernels  # noqa: F401  (registers the tk:: ops)
+        import tk.models.reference.ort_kernels  # noqa: F401  (registers the tk:: ops)
 
         _register_contrib_schemas()
         table[torch.ops.tk.add_rms_norm.default] = _skip_simplified_layer_norm

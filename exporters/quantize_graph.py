@@ -29,7 +29,7 @@ EMBED = PREFIX + "embed.weight"
 
 def dequantize_matmuls(ir_model, table: dict[str, tuple], schemes: dict, base_dir: Path) -> int:
     """Rewrite every MatMul that reads a weight stored quantized in `table` (`schemes`: initializer
-    name -> its models/quantize.py Scheme), and the embedding's Gather when its table is quantized;
+    name -> its models/quant/quantize.py Scheme), and the embedding's Gather when its table is quantized;
     returns how many MatMuls."""
     import onnx_ir as ir
 

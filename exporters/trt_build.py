@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from tk.models import contract
-from tk.models.artifact import Manifest, sha256_file
-from tk.models.dtypes import canonical_dtype
-from tk.models.errors import TRT_MISSING, TkError, UsageProblem
+from tk.models.spec import contract
+from tk.models.spec.manifest import Manifest, sha256_file
+from tk.models.spec.dtypes import canonical_dtype
+from tk.models.spec.errors import TRT_MISSING, TkError, UsageProblem
 
 
 class EngineBuildError(TkError, RuntimeError):

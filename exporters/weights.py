@@ -17,7 +17,7 @@ becomes `MatMul(x, W')`, a copy per graph, named differently in each). tk instea
 Offsets are planned from the view alone (`plan_weights`), so the graphs can be traced while the
 file is written. With quantized weights (a quantized `Precision`) each linear `weight_t` is
 written as `.quant` (int4/uint4 packed two per byte, or int8/uint8), `.scale` and, with zero
-points, `.zero` entries instead (models/quantize.py), which exporters/quantize_graph.py reads
+points, `.zero` entries instead (models/quant/quantize.py), which exporters/quantize_graph.py reads
 through DequantizeLinear; a quantized embedding is read from such a table too.
 """
 
@@ -32,13 +32,13 @@ import torch
 from onnx.external_data_helper import ExternalDataInfo
 from torch import nn
 
-from tk.models.config import DecoderConfig
-from tk.models.decoder import Decoder, RMSNorm
-from tk.models.positions import rope_inv_freq
-from tk.models.artifact import Precision
-from tk.models.calibration import Calibration
-from tk.models.loading import CheckpointReader, ReusableBuffer
-from tk.models.quantize import Scheme, blocks_of, pack_int4, quant_plan, quantize
+from tk.models.spec.config import DecoderConfig
+from tk.models.reference.decoder import Decoder, RMSNorm
+from tk.models.reference.positions import rope_inv_freq
+from tk.models.spec.manifest import Precision
+from tk.models.quant.calibration import Calibration
+from tk.models.checkpoint.loading import CheckpointReader, ReusableBuffer
+from tk.models.quant.quantize import Scheme, blocks_of, pack_int4, quant_plan, quantize
 
 WEIGHTS_FILE = "weights.onnx.data"
 ALIGN = 4096  # a page: ONNX Runtime maps page-aligned external data instead of reading it
@@ -80,7 +80,7 @@ def export_view(cfg: DecoderConfig, dtype: torch.dtype) -> Decoder:
 def _tensor(reader: CheckpointReader, name: str, dtype: torch.dtype,
             bufs: tuple[ReusableBuffer, ReusableBuffer], calibration: Calibration | None = None) -> torch.Tensor:
     """One tensor of the export view, computed from the checkpoint (in `bufs` when large), with
-    calibration's channel scales applied (models/calibration.py)."""
+    calibration's channel scales applied (models/quant/calibration.py)."""
     cfg = reader.cfg
     if name in ("inv_freq", "inv_freq_local"):
         return rope_inv_freq(cfg, "local" if name.endswith("local") else "global")
@@ -96,7 +96,7 @@ def _tensor(reader: CheckpointReader, name: str, dtype: torch.dtype,
 
 def quant_table(view: Decoder, precision: Precision | None) -> dict[str, Scheme]:
     """The view's initializers a quantized export stores as integers (QUANT, SCALE and, with zero
-    points, ZERO entries), each with its scheme (models/quantize.py `quant_plan`): `W_t` for a linear
+    points, ZERO entries), each with its scheme (models/quant/quantize.py `quant_plan`): `W_t` for a linear
     layer's weight; `model.embed.weight_t` for an untied quantized embedding (a tied one is gathered
     from the LM head's table, and the float table is not written)."""
     if precision is None or not precision.quantized:
@@ -155,7 +155,7 @@ def write_weights(reader: CheckpointReader, view: Decoder, path: Path, dtype: to
                   stop: threading.Event | None = None, precision: Precision | None = None,
                   calibration: Calibration | None = None) -> dict[str, tuple] | None:
     """Stream every parameter and buffer of the view into `path`, at the places `plan_weights` gives
-    (quantizing where `precision` says, models/quantize.py, with `calibration`'s channel scales and
+    (quantizing where `precision` says, models/quant/quantize.py, with `calibration`'s channel scales and
     importance); -> that plan, or None when `stop` was set before the end (the caller failed meanwhile)."""
     table, bufs = plan_weights(view, precision), (ReusableBuffer(), ReusableBuffer())  # read, transposed
     schemes = quant_table(view, precision)

@@ -12,7 +12,7 @@ server never build masks or positions; `session.keep(rows)` lets finished rows l
 cache grows is the export's cache layout (runtimes/cache_layouts.py), written once for every
 backend: a backend implements only `_load`, `_unload` (which puts back what `_load` set), `_run`
 (one graph, contract-named numpy feeds) and a few buffer hooks. Serving's slots are not the
-runtime's: runtimes/slots.py opens them over a runtime and its static layout. Imports nothing heavy.
+runtime's: runtimes/serving/slots.py opens them over a runtime and its static layout. Imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from typing import Literal
 
 import numpy as np
 
-from tk.models import contract
-from tk.models.artifact import ArtifactError
-from tk.models.dtypes import DTYPES
+from tk.models.spec import contract
+from tk.models.spec.manifest import ArtifactError
+from tk.models.spec.dtypes import DTYPES
 from tk.runtimes.cache_layouts import layout_for
 from tk.runtimes.errors import BackendUnavailable, InputError, RuntimeProblem
 from tk.runtimes.session import Session, StepOutput
@@ -196,7 +196,7 @@ class Runtime(ABC):
 
     def _read_positions(self, buf, row: int, start: int, end: int):
         """A copy of row `row`'s positions start .. end - 1 of a static buffer, (1, H, n, D), that
-        `_copy_positions` takes as its source (a prefix cache's block: runtimes/batching.py)."""
+        `_copy_positions` takes as its source (a prefix cache's block: runtimes/serving/batching.py)."""
         return np.array(self._to_numpy(buf)[row:row + 1, :, start:end])
 
     row_views = True  # `_leading` views a buffer's first rows without a copy (else slots run every row)

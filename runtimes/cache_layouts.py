@@ -12,7 +12,7 @@
   prompts that run through the decode graph go in runs of at most dims.max_run tokens. Its rows
   can also be slots, one session whose rows requests take and leave, each at its own length
   (`open_slots`, `begin`, `prefill_slot` a chunk at a time, `read_slot`/`load_slot` for cached
-  prefixes, `step_slots`, `free`; serving's runtimes/slots.py). A narrow mask (dims.narrow_mask)
+  prefixes, `step_slots`, `free`; serving's runtimes/serving/slots.py). A narrow mask (dims.narrow_mask)
   is fed only as wide as the rows need, rounded up to NARROW_STEP.
 
 The layouts' `rt` is the session's runtime (tk.runtimes.base.Runtime, which imports this
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tk.models import contract
+from tk.models.spec import contract
 from tk.runtimes.errors import InputError
 from tk.runtimes.session import Session, StaticState, StepOutput
 
@@ -255,7 +255,7 @@ class StaticLayout(_Layout):
         super().keep(rt, s, rows)
         s.static = StaticState.over(s.mask, s.positions, s.static.write[rows])
 
-    # --- slots: one session whose rows requests take and leave (runtimes/slots.py) ---
+    # --- slots: one session whose rows requests take and leave (runtimes/serving/slots.py) ---
 
     def open_slots(self, rt, count: int) -> Session:
         """An empty session of `count` slots, each a row of the capacity buffers (the session's

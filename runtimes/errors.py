@@ -1,10 +1,10 @@
-"""The errors runtimes raise for the CLI to report (tk.models.errors maps them to exit codes).
+"""The errors runtimes raise for the CLI to report (tk.models.spec.errors maps them to exit codes).
 Beneath every other runtimes module, so that each can raise them; tk.runtimes.base re-exports them.
 """
 
 from __future__ import annotations
 
-from tk.models.errors import TkError
+from tk.models.spec.errors import TkError
 
 
 class RuntimeProblem(TkError):

@@ -23,11 +23,11 @@ def error_line(result) -> str:
 
 def refused_export(checkpoint: Path, out: Path, monkeypatch, *args) -> str:
     """`tk export CHECKPOINT -o OUT ARGS` must exit 2 before reading a weight and leave no OUT: its error line."""
-    import tk.models.loading
+    import tk.models.checkpoint.loading
 
     def no(*a, **k):
         raise AssertionError("weights were read for an export whose options are bad")
-    monkeypatch.setattr(tk.models.loading, "load_state_dict", no)
+    monkeypatch.setattr(tk.models.checkpoint.loading, "load_state_dict", no)
     result = run("export", checkpoint, "-o", out, *args)
     assert result.exit_code == 2, result.output
     assert not out.exists()

@@ -66,7 +66,7 @@ def artifacts(tmp_path_factory, checkpoints):
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     """The built-in tiny preset as a checkpoint folder."""
-    from tk.models.presets import write_preset
+    from tk.models.fixtures.presets import write_preset
 
     return write_preset("tiny", tmp_path_factory.mktemp("tiny"))
 
@@ -74,7 +74,7 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="session")
 def trained_like(tmp_path_factory):
     """The trained-like preset (24 layers, vocab 32768, logits ~30, growing residual stream)."""
-    from tk.models.presets import write_preset
+    from tk.models.fixtures.presets import write_preset
 
     return write_preset("trained-like", tmp_path_factory.mktemp("trained-like"))
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from tk.models.presets import train_tokenizer
+from tk.models.fixtures.presets import train_tokenizer
 
 VOCAB = 384
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

@@ -8,7 +8,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from tk.models.artifact import Manifest
+from tk.models.spec.manifest import Manifest
 from tk.runtimes.base import Runtime, StepOutput
 from tk.toolkit import backends
 from tk.toolkit.cli.main import main

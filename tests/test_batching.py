@@ -1,4 +1,4 @@
-"""The continuous batcher (runtimes/batching.py): requests join and leave a running batch of slots
+"""The continuous batcher (runtimes/serving/batching.py): requests join and leave a running batch of slots
 at different lengths, and each one's tokens equal `tk generate` of its prompt alone."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ import threading
 import numpy as np
 import pytest
 
-from tk.models.artifact import Manifest
+from tk.models.spec.manifest import Manifest
 from tk.runtimes.base import InputError
-from tk.runtimes.batching import Batcher, BatcherClosed, QueueFull, Request, wait_all
-from tk.runtimes.generate import generate
-from tk.runtimes.slots import Slots
-from tk.runtimes.sampling import SamplingConfig
+from tk.runtimes.serving.batching import Batcher, BatcherClosed, QueueFull, Request, wait_all
+from tk.runtimes.decoding.generate import generate
+from tk.runtimes.serving.slots import Slots
+from tk.runtimes.decoding.sampling import SamplingConfig
 from tk.toolkit.backends import BackendOptions, open_runtime
 
 pytestmark = pytest.mark.slow
@@ -176,7 +176,7 @@ def test_log_probabilities_of_prompt_and_tokens_equal_the_reference(serve_artifa
     """A request's prompt and token log-probabilities are the log-softmax of the reference's logits,
     also where the prefill returns only the last position's (the fast variant: the prompt then goes
     through the decode graph one token per step), and with processors changing what it samples."""
-    from tk.runtimes.logits import log_softmax, logit_bias
+    from tk.runtimes.decoding.logits import log_softmax, logit_bias
 
     artifact = request.getfixturevalue("fast_artifact") if variant == "fast" else serve_artifact
     m = Manifest.read(artifact)

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from tk.models import contract
+from tk.models.spec import contract
 
 from clitools import error_line, refused_export, run
 
@@ -83,7 +83,7 @@ def test_export_bad_options_exit_2_before_loading_weights(tiny, tmp_path, args, 
 
 
 def test_demo_presets_come_from_the_table():
-    from tk.models.presets import PRESETS
+    from tk.models.fixtures.presets import PRESETS
 
     help_text = " ".join(run("demo", "--help").output.split())
     assert f"--preset [{'|'.join(PRESETS)}]" in help_text and "[default: trained]" in help_text

@@ -17,12 +17,12 @@ import torch
 
 from conftest import FAMILY_NAMES, assert_close
 from hf_models import hf_greedy
-from tk.models import contract
+from tk.models.spec import contract
 from tk.exporters.contract_check import graph_problems
 from tk.exporters.weights import WEIGHTS_FILE, external_initializers
-from tk.models.artifact import Manifest
-from tk.runtimes.generate import generate
-from tk.runtimes.ort_runtime import OrtRuntime
+from tk.models.spec.manifest import Manifest
+from tk.runtimes.decoding.generate import generate
+from tk.runtimes.backends.ort import OrtRuntime
 from tk.toolkit.pipeline.export import export_artifact
 from tk.toolkit.verify.metrics import random_cases, run_trace, tolerance_for
 
@@ -125,7 +125,7 @@ def test_weights_live_in_external_data_and_reload_elsewhere(artifacts, tmp_path)
 
 def test_both_graphs_share_one_weights_file(artifacts, checkpoints):
     """The artifact is the size of the weights plus two small graphs: prefill and decode read one file."""
-    from tk.models.loading import load_decoder
+    from tk.models.checkpoint.loading import load_decoder
 
     art = artifacts("llama")
     assert sorted(p.name for p in art.glob("*.data")) == [WEIGHTS_FILE]
@@ -172,7 +172,7 @@ def test_weights_stream_from_the_checkpoint_into_the_file(tiny, tmp_path):
     """The export view is traced on the meta device (no weight in memory); each tensor is written once,
     transposed to [in, out] for MatMul, in the export's dtype (bf16 written as its 16 bits)."""
     from tk.exporters.weights import export_view
-    from tk.models.loading import load_decoder, read_config
+    from tk.models.checkpoint.loading import load_decoder, read_config
 
     view = export_view(read_config(tiny), torch.bfloat16)
     assert all(p.device.type == "meta" for p in view.parameters())

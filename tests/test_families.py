@@ -21,16 +21,17 @@ from test_batching import SLOTS, _mix, _solo
 from test_ort_target import PROMPTS, _decode_both
 from tk.exporters.onnx_export import traced_layers
 from tk.exporters.replicate import TRACED_LAYERS
-from tk.models import ort_kernels
-from tk.models.artifact import Manifest
-from tk.models.options import ExportOptions
-from tk.models.config import DecoderConfig
-from tk.models.loading import load_decoder, read_config
-from tk.models.quantize import quantized_layers
-from tk.runtimes.torch_runtime import TorchRuntime
+from tk.models.reference import ort_kernels
+from tk.models.spec.config import fused_unsupported
+from tk.models.spec.manifest import Manifest
+from tk.models.spec.options import ExportOptions
+from tk.models.spec.config import DecoderConfig
+from tk.models.checkpoint.loading import load_decoder, read_config
+from tk.models.quant.quantize import quantized_layers
+from tk.runtimes.backends.torch import TorchRuntime
 from tk.toolkit.tools.describe import inspect_path
-from tk.runtimes.batching import Batcher, Request, wait_all
-from tk.runtimes.generate import generate, left_pad
+from tk.runtimes.serving.batching import Batcher, Request, wait_all
+from tk.runtimes.decoding.generate import generate, left_pad
 from tk.toolkit.backends import BackendOptions, open_runtime
 from tk.toolkit.pipeline.export import export_artifact
 from tk.toolkit.verify.compare import parity
@@ -48,7 +49,7 @@ def test_fused_ops_compute_what_the_reference_layers_compute(checkpoints, family
     """The ort target's eager fused forward (post-norm adds, projection q/k norms on the packed
     qkv, do_rotary off in NoPE layers, Granite's scale and multipliers) is the reference's math."""
     model = load_decoder(checkpoints(family))
-    assert ort_kernels.unsupported(model.config) == []
+    assert fused_unsupported(model.config) == []
     ExportOptions.from_flags(profile="ort-cpu").for_model(model.config).check(model.config)  # not refused
     ids, mask = (torch.from_numpy(a) for a in left_pad(PROMPTS))
     assert _decode_both(model, ids, mask, steps=6, capacity=capacity) < 1e-5

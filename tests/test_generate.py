@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from tk.models import contract
-from tk.models.artifact import Manifest
-from tk.models.errors import UsageProblem
+from tk.models.spec import contract
+from tk.models.spec.manifest import Manifest
+from tk.models.spec.errors import UsageProblem
 from tk.runtimes.base import InputError
-from tk.runtimes.generate import generate
-from tk.runtimes.sampling import Sampler, SamplingConfig
+from tk.runtimes.decoding.generate import generate
+from tk.runtimes.decoding.sampling import Sampler, SamplingConfig
 from tk.toolkit.backends import open_runtime
 from tk.toolkit.cli.main import main
 
@@ -279,7 +279,7 @@ def test_ort_weight_modes_give_the_same_tokens(tiny_artifact):
     """Default: both sessions read the memory-mapped weights file; --prepack: each repacks its own copy;
     swap_sessions (export validation): one session at a time, the cache handed back as numpy so the
     other session's map of the weights is gone."""
-    from tk.runtimes.ort_runtime import OrtRuntime
+    from tk.runtimes.backends.ort import OrtRuntime
 
     runs = {}
     for name, kw in (("shared", {}), ("prepack", {"prepack": True}), ("swap", {"swap_sessions": True})):

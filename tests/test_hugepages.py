@@ -1,4 +1,4 @@
-"""runtimes/hugepages.py: memory that appeared after a snapshot is put on 2-MiB pages, as the
+"""runtimes/backends/hugepages.py: memory that appeared after a snapshot is put on 2-MiB pages, as the
 kernel itself reports (smaps), and memory that was there before is left alone."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tk.runtimes import hugepages
+from tk.runtimes.backends import hugepages
 
 
 def _anon_huge_kib(address: int) -> int:
@@ -79,7 +79,7 @@ def test_nothing_to_do_is_quiet():
 
 @pytest.mark.parametrize("wanted", [True, False])
 def test_ort_runtime_asks_only_for_what_its_sessions_mapped(tiny_artifact, monkeypatch, wanted):
-    from tk.runtimes.ort_runtime import open_ort
+    from tk.runtimes.backends.ort import open_ort
 
     asked = []
     monkeypatch.setattr(hugepages, "back_with_huge_pages", lambda regions: asked.append(regions) or 0)

@@ -11,10 +11,10 @@ from safetensors.torch import save_file
 
 from conftest import assert_close
 from hf_models import load_hf
-from tk.models.config import DecoderConfig, UnsupportedModelError
-from tk.models.families import config_from_hf
-from tk.models.contract import position_ids_from_mask
-from tk.models.loading import CheckpointError, load_decoder
+from tk.models.spec.config import DecoderConfig, UnsupportedModelError
+from tk.models.checkpoint.families import config_from_hf
+from tk.models.spec.contract import position_ids_from_mask
+from tk.models.checkpoint.loading import CheckpointError, load_decoder
 
 
 def _cfg(**kw):
@@ -300,7 +300,7 @@ def test_new_fields_are_validated(kw, message):
 def test_olmo2_checkpoint_tensor_names(checkpoints):
     """OLMo 2's block norms are post_attention_layernorm and post_feedforward_layernorm (no
     input_layernorm), its q/k norms as wide as the projections."""
-    from tk.models.loading import weight_map
+    from tk.models.checkpoint.loading import weight_map
 
     cfg = load_decoder(checkpoints("olmo2")).config
     m = weight_map(cfg)

@@ -1,10 +1,10 @@
-"""Logits processors and log-probabilities (runtimes/logits.py): pure numpy, each against its definition."""
+"""Logits processors and log-probabilities (runtimes/decoding/logits.py): pure numpy, each against its definition."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from tk.runtimes.logits import Penalties, log_softmax, logit_bias, min_tokens, token_logprobs
+from tk.runtimes.decoding.logits import Penalties, log_softmax, logit_bias, min_tokens, token_logprobs
 
 
 def _logits(seed=0, v=50):
@@ -40,7 +40,7 @@ def test_bias_min_tokens_and_penalties_change_what_they_say():
 
 
 def test_the_sampler_never_draws_a_banned_token_and_a_tiny_temperature_is_greedy():
-    from tk.runtimes.sampling import Sampler, SamplingConfig
+    from tk.runtimes.decoding.sampling import Sampler, SamplingConfig
 
     x = np.full((1, 50), -np.inf, dtype=np.float32)
     x[0, [3, 49]] = [0.0, -30.0]  # the last token: a mass far below float32's epsilon of the total
@@ -53,7 +53,7 @@ def test_the_sampler_never_draws_a_banned_token_and_a_tiny_temperature_is_greedy
 def test_a_backend_that_cannot_score_a_prompt_says_how_to_export_one():
     from types import SimpleNamespace
 
-    from tk.runtimes.slots import Slots
+    from tk.runtimes.serving.slots import Slots
 
     trt = SimpleNamespace(name="trt", all_prefill_logits=False, row_slices=False)
     assert "--prefill-logits all" in Slots.prompt_logits_problem(trt)

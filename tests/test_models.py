@@ -7,10 +7,10 @@ import torch
 
 from conftest import ALL_NAMES, assert_close
 from hf_models import hf_greedy, load_hf
-from tk.models.contract import position_ids_from_mask
-from tk.models.loading import load_decoder
-from tk.runtimes.generate import generate
-from tk.runtimes.torch_runtime import TorchRuntime
+from tk.models.spec.contract import position_ids_from_mask
+from tk.models.checkpoint.loading import load_decoder
+from tk.runtimes.decoding.generate import generate
+from tk.runtimes.backends.torch import TorchRuntime
 
 
 def _batch(vocab: int, seed: int = 1):

@@ -15,15 +15,16 @@ from click.testing import CliRunner
 
 from hf_models import hf_greedy
 from test_parity import _drop_mask
-from tk.models import contract, ort_kernels
-from tk.models.artifact import Manifest
-from tk.models.contract import position_ids_from_mask
-from tk.models.loading import load_decoder
-from tk.runtimes.generate import generate, left_pad
+from tk.models.spec import contract
+from tk.models.reference import ort_kernels
+from tk.models.spec.manifest import Manifest
+from tk.models.spec.contract import position_ids_from_mask
+from tk.models.checkpoint.loading import load_decoder
+from tk.runtimes.decoding.generate import generate, left_pad
 from tk.runtimes.base import InputError
-from tk.runtimes.ort_runtime import OrtRuntime, open_ort
-from tk.runtimes.slots import Slots
-from tk.runtimes.torch_runtime import TorchRuntime
+from tk.runtimes.backends.ort import OrtRuntime, open_ort
+from tk.runtimes.serving.slots import Slots
+from tk.runtimes.backends.torch import TorchRuntime
 from tk.toolkit.pipeline.export import export_artifact
 from tk.toolkit.cli.main import main
 from tk.toolkit.verify.metrics import tolerance_for

@@ -16,10 +16,10 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from conftest import FAMILY_NAMES
-from tk.models.decoder import RMSNorm
-from tk.models.loading import load_decoder
-from tk.models.positions import rope_inv_freq
-from tk.runtimes.torch_runtime import TorchRuntime
+from tk.models.reference.decoder import RMSNorm
+from tk.models.checkpoint.loading import load_decoder
+from tk.models.reference.positions import rope_inv_freq
+from tk.runtimes.backends.torch import TorchRuntime
 from tk.toolkit.cli.main import main
 from tk.toolkit.verify.compare import BackendReport, CaseReport, ParityReport, compare_backends, parity
 from tk.toolkit.verify.metrics import (Comparison, Divergence, StepResult, Trace, compare_traces, measure_traces,

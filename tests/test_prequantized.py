@@ -100,10 +100,10 @@ def test_prequantized_checkpoint_exports_its_integers(tiny, tmp_path, method):
     """The reader unpacks exactly the integers the packer wrote (the reference's weights are their
     dequantized values); the export stores them as uint4 with zero points, partial last group
     included (the FFN's K, 176, is 5.5 groups of 32); ORT's greedy tokens equal the reference's."""
-    from tk.models.artifact import Manifest
-    from tk.models.loading import load_decoder
-    from tk.runtimes.generate import generate
-    from tk.runtimes.ort_runtime import OrtRuntime
+    from tk.models.spec.manifest import Manifest
+    from tk.models.checkpoint.loading import load_decoder
+    from tk.runtimes.decoding.generate import generate
+    from tk.runtimes.backends.ort import OrtRuntime
     from tk.toolkit.backends import reference_runtime
     from tk.toolkit.pipeline.export import export_artifact
 

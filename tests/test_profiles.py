@@ -8,12 +8,12 @@ import json
 
 import pytest
 
-from tk.models.artifact import Manifest, Precision, Variant
+from tk.models.spec.manifest import Manifest, Precision, Variant
 
-from tk.models.options import PROFILE_CAPACITY, PROFILES, ExportOptions
-from tk.models.families import config_from_hf
-from tk.models.errors import UsageProblem
-from tk.models.presets import PRESETS
+from tk.models.spec.options import PROFILE_CAPACITY, PROFILES, ExportOptions
+from tk.models.checkpoint.families import config_from_hf
+from tk.models.spec.errors import UsageProblem
+from tk.models.fixtures.presets import PRESETS
 from tk.toolkit.tools.describe import describe_profile, matching_profiles
 
 from clitools import refused_export, run

@@ -1,4 +1,4 @@
-"""The quantizers themselves (models/quantize.py), on weights drawn heavy-tailed like a trained
+"""The quantizers themselves (models/quant/quantize.py), on weights drawn heavy-tailed like a trained
 model's: partial blocks, integer ranges, zero points that store 0 exactly, a search that never does
 worse than round-to-nearest and does better overall, calibration's weights reaching the channels
 they weight, the per-tensor plan of mixed precision, and tk eval's KL divergence."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tk.models.artifact import Precision
-from tk.models.quantize import QTensor, Scheme, dequantize, pack_int4, quant_plan, quantize, sensitive_layers, unpack_int4
+from tk.models.spec.manifest import Precision
+from tk.models.quant.quantize import QTensor, Scheme, dequantize, pack_int4, quant_plan, quantize, sensitive_layers, unpack_int4
 
 
 def heavy(k: int, n: int, seed: int = 0) -> np.ndarray:
@@ -77,7 +77,7 @@ def test_pack_int4_round_trips_signed_and_unsigned():
 
 
 def test_mixed_precision_plan():
-    from tk.models.config import DecoderConfig
+    from tk.models.spec.config import DecoderConfig
 
     cfg = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=24, num_heads=4,
                         num_kv_heads=2, tie_embeddings=False)
@@ -108,15 +108,15 @@ def test_divergence_is_kl_and_top1():
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "gemma3", "olmo2", "qwen2_moe"])
 def test_channel_scales_keep_the_function_and_lower_the_error(family, tmp_path):
-    """Activation-aware scales (models/calibration.py) on each kind of block: GQA and MQA value rows
+    """Activation-aware scales (models/quant/calibration.py) on each kind of block: GQA and MQA value rows
     (and their biases), Gemma's (1 + w) sandwich norms, OLMo 2's post-norms (no norm to fold into:
     QKV and gate/up stay unscaled), a mixture of experts with a shared expert (each expert's down
     through its own up rows; the shared norm not folded). The scaled float model computes the same
     logits; every scaled weight has less importance-weighted round-to-nearest error than unscaled."""
     import torch
 
-    from tk.models.calibration import Calibration, channel_scales
-    from tk.models.loading import load_decoder
+    from tk.models.quant.calibration import Calibration, channel_scales
+    from tk.models.checkpoint.loading import load_decoder
 
     from hf_models import make_checkpoint
 

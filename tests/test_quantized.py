@@ -38,7 +38,7 @@ def quantized(tmp_path_factory, checkpoints):
 
 @pytest.mark.parametrize("family,weights", QUANT_CASES)
 def test_quantized_export_validates_and_fuses(quantized, family, weights):
-    from tk.models.artifact import Manifest
+    from tk.models.spec.manifest import Manifest
 
     art = quantized(family, weights)
     m = Manifest.read(art)
@@ -64,7 +64,7 @@ def test_quantized_reference_is_what_the_graphs_compute(quantized, checkpoints):
     """The quantized reference differs from the full-precision one (the weights really are
     quantized), ORT multiplying in float matches it to float32 rounding, and ORT's int8 compute
     lands between."""
-    from tk.runtimes.ort_runtime import OrtRuntime
+    from tk.runtimes.backends.ort import OrtRuntime
     from tk.toolkit.backends import reference_runtime
 
     art = quantized("llama", "int4")
@@ -87,7 +87,7 @@ def test_quantized_reference_is_what_the_graphs_compute(quantized, checkpoints):
 
 
 def test_int4_weights_file_is_an_eighth(quantized, artifacts):
-    from tk.models.artifact import Manifest
+    from tk.models.spec.manifest import Manifest
     from tk.toolkit.tools.describe import weight_bytes_by_dtype
 
     fp = weight_bytes_by_dtype(artifacts("llama"), Manifest.read(artifacts("llama")))
@@ -100,8 +100,8 @@ def test_unfused_matmul_fails_naming_it(quantized, tmp_path):
     """A DequantizeLinear that also feeds a graph output cannot fuse: the check names its MatMul."""
     import shutil
 
-    from tk.models.artifact import GraphFile, Manifest, sha256_file
-    from tk.models.errors import CheckFailed
+    from tk.models.spec.manifest import GraphFile, Manifest, sha256_file
+    from tk.models.spec.errors import CheckFailed
     from tk.toolkit.verify.quant import check_fused
 
     art = tmp_path / "art"
@@ -131,9 +131,9 @@ def test_int4_fast_export_runs_one_session_and_benches(quantized):
     """The CPU deployment export (int4, --target ort, static cache, last logits): its decode graph
     also prefills, so ORT holds one session (one packed copy of the weights); it validates both
     ways of prefilling, generates what prefill.onnx generates, and tk bench reads its real bytes."""
-    from tk.models.artifact import Manifest
-    from tk.runtimes.generate import generate
-    from tk.runtimes.ort_runtime import OrtRuntime
+    from tk.models.spec.manifest import Manifest
+    from tk.runtimes.decoding.generate import generate
+    from tk.runtimes.backends.ort import OrtRuntime
 
     art = quantized("llama", "int4", target="ort", kv_cache="static", max_seq_len=64, prefill_logits="last")
     m = Manifest.read(art)
@@ -212,7 +212,7 @@ def test_bad_quantization_options(checkpoints, tmp_path, flags, message):
 
 
 def test_build_engine_refuses_blocks_tensorrt_does_not_take(quantized):
-    from tk.models.artifact import Manifest
+    from tk.models.spec.manifest import Manifest
 
     art = quantized("llama", "int4", zero_points=False)  # symmetric, block 32: ONNX Runtime's default, not TensorRT's
     assert any(p["rule"] == "int4-block" for p in Manifest.read(art).trt_lint["problems"])
@@ -222,7 +222,7 @@ def test_build_engine_refuses_blocks_tensorrt_does_not_take(quantized):
 
 
 def test_int4_block_128_passes_the_tensorrt_lint(tmp_path, trained_like):
-    from tk.models.artifact import Manifest
+    from tk.models.spec.manifest import Manifest
     from tk.toolkit.pipeline.export import export_artifact
 
     # the lint reads the graphs, not the integers: round-to-nearest makes the same graphs as the search, sooner
@@ -237,7 +237,7 @@ def test_int4_block_128_passes_the_tensorrt_lint(tmp_path, trained_like):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    from tk.models.presets import write_preset
+    from tk.models.fixtures.presets import write_preset
 
     return write_preset("trained", tmp_path_factory.mktemp("trained"))
 
@@ -246,7 +246,7 @@ def trained(tmp_path_factory):
 def test_trained_model_keeps_its_tokens_within_the_table(trained, tmp_path, weights):
     """On a model really trained, quantization costs what the table expects: a quantizer that
     scrambles scales or nibbles (and still matches its own reference) fails here."""
-    from tk.models.artifact import Manifest
+    from tk.models.spec.manifest import Manifest
     from tk.toolkit.pipeline.export import export_artifact
     from tk.toolkit.verify.quant import QUANT_TABLE
 
@@ -262,8 +262,8 @@ def test_mixed_precision_and_the_tied_table(checkpoints, tmp_path):
     gathered from: no float embedding is written) and the sensitive layers' QKV and down projections
     in uint8, the rest uint4, every MatMul fused, the graphs equal to their reference, and tk inspect
     counts the bytes by type."""
-    from tk.models.artifact import Manifest
-    from tk.models.quantize import sensitive_layers
+    from tk.models.spec.manifest import Manifest
+    from tk.models.quant.quantize import sensitive_layers
     from tk.toolkit.pipeline.export import export_artifact
     from tk.toolkit.tools.describe import weight_bytes_by_dtype
 
@@ -292,10 +292,10 @@ def test_calibration_weights_the_search_and_rebuilds_its_reference(trained, tmp_
     parity) still matches the graphs."""
     from safetensors.numpy import load_file
 
-    from tk.models.artifact import Manifest
-    from tk.models.presets import CORPUS
-    from tk.models.quantize import Scheme, pack_int4, quantize
-    from tk.toolkit.pipeline.calibrate import load
+    from tk.models.spec.manifest import Manifest
+    from tk.models.fixtures.presets import CORPUS
+    from tk.models.quant.quantize import Scheme, pack_int4, quantize
+    from tk.models.quant.calibration import load
 
     text = tmp_path / "calibration.txt"
     text.write_text(CORPUS * 2, encoding="utf-8")

@@ -132,7 +132,7 @@ def _check(command: str, out: subprocess.CompletedProcess) -> None:
 
 
 def test_every_readme_block_runs_verbatim_in_one_fresh_folder(tmp_path):
-    from tk.models.presets import CORPUS, write_preset
+    from tk.models.fixtures.presets import CORPUS, write_preset
 
     # the tiny preset with a real context, and sizes whose every K a block of 32, 64 or 128 divides
     # (int4 for ONNX Runtime and for TensorRT), and a chat template (tk generate --chat)

@@ -22,7 +22,7 @@ MATRIX = {"mixtral-static-fp16"}  # run by pytest -m families (CI's time)
 
 def _run(artifact, steps: int = 5):
     """Logits, hidden states and final cache of a left-padded batch of 2, greedy."""
-    from tk.runtimes.ort_runtime import OrtRuntime
+    from tk.runtimes.backends.ort import OrtRuntime
 
     ids = np.array([[1, 1, 5, 9, 17, 33], [4, 8, 15, 16, 23, 42]], np.int64)
     mask = np.array([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], np.int64)

@@ -1,4 +1,4 @@
-"""One row policy (runtimes/rows.py) for `tk generate` and the batcher, checked without an artifact:
+"""One row policy (runtimes/decoding/rows.py) for `tk generate` and the batcher, checked without an artifact:
 the policy alone, then the real static layout, slots, batcher and generation loop over a numpy
 stand-in for a static-cache export whose logits depend on every visible cache position."""
 
@@ -10,12 +10,12 @@ import threading
 import numpy as np
 import pytest
 
-from tk.models import contract
+from tk.models.spec import contract
 from tk.runtimes.base import InputError, Runtime, StepOutput
-from tk.runtimes.batching import Batcher, Request, wait_all
-from tk.runtimes.generate import Generation, generate
-from tk.runtimes.rows import FinishReason, RowPolicy, seen_matrix
-from tk.runtimes.sampling import SamplingConfig
+from tk.runtimes.serving.batching import Batcher, Request, wait_all
+from tk.runtimes.decoding.generate import Generation, generate
+from tk.runtimes.decoding.rows import FinishReason, RowPolicy, seen_matrix
+from tk.runtimes.decoding.sampling import SamplingConfig
 
 V, CAPACITY = 64, 48
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tk.runtimes.generate import generate
+from tk.runtimes.decoding.generate import generate
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +27,7 @@ def unchanged_by_activation(rt) -> dict:
 
 @pytest.mark.parametrize("kw", [{}, {"swap_sessions": True}, {"prefill_via": "prefill"}])
 def test_ort_runtime_is_restored_by_deactivation(tiny_artifact, kw):
-    from tk.runtimes.ort_runtime import OrtRuntime
+    from tk.runtimes.backends.ort import OrtRuntime
 
     rt = OrtRuntime(tiny_artifact, **kw)
     loaded = unchanged_by_activation(rt)
@@ -37,7 +37,7 @@ def test_ort_runtime_is_restored_by_deactivation(tiny_artifact, kw):
 
 
 def test_torch_runtime_is_restored_by_deactivation(tiny, tiny_artifact):
-    from tk.models.artifact import Manifest
+    from tk.models.spec.manifest import Manifest
     from tk.toolkit.backends import torch_reference
 
     m = Manifest.read(tiny_artifact)

@@ -1,4 +1,4 @@
-"""Serving's scheduler (runtimes/scheduler.py) and prefix cache (runtimes/prefix_cache.py), driven
+"""Serving's scheduler (runtimes/serving/scheduler.py) and prefix cache (runtimes/serving/prefix_cache.py), driven
 alone: no model, no artifact, no thread (vLLM's tests/v1/core/test_scheduler.py style). The loop's
 part is played by hand: `advance` each planned chunk, `finish` a request that ended."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tk.runtimes.prefix_cache import PrefixCache
-from tk.runtimes.scheduler import QueueFull, Scheduler, Seq, State
+from tk.runtimes.serving.prefix_cache import PrefixCache
+from tk.runtimes.serving.scheduler import QueueFull, Scheduler, Seq, State
 
 
 def _ran(sched: Scheduler, plan) -> None:

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from tk.models.artifact import Manifest
-from tk.runtimes.sampling import SamplingConfig
+from tk.models.spec.manifest import Manifest
+from tk.runtimes.decoding.sampling import SamplingConfig
 from tk.toolkit.backends import BackendOptions, open_runtime
 from tk.toolkit.cli.main import main
 from tk.toolkit.textgen import Tokenizer, generate_text
@@ -33,7 +33,7 @@ WORDS = "the cat sat on a mat and then it ran far away into the dark wood where 
 
 @pytest.fixture(scope="module")
 def server(serve_artifact):
-    from tk.toolkit.serving.openai_server import ServeOptions, open_server
+    from tk.toolkit.serving.openai.server import ServeOptions, open_server
 
     srv, sock = open_server(serve_artifact, "ort", BackendOptions(), ServeOptions(port=0, slots=4, model_name="tiny", drain_s=1.0))
     sock.close()  # in_thread binds its own
@@ -219,7 +219,7 @@ def test_two_hundred_requests_with_hangups_and_garbage_leak_no_slot(server, solo
 
 
 def test_a_full_queue_gets_429(serve_artifact):
-    from tk.toolkit.serving.openai_server import ServeOptions, open_server
+    from tk.toolkit.serving.openai.server import ServeOptions, open_server
 
     srv, sock = open_server(serve_artifact, "ort", BackendOptions(), ServeOptions(port=0, slots=1, max_queue=0, model_name="tiny", drain_s=0.0))
     sock.close()

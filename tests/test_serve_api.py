@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from tk.models.artifact import Manifest
-from tk.runtimes.sampling import SamplingConfig
+from tk.models.spec.manifest import Manifest
+from tk.runtimes.decoding.sampling import SamplingConfig
 from tk.toolkit.backends import BackendOptions, open_runtime
 from tk.toolkit.serving.frontend import Params
 from tk.toolkit.textgen import Tokenizer, generate_text
@@ -29,7 +29,7 @@ TEXTS = ["the cat sat on the mat", "Numbers: 1 2 3 4 5 6", "def f(x): return x *
 
 
 def _serve(artifact, backend: str, **options):
-    from tk.toolkit.serving.openai_server import ServeOptions, open_server
+    from tk.toolkit.serving.openai.server import ServeOptions, open_server
 
     srv, sock = open_server(artifact, backend, BackendOptions(),
                             ServeOptions(port=0, slots=8, max_queue=128, model_name="tiny", drain_s=1.0, **options))

@@ -8,11 +8,11 @@ import pytest
 from click.testing import CliRunner
 
 from hf_models import hf_greedy
-from tk.models.artifact import Manifest
+from tk.models.spec.manifest import Manifest
 from tk.runtimes.base import InputError
 from tk.runtimes.cache_layouts import StaticLayout
-from tk.runtimes.generate import generate
-from tk.runtimes.ort_runtime import open_ort
+from tk.runtimes.decoding.generate import generate
+from tk.runtimes.backends.ort import open_ort
 from tk.toolkit.cli.main import main
 from tk.toolkit.pipeline.export import export_artifact
 from tk.toolkit.verify.compare import parity

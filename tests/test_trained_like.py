@@ -11,8 +11,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from tk.models.artifact import Manifest
-from tk.models.loading import load_decoder
+from tk.models.spec.manifest import Manifest
+from tk.models.checkpoint.loading import load_decoder
 from tk.toolkit.pipeline.export import export_artifact
 from tk.toolkit.cli.main import main
 

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from tk.models.artifact import Manifest
-from tk.runtimes.sampling import SamplingConfig
+from tk.models.spec.manifest import Manifest
+from tk.runtimes.decoding.sampling import SamplingConfig
 from tk.toolkit.backends import BackendOptions, open_runtime
 from tk.toolkit.cli.main import main
 from tk.toolkit.textgen import Tokenizer, generate_text

@@ -14,10 +14,10 @@ from onnx import TensorProto, helper
 
 from tk.exporters.trt_build import Limits, compute_profiles
 from tk.exporters.trt_lint import lint_graphs, lint_model
-from tk.models import contract
-from tk.models.artifact import Manifest, sha256_file
-from tk.models.errors import UsageProblem
-from tk.runtimes.trt_runtime import engine_problems, profile_problem
+from tk.models.spec import contract
+from tk.models.spec.manifest import Manifest, sha256_file
+from tk.models.spec.errors import UsageProblem
+from tk.runtimes.backends.trt import engine_problems, profile_problem
 from tk.toolkit.cli.main import main
 
 DIMS = contract.GraphDims(num_layers=2, num_kv_heads=2, head_dim=16, vocab_size=512, kv_dtype="float32")
@@ -96,7 +96,7 @@ def built(tiny_artifact, tmp_path):
 
 
 def test_engine_meta_round_trip_has_no_problems(built):
-    from tk.runtimes.trt_runtime import read_engine_meta
+    from tk.runtimes.backends.trt import read_engine_meta
 
     art, meta = built
     assert read_engine_meta(art) == meta

@@ -14,9 +14,9 @@ import types
 import numpy as np
 import pytest
 
-from tk.models import contract
-from tk.runtimes import trt_runtime
-from tk.runtimes.generate import generate
+from tk.models.spec import contract
+from tk.runtimes.backends import trt as trt_runtime
+from tk.runtimes.decoding.generate import generate
 from tk.toolkit.verify.metrics import run_trace
 
 
@@ -141,7 +141,7 @@ def test_sessions_give_back_every_device_buffer(fake_trt):
 @pytest.mark.parametrize("fake_trt", ["static"], indirect=True)  # slots live in a static cache
 def test_serving_slots_copy_inside_their_buffers_and_give_them_back(fake_trt):
     from tk.runtimes.base import InputError
-    from tk.runtimes.batching import Batcher, Request, wait_all
+    from tk.runtimes.serving.batching import Batcher, Request, wait_all
 
     art, device = fake_trt
     with pytest.raises(InputError, match="--slots 4"):

@@ -61,7 +61,7 @@ def test_installed_tk_lives_beside_other_models_and_toolkit_packages(wheel, tmp_
     for name in ("models", "toolkit"):  # another project's top-level packages of the same names
         (site / name).mkdir()
         (site / name / "__init__.py").write_text(f"OWNER = 'dummy {name}'\n")
-    code = ("import models, toolkit, tk, tk.models.contract, tk.models.artifact, tk.toolkit.cli.main\n"
+    code = ("import models, toolkit, tk, tk.models.spec.contract, tk.models.spec.manifest, tk.toolkit.cli.main\n"
             "print(models.OWNER, toolkit.OWNER, models.__file__, *tk.__path__, tk.toolkit.cli.main.__file__, sep='\\n')")
     out = subprocess.run([str(python), "-c", code], cwd=tmp_path, check=True, capture_output=True, text=True)
     owner_m, owner_t, models_file, *tk_paths, cli_file = out.stdout.splitlines()

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from tk.models.artifact import ArtifactError, Manifest, sha256_file
+from tk.models.spec.manifest import ArtifactError, Manifest, sha256_file
 
 
 PROVIDERS = ("auto", "cpu", "cuda")
@@ -62,7 +62,7 @@ def reference_runtime(artifact: str | Path, manifest: Manifest | None = None, dt
     quantized = manifest.precision if manifest.precision.quantized and quantized else None
     calibration = None
     if quantized is not None and quantized.calibration:
-        from tk.toolkit.pipeline.calibrate import load
+        from tk.models.quant.calibration import load
 
         calibration = load(Path(artifact))
     return torch_reference(source, manifest.dims, manifest.max_context, dtype, device, debug, quantized, static_cache,
@@ -74,10 +74,10 @@ def torch_reference(source: Path, dims, max_context: int, dtype: str = "float32"
     """The reference decoder of the checkpoint at `source` for graphs of `dims`, loaded on activation;
     with `quantized` (a quantized Precision), the quantized reference: its linear weights are what
     the artifact's quantized weights dequantize to (with the export's `calibration`)."""
-    from tk.runtimes.torch_runtime import TorchRuntime
+    from tk.runtimes.backends.torch import TorchRuntime
 
     def load():
-        from tk.models.loading import load_decoder, quantize_weights_
+        from tk.models.checkpoint.loading import load_decoder, quantize_weights_
 
         model = load_decoder(source, dtype)
         return quantize_weights_(model, quantized, calibration) if quantized is not None else model
@@ -94,14 +94,14 @@ def _open_torch(artifact: Path, manifest: Manifest, options: BackendOptions):
 
 
 def _open_ort(artifact: Path, manifest: Manifest, options: BackendOptions):
-    from tk.runtimes.ort_runtime import OrtRuntime
+    from tk.runtimes.backends.ort import OrtRuntime
 
     return OrtRuntime(artifact, threads=options.threads, provider=options.provider, prepack=options.prepack,
                       quant_compute=options.quant_compute)
 
 
 def _open_trt(artifact: Path, manifest: Manifest, options: BackendOptions):
-    from tk.runtimes.trt_runtime import TrtRuntime
+    from tk.runtimes.backends.trt import TrtRuntime
 
     return TrtRuntime(artifact)
 

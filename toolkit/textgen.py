@@ -11,10 +11,10 @@ import threading
 from pathlib import Path
 from typing import Callable, Sequence
 
-from tk.models.artifact import ArtifactError
+from tk.models.spec.manifest import ArtifactError
 from tk.runtimes.base import InputError, Runtime
-from tk.runtimes.generate import Generation, GenerationResult
-from tk.runtimes.sampling import SamplingConfig
+from tk.runtimes.decoding.generate import Generation, GenerationResult
+from tk.runtimes.decoding.sampling import SamplingConfig
 
 _HF_LOCK = threading.Lock()
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from tk.models.errors import CheckFailed
+from tk.models.spec.errors import CheckFailed
 from tk.toolkit.backends import BackendOptions
 from tk.toolkit.cli.options import BackendList, BackendName, backend_options
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import click
 
-from tk.models.artifact import DEFAULT_BLOCK, DEFAULT_METHOD, METHODS, MIXED, QUANTIZED, CacheLayout, PrefillLogits, Target
+from tk.models.spec.manifest import DEFAULT_BLOCK, DEFAULT_METHOD, METHODS, MIXED, QUANTIZED, CacheLayout, PrefillLogits, Target
 
-from tk.models.options import PROFILE_CAPACITY, PROFILES
-from tk.models.dtypes import DTYPE_CHOICES
+from tk.models.spec.options import PROFILE_CAPACITY, PROFILES
+from tk.models.spec.dtypes import DTYPE_CHOICES
 from tk.toolkit.cli.options import choices, progress
 
 
@@ -70,7 +70,7 @@ def export(model_dir: Path, out: Path, profile: str | None, dtype: str | None, o
            quant_method: str | None, zero_points: bool | None, mixed_precision: str | None,
            quantize_embedding: bool | None, lm_head_block_size: int | None, calibration: Path | None) -> None:
     """Export MODEL_DIR (a Hugging Face checkpoint folder) to prefill/decode ONNX graphs."""
-    from tk.models.options import ExportOptions
+    from tk.models.spec.options import ExportOptions
 
     options = ExportOptions.from_flags(  # every flag checked before any work
         profile=profile, dtype=dtype, opset=opset, kv_cache=kv_cache, max_seq_len=max_seq_len, target=target,

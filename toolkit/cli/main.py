@@ -16,7 +16,7 @@ from importlib import metadata
 
 import click
 
-from tk.models.errors import CheckFailed, TkError
+from tk.models.spec.errors import CheckFailed, TkError
 from tk.toolkit.cli import check, export, run, serve
 
 
@@ -59,7 +59,7 @@ for command in (export.export, check.inspect, run.generate, check.parity, run.ev
 
 def entry() -> None:
     """The `tk` console script: this process is tk's own, so its ORT sessions share one thread pool."""
-    from tk.runtimes.ort_runtime import use_shared_thread_pool
+    from tk.runtimes.backends.ort import use_shared_thread_pool
 
     use_shared_thread_pool()
     main()

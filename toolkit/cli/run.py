@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from tk.models.presets import PRESETS
+from tk.models.fixtures.presets import PRESETS
 from tk.toolkit.backends import BackendOptions
 from tk.toolkit.cli.options import BackendList, BackendName, backend_options
 
@@ -34,8 +34,8 @@ def generate(artifact: Path, backend: str, prompts: tuple[str, ...], prompt_ids:
              top_p: float, repetition_penalty: float, seed: int, stops: tuple[str, ...], ignore_eos: bool,
              threads: int | None, device: str, provider: str, prepack: bool, as_json: bool) -> None:
     """Generate text from an exported ARTIFACT on one backend."""
-    from tk.models.artifact import Manifest
-    from tk.runtimes.sampling import SamplingConfig
+    from tk.models.spec.manifest import Manifest
+    from tk.runtimes.decoding.sampling import SamplingConfig
     from tk.toolkit.backends import open_runtime
     from tk.toolkit.textgen import Tokenizer, generate_text, parse_ids
 
@@ -124,7 +124,7 @@ def bench(artifact: Path, backends: list[str], prompt_len: int, new_tokens: int,
 
 @click.command()
 @click.option("--preset", default="trained", show_default=True, type=click.Choice(list(PRESETS)),
-              help="Built-in model preset (models/presets.py): trained is really trained, for about 10 s, so its "
+              help="Built-in model preset (models/fixtures/presets.py): trained is really trained, for about 10 s, so its "
                    "text reads as text; the others have seeded random weights.")
 @click.option("--prompt", default="Once upon a time", show_default=True)
 @click.option("--max-new-tokens", default=24, show_default=True, type=click.IntRange(min=1))

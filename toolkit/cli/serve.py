@@ -1,5 +1,5 @@
 """`tk serve` and `tk triton`: the serving commands (registered on tk.toolkit.cli.main's group, which
-imports this module last). Option parsing only; toolkit/serving/openai_server.py and toolkit/serving/triton_repo.py do the work."""
+imports this module last). Option parsing only; toolkit/serving/openai/server.py and toolkit/serving/triton/repo.py do the work."""
 
 from __future__ import annotations
 
@@ -45,8 +45,8 @@ def serve(artifact: Path, backend: str, host: str, port: int, slots: int, max_qu
           drain: float, api_key: str | None, max_body_bytes: int, step_tokens: int | None, prefix_cache_mib: int,
           no_prefix_cache: bool, threads: int | None, device: str, provider: str, prepack: bool) -> None:
     """Serve an ARTIFACT (static cache) over the OpenAI API, with continuous batching."""
-    from tk.runtimes.scheduler import limits_problem
-    from tk.toolkit.serving.openai_server import ServeOptions, open_server
+    from tk.runtimes.serving.scheduler import limits_problem
+    from tk.toolkit.serving.openai.server import ServeOptions, open_server
 
     if problem := limits_problem(slots, max_queue, step_tokens):  # (--slots and --max-queue are checked by click)
         raise click.BadParameter(problem, param_hint="--step-tokens")
@@ -85,7 +85,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 def triton(artifact: Path, out: Path, model_name: str | None, backend: str, slots: int, max_queue: int,
            threads: int | None, prepack: bool, copy_artifact: bool, native: bool, sys_path: bool, force: bool) -> None:
     """Write a Triton model repository that serves ARTIFACT (static cache) with tk's batcher."""
-    from tk.toolkit.serving.triton_repo import write_repository
+    from tk.toolkit.serving.triton.repo import write_repository
 
     click.echo(str(write_repository(artifact, out, model_name, backend, slots, max_queue, threads, prepack,
                                     copy_artifact, native, sys_path, force)))

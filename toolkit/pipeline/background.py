@@ -17,7 +17,7 @@ import threading
 import time
 import traceback
 
-from tk.models.errors import TkError
+from tk.models.spec.errors import TkError
 
 
 class Background:

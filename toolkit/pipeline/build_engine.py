@@ -1,5 +1,5 @@
 """`tk build-engine`: composing the TensorRT build layer (exporters/trt_build.py) with the
-environment probe (runtimes/trt_runtime.py), and writing engines atomically."""
+environment probe (runtimes/backends/trt.py), and writing engines atomically."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Callable
 
 from tk.exporters.trt_build import Limits, build_engines, compute_profiles
-from tk.models import contract
-from tk.models.artifact import ArtifactError, Manifest, Target
-from tk.models.errors import UsageProblem, FilesystemProblem
+from tk.models.spec import contract
+from tk.models.spec.manifest import ArtifactError, Manifest, Target
+from tk.models.spec.errors import UsageProblem, FilesystemProblem
 
 
 def build(artifact: Path, precision: str | None, max_batch: int, max_input_len: int | None, max_seq_len: int | None,
@@ -31,7 +31,7 @@ def build(artifact: Path, precision: str | None, max_batch: int, max_input_len: 
     compute_profiles(manifest.dims, limits, manifest.max_context)  # the flags are checked first
     if (artifact / contract.ENGINE_META).exists() and not force:
         raise FilesystemProblem(f"{artifact} already has engines; pass --force to rebuild them")
-    from tk.runtimes.trt_runtime import trt_environment
+    from tk.runtimes.backends.trt import trt_environment
 
     env = trt_environment()  # says what is missing (TensorRT, a GPU) before any work
     meta, engines = build_engines(artifact, manifest, env, precision, limits, workspace, timing_cache, progress)

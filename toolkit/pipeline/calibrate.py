@@ -1,9 +1,9 @@
 """`tk export --calibration FILE`: the input channels' mean squared activation of every quantized
 weight, measured by the full-precision reference decoder on the user's text (llama.cpp's importance
 matrix, `llama-imatrix`), and the activation-aware channel scales searched with it (AWQ): the scale
-search (models/quantize.py) weighs each channel's rounding error by it, so the channels the model
+search (models/quant/quantize.py) weighs each channel's rounding error by it, so the channels the model
 actually drives get the finer grid, and the scales give those channels more of their blocks
-(models/calibration.py).
+(models/quant/calibration.py).
 
 Bounded: at most MAX_TOKENS tokens of the file, in windows of WINDOW (a forward pass each, no
 cache, no gradient); only [K] sums are kept per weight. The artifact keeps the result
@@ -17,23 +17,20 @@ from pathlib import Path
 
 import numpy as np
 
-from tk.models.calibration import Calibration
-from tk.models.errors import UsageProblem
+from tk.models.quant.calibration import Calibration, channel_scales
+from tk.models.spec.errors import UsageProblem
 
 MAX_TOKENS = 16384
 WINDOW = 512
-CALIBRATION_FILE = "calibration.npz"
-SCALES = "scales:"  # its keys: our weight names (importance), and SCALES + name (channel scales)
 
 
 def calibrate(model_dir: Path, config, precision, text_file: Path) -> tuple[Calibration, dict]:
     """-> (the statistics and channel scales, the manifest's record)."""
     import torch
 
-    from tk.models.artifact import sha256_file
-    from tk.models.calibration import channel_scales
-    from tk.models.loading import load_decoder
-    from tk.models.quantize import quant_plan
+    from tk.models.spec.manifest import sha256_file
+    from tk.models.checkpoint.loading import load_decoder
+    from tk.models.quant.quantize import quant_plan
     from tk.toolkit.textgen import Tokenizer
 
     try:
@@ -69,17 +66,3 @@ def calibrate(model_dir: Path, config, precision, text_file: Path) -> tuple[Cali
     scales = channel_scales(model, quant_plan(config, precision), importance)
     return Calibration(importance, scales), {"file": Path(text_file).name, "sha256": sha256_file(Path(text_file)),
                                              "tokens": len(ids), "scaled_weights": len(scales)}
-
-
-def save(folder: Path, calibration: Calibration) -> None:
-    np.savez(folder / CALIBRATION_FILE, **calibration.importance,
-             **{SCALES + name: s for name, s in calibration.scales.items()})
-
-
-def load(folder: Path) -> Calibration | None:
-    path = Path(folder) / CALIBRATION_FILE
-    if not path.is_file():
-        return None
-    with np.load(path) as data:
-        return Calibration({k: data[k] for k in data.files if not k.startswith(SCALES)},
-                           {k.removeprefix(SCALES): data[k] for k in data.files if k.startswith(SCALES)})

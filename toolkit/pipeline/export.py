@@ -27,16 +27,16 @@ from tk.exporters.contract_check import check_graph_file
 from tk.exporters.onnx_export import CONTRIB_OPS, finish_graph, trace_graph
 from tk.exporters.trt_lint import lint_graphs
 from tk.exporters.weights import WEIGHTS_FILE, export_view, quant_table, weights_record, write_weights
-from tk.models import contract
-from tk.models.artifact import GraphFile, Manifest, Target, graph_dims, sha256_file
-from tk.models.calibration import Calibration
-from tk.models.options import PROFILES, ExportOptions
-from tk.models.prequantized import read_prequantized
-from tk.models.dtypes import DTYPES
-from tk.models.errors import FilesystemProblem
-from tk.models.loading import CheckpointReader, read_config, torch_dtype
+from tk.models.spec import contract
+from tk.models.spec.manifest import GraphFile, Manifest, Target, graph_dims, sha256_file
+from tk.models.quant.calibration import Calibration, save as save_calibration
+from tk.models.spec.options import PROFILES, ExportOptions
+from tk.models.checkpoint.prequantized import read_prequantized
+from tk.models.spec.dtypes import DTYPES
+from tk.models.spec.errors import FilesystemProblem
+from tk.models.checkpoint.loading import CheckpointReader, read_config, torch_dtype
 from tk.toolkit.pipeline.background import Background
-from tk.toolkit.pipeline.calibrate import calibrate, save as save_calibration
+from tk.toolkit.pipeline.calibrate import calibrate
 from tk.toolkit.pipeline.validate import reference_run, run_validation
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",

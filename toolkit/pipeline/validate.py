@@ -12,10 +12,10 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from tk.models.artifact import Manifest, graph_dims
+from tk.models.spec.manifest import Manifest, graph_dims
 
-from tk.models.options import ExportOptions
-from tk.models.errors import CheckFailed
+from tk.models.spec.options import ExportOptions
+from tk.models.spec.errors import CheckFailed
 from tk.toolkit.backends import reference_runtime, torch_reference
 from tk.toolkit.pipeline.background import Background
 from tk.toolkit.verify.compare import ParityReport, ReferenceRun, compare_backends, run_reference
@@ -33,7 +33,7 @@ def validate(artifact: Path, manifest: Manifest, steps: int = VALIDATION_STEPS,
     quantization error (toolkit/verify/quant.py) are checked after. `reference`: the runs of
     `reference_run` when made already (export makes them beside tracing). Returns the manifest
     record, a printable table, and what failed first (None when all passed)."""
-    from tk.runtimes.ort_runtime import OrtRuntime
+    from tk.runtimes.backends.ort import OrtRuntime
 
     tol = tolerance_for(manifest.dtype, manifest.config)
     cases = random_cases(manifest.dims.vocab_size)

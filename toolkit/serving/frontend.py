@@ -1,6 +1,6 @@
 """What both serving front ends do alike, written once: a client's generation parameters made a
 batcher `Request`, its text as the tokens arrive, when it stops, and what is counted under which
-metric names. toolkit/serving/openai_server.py (HTTP) and triton_backend.py (inside Triton) keep
+metric names. toolkit/serving/openai/server.py (HTTP) and triton_backend.py (inside Triton) keep
 only their transport: how a request arrives, how each piece of text leaves, and the metrics
 library they count with.
 
@@ -22,10 +22,10 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from tk.runtimes.base import InputError
-from tk.runtimes.batching import Batcher, Request
-from tk.runtimes.logits import Penalties, Processor, logit_bias, min_tokens
-from tk.runtimes.rows import FinishReason, TokenEvent
-from tk.runtimes.sampling import SamplingConfig
+from tk.runtimes.serving.batching import Batcher, Request
+from tk.runtimes.decoding.logits import Penalties, Processor, logit_bias, min_tokens
+from tk.runtimes.decoding.rows import FinishReason, TokenEvent
+from tk.runtimes.decoding.sampling import SamplingConfig
 from tk.toolkit.textgen import TextStream, Tokenizer
 
 METRICS = {  # every tk metric's name and help; tk serve exports them all, Triton's model the ones it updates
@@ -65,7 +65,7 @@ class Params:
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None  # each token's log-probability, with this many alternatives
     prompt_logprobs: int | None = None  # the prompt's tokens' too
-    constraint: Constraint | None = None  # a grammar the text must follow (toolkit/serving/structured.py)
+    constraint: Constraint | None = None  # a grammar the text must follow (toolkit/serving/openai/structured.py)
 
     def sampling(self, choice: int = 0) -> SamplingConfig:
         """The sampling of one of the request's choices (UsageProblem names a value no API schema

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import numpy as np
 
-from tk.models.artifact import Manifest
-from tk.models.config import DecoderConfig
-from tk.models.contract import DECODE
-from tk.models.errors import UsageProblem
+from tk.models.spec.manifest import Manifest
+from tk.models.spec.config import DecoderConfig
+from tk.models.spec.contract import DECODE
+from tk.models.spec.errors import UsageProblem
 from tk.runtimes.base import BackendUnavailable
-from tk.runtimes.generate import generate
+from tk.runtimes.decoding.generate import generate
 from tk.toolkit.backends import BackendOptions, open_runtime
 from tk.toolkit.tools.describe import describe_profile, matching_profiles, memory_plan
 
@@ -171,7 +171,7 @@ def profile_decode(artifact: Path, prompt_len: int = 128, new_tokens: int = 64, 
                    top: int = 8) -> dict:
     """Where a decode step's time goes on ORT: Python and binding overhead (the step's wall time
     minus ORT's own run time) against ORT's run, and the op types that take the kernel time."""
-    from tk.runtimes.ort_runtime import OrtRuntime
+    from tk.runtimes.backends.ort import OrtRuntime
 
     with OrtRuntime(artifact, threads=threads, profile=True) as rt:
         prompt = np.random.default_rng(0).integers(0, rt.dims.vocab_size, prompt_len).tolist()

@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from tk.models.presets import write_preset
-from tk.runtimes.generate import left_pad
-from tk.runtimes.sampling import SamplingConfig
+from tk.models.fixtures.presets import write_preset
+from tk.runtimes.decoding.generate import left_pad
+from tk.runtimes.decoding.sampling import SamplingConfig
 from tk.toolkit.backends import open_runtime, reference_runtime
 from tk.toolkit.pipeline.export import export_artifact
 from tk.toolkit.verify.metrics import tolerance_for

@@ -6,12 +6,12 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from tk.models import contract
-from tk.models.artifact import Manifest, Precision, Variant
-from tk.models.options import PROFILES
-from tk.models.config import DecoderConfig
-from tk.models.dtypes import DTYPES
-from tk.models.loading import hf_shapes, read_config, weight_map
+from tk.models.spec import contract
+from tk.models.spec.manifest import Manifest, Precision, Variant
+from tk.models.spec.options import PROFILES
+from tk.models.spec.config import DecoderConfig
+from tk.models.spec.dtypes import DTYPES
+from tk.models.checkpoint.loading import hf_shapes, read_config, weight_map
 
 
 def parameter_count(cfg: DecoderConfig) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import platform
 from importlib import metadata
 
-from tk.models.artifact import ArtifactError
+from tk.models.spec.manifest import ArtifactError
 from tk.runtimes.base import BackendUnavailable
 from tk.toolkit.backends import BACKENDS
 
@@ -37,7 +37,7 @@ def doctor_report() -> dict:
     except ImportError:
         report["onnxruntime"] = {"available": False, "hint": "pip install onnxruntime"}
     try:
-        from tk.runtimes.trt_runtime import trt_environment
+        from tk.runtimes.backends.trt import trt_environment
 
         env = trt_environment()
         report["tensorrt"] = {"available": True, "version": env["tensorrt_version"], "gpu": env["gpu_name"],

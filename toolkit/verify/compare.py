@@ -17,10 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
-from tk.models.artifact import Manifest
-from tk.models.errors import UsageProblem
+from tk.models.spec.manifest import Manifest
+from tk.models.spec.errors import UsageProblem
 from tk.runtimes.base import BackendUnavailable, InputError, Runtime
-from tk.runtimes.generate import left_pad
+from tk.runtimes.decoding.generate import left_pad
 from tk.toolkit.backends import BackendOptions, open_runtime, reference_runtime
 from tk.toolkit.verify.metrics import (Comparison, Divergence, Tolerance, Trace, compare_traces, random_cases,
                                        run_trace, tolerance_for)

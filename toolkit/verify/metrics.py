@@ -17,9 +17,9 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from tk.models.contract import present_names
+from tk.models.spec.contract import present_names
 from tk.runtimes.base import Runtime
-from tk.runtimes.generate import left_pad
+from tk.runtimes.decoding.generate import left_pad
 
 
 # Unit roundoff (half the machine epsilon) of each activation dtype.

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tk.models.artifact import Manifest
-from tk.models.errors import UsageProblem
+from tk.models.spec.manifest import Manifest
+from tk.models.spec.errors import UsageProblem
 from tk.runtimes.base import BackendUnavailable, InputError
 from tk.toolkit.backends import BackendOptions, open_runtime, reference_runtime
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tk.runtimes.base import Runtime
-from tk.runtimes.generate import left_pad
+from tk.runtimes.decoding.generate import left_pad
 from tk.toolkit.verify.metrics import Tolerance
 
 

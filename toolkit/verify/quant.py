@@ -16,14 +16,14 @@ from pathlib import Path
 
 import numpy as np
 
-from tk.models import contract
-from tk.models.errors import CheckFailed
+from tk.models.spec import contract
+from tk.models.spec.errors import CheckFailed
 from tk.toolkit.verify.compare import ReferenceRun
 from tk.toolkit.verify.metrics import StepMetrics, measure_traces, run_trace
 
 # weights -> (least mean top-1 agreement, least mean top-5 overlap, largest mean of each step's
 # worst KL), over every position of the validation cases. Calibrated on the `trained` preset (a
-# model really trained, models/presets.py), int8 compute, block 32: int4 measured 0.996 / 0.935 /
+# model really trained, models/fixtures/presets.py), int8 compute, block 32: int4 measured 0.996 / 0.935 /
 # 0.0047, int8 1.000 / 0.992 / 5.4e-5; the table leaves about 2x (10x for KL) of room. Random
 # models lose far more (trained-like: int8 keeps 0.67 of its top-1, int4 0.02): they amplify any
 # perturbation, so on them the record says "more than the table expects" and export goes on.
@@ -36,7 +36,7 @@ def fused_matmuls(artifact: Path, manifest) -> dict[str, tuple[int, list[str]]]:
     import onnx
     import onnxruntime as ort
 
-    from tk.runtimes.ort_runtime import session_options
+    from tk.runtimes.backends.ort import session_options
 
     out = {}
     paths = manifest.verify_files(artifact)
@@ -56,8 +56,8 @@ def fused_matmuls(artifact: Path, manifest) -> dict[str, tuple[int, list[str]]]:
 
 
 def expected_quantized(manifest) -> int:
-    from tk.models.config import DecoderConfig
-    from tk.models.quantize import quant_plan
+    from tk.models.spec.config import DecoderConfig
+    from tk.models.quant.quantize import quant_plan
 
     return len(set(quant_plan(DecoderConfig.from_dict(manifest.config), manifest.precision)) - {"embed.weight"})
 
@@ -83,7 +83,7 @@ def quantization_error(artifact: Path, manifest, full_reference: ReferenceRun, c
     bound): the record (means over the cases' steps, and whether they are within QUANT_TABLE) and
     a printable table. Quantization error is the model's and the method's, not an export bug: the
     caller reports it; `tk eval` measures what it costs on the user's text."""
-    from tk.runtimes.ort_runtime import OrtRuntime
+    from tk.runtimes.backends.ort import OrtRuntime
 
     measured: dict[str, list[StepMetrics]] = {}
     with OrtRuntime(artifact, swap_sessions=True, quant_compute="int8") as ort:

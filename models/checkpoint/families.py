@@ -1,0 +1,265 @@
+"""The decoder families tk reads, as one table: how each Hugging Face architecture's config.json
+becomes a `DecoderConfig` (models/spec/config.py). An architecture is a row of `FAMILIES` (fixed fields,
+which config keys it reads, how its layers slide, its experts' tensor names) plus, where the
+translation is more than a lookup, a small reader function the row names. Nothing here knows about
+weights or graphs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from tk.models.spec.config import DecoderConfig, UnsupportedModelError
+
+
+def _smollm3_layer_types(hf: dict, rope_layers: list[bool] | None) -> list[str]:
+    """SmolLM3Config's default: the layers without RoPE slide."""
+    return ["sliding_attention" if not r else "full_attention" for r in rope_layers or []]
+
+
+def _gemma_layer_types(pattern_key: str | None, pattern: int):
+    """Gemma 2 (every second layer global) and Gemma 3 (every `sliding_window_pattern`-th, 6 by default):
+    layer i slides unless (i + 1) % pattern == 0 (Gemma2Config / Gemma3TextConfig.__init__)."""
+    def types(hf: dict, rope_layers) -> list[str]:
+        every = int(hf.get(pattern_key, hf.get("_" + pattern_key, pattern)) if pattern_key else pattern)
+        return ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(hf["num_hidden_layers"])]
+    return types
+
+
+def _moe_mixtral(hf: dict, num_layers: int) -> dict:
+    """Mixtral: every layer routes over num_local_experts FFNs of intermediate_size, renormalized top-k."""
+    return dict(num_experts=hf.get("num_local_experts", hf.get("num_experts")), experts_per_token=hf.get("num_experts_per_tok"),
+                expert_size=hf.get("intermediate_size"), renormalize_experts=True)
+
+
+def _moe_qwen(hf: dict, num_layers: int) -> dict:
+    """Qwen2-MoE and Qwen3-MoE: layer i is sparse unless listed in mlp_only_layers, on every
+    decoder_sparse_step-th layer (the others are dense FFNs of intermediate_size); experts of
+    moe_intermediate_size, renormalized when norm_topk_prob; a gated shared expert (Qwen2-MoE)."""
+    experts = hf.get("num_experts") or hf.get("num_local_experts") or 0  # Qwen3MoeConfig saves the latter
+    step, dense = hf.get("decoder_sparse_step", 1) or 1, set(hf.get("mlp_only_layers") or [])
+    layers = [experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(num_layers)]
+    if not any(layers):
+        return {}
+    return dict(num_experts=experts, experts_per_token=hf.get("num_experts_per_tok"),
+                expert_size=hf.get("moe_intermediate_size"), renormalize_experts=bool(hf.get("norm_topk_prob", False)),
+                shared_expert_size=hf.get("shared_expert_intermediate_size") or 0, moe_layers=layers)
+
+
+@dataclass(frozen=True)
+class ExpertNames:
+    """Where a mixture-of-experts checkpoint keeps an MoE layer's tensors: model.layers.N.{block}.gate
+    (the router), .experts.E.{gate,up,down}; a shared expert at mlp.shared_expert(_gate) (Qwen2-MoE)."""
+
+    block: str
+    gate: str
+    up: str
+    down: str
+
+
+MIXTRAL_EXPERTS = ExpertNames("block_sparse_moe", "w1", "w3", "w2")
+QWEN_EXPERTS = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class Family:
+    """What sets one Hugging Face architecture apart, as config fields."""
+
+    fixed: dict  # DecoderConfig fields this family always has
+    hf_bias: str | None = None  # HF config key that turns on q/k/v/o biases
+    hf_act: str = "hidden_act"
+    # "none" | "always" (Mistral, Phi-3, Mixtral: sliding_window on every layer) | "opt-in" (Qwen:
+    # use_sliding_window, refused) | "layer-types" (layer_types[i] == "sliding_attention" says which layers
+    # slide; absent, `layer_types` derives them; with `sliding_gate`, only when that HF key is true)
+    sliding: str = "none"
+    layer_types: Callable[[dict, list[bool] | None], list[str]] | None = None
+    sliding_gate: str | None = None
+    tied: bool = False  # tie_word_embeddings when config.json leaves it out (the HF config class's default)
+    hf_floats: dict = field(default_factory=dict)  # DecoderConfig field -> (HF config key, HF default)
+    no_rope_layers: bool = False  # reads SmolLM3's no_rope_layers (per layer, 1: RoPE, 0: none)
+    softcaps: tuple[str, ...] = ()  # which of attn_logit_softcapping, final_logit_softcapping it applies
+    pre_attn_scalar: bool = False  # softmax scale query_pre_attn_scalar ** -0.5 (Gemma 2/3)
+    local_rope: bool = False  # sliding layers have a RoPE base of their own (Gemma 3: rope_local_base_freq)
+    moe: Callable[[dict, int], dict] | None = None  # the experts' DecoderConfig fields from config.json
+    experts: ExpertNames | None = None  # their tensors' names
+    refuse: dict = field(default_factory=dict)  # HF key -> why a true value is not supported
+    # a multimodal checkpoint (Gemma 3 4B and up): the decoder's config is config.json's text_config, of
+    # this transformers model_type; its tensors sit under `prefix`, beside other towers' (`ignore`)
+    text_config: str | None = None
+    prefix: str = "model."
+    lm_head: str = "lm_head.weight"
+    ignore: tuple[str, ...] = ()
+
+
+_GRANITE_FLOATS = {"embedding_multiplier": ("embedding_multiplier", 1.0),
+                   "residual_multiplier": ("residual_multiplier", 1.0),
+                   "attention_scale": ("attention_multiplier", 1.0),  # GraniteConfig's default: 1, not 1/sqrt(D)
+                   "logits_scaling": ("logits_scaling", 1.0)}
+_GEMMA = {"norm_offset": 1.0, "embed_scale": True}
+_GEMMA_2_3 = dict(hf_act="hidden_activation", tied=True, sliding="layer-types", pre_attn_scalar=True)
+
+FAMILIES: dict[str, Family] = {
+    "LlamaForCausalLM": Family(fixed={}, hf_bias="attention_bias"),
+    "MistralForCausalLM": Family(fixed={}, sliding="always"),
+    "Qwen2ForCausalLM": Family(fixed={"qkv_bias": True}, sliding="opt-in"),
+    "Qwen3ForCausalLM": Family(fixed={"qk_norm": "head"}, hf_bias="attention_bias", sliding="opt-in"),
+    "Phi3ForCausalLM": Family(fixed={"fused_projections": True}, sliding="always"),
+    "GemmaForCausalLM": Family(fixed=_GEMMA, hf_act="hidden_activation", tied=True),
+    "Gemma2ForCausalLM": Family(fixed={**_GEMMA, "norm_placement": "sandwich"}, **_GEMMA_2_3,
+                                layer_types=_gemma_layer_types(None, 2), softcaps=("attn", "final")),
+    # attn_logit_softcapping is ignored by Gemma3's attention (docs/families.md, section 3)
+    "Gemma3ForCausalLM": Family(fixed={**_GEMMA, "norm_placement": "sandwich", "qk_norm": "head"}, **_GEMMA_2_3,
+                                layer_types=_gemma_layer_types("sliding_window_pattern", 6), softcaps=("final",),
+                                local_rope=True, refuse={"use_bidirectional_attention": "bidirectional attention"}),
+    # the text of Gemma 3's image-text checkpoints (4B, 12B, 27B), which never softcaps its logits
+    "Gemma3ForConditionalGeneration": Family(
+        fixed={**_GEMMA, "norm_placement": "sandwich", "qk_norm": "head"}, **_GEMMA_2_3,
+        layer_types=_gemma_layer_types("sliding_window_pattern", 6), local_rope=True,
+        refuse={"use_bidirectional_attention": "bidirectional attention"}, text_config="gemma3_text",
+        prefix="language_model.model.", lm_head="language_model.lm_head.weight",
+        ignore=("vision_tower.", "multi_modal_projector.")),
+    "GraniteForCausalLM": Family(fixed={}, hf_bias="attention_bias", hf_floats=_GRANITE_FLOATS),
+    "Olmo2ForCausalLM": Family(fixed={"qk_norm": "projection", "norm_placement": "post"}, hf_bias="attention_bias"),
+    "SmolLM3ForCausalLM": Family(fixed={}, hf_bias="attention_bias", sliding="layer-types", tied=True,
+                                 layer_types=_smollm3_layer_types, sliding_gate="use_sliding_window",
+                                 no_rope_layers=True),
+    "MixtralForCausalLM": Family(fixed={}, sliding="always", moe=_moe_mixtral, experts=MIXTRAL_EXPERTS),
+    "Qwen2MoeForCausalLM": Family(fixed={"qkv_bias": True}, sliding="opt-in", moe=_moe_qwen, experts=QWEN_EXPERTS),
+    "Qwen3MoeForCausalLM": Family(fixed={"qk_norm": "head"}, hf_bias="attention_bias", sliding="opt-in", moe=_moe_qwen,
+                                  experts=QWEN_EXPERTS),
+}
+
+
+def _rope_params(params: dict, hf: dict) -> tuple[float, dict | None, float]:
+    params = dict(params)
+    theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    partial = float(params.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+    rope_type = params.pop("rope_type", params.pop("type", "default"))
+    if rope_type == "default":
+        return theta, None, partial
+    return theta, {"rope_type": rope_type, **params}, partial
+
+
+def _rope_from_hf(hf: dict) -> tuple[float, dict | None, float, float | None]:
+    """(theta, scaling, partial_rotary_factor, the sliding layers' own theta or None) from a v4
+    (`rope_theta`/`rope_scaling`/`rope_local_base_freq`) or v5 (`rope_parameters`, nested by layer type
+    where the types differ: Gemma 3) Hugging Face config."""
+    params = dict(hf.get("rope_parameters") or {})
+    if "full_attention" in params:  # transformers 5, per layer type
+        local = params.get("sliding_attention") or {}
+        theta, scaling, partial = _rope_params(params["full_attention"], hf)
+        local_theta, local_scaling, _ = _rope_params(local, hf) if local else (None, None, partial)
+        if local_scaling is not None:
+            raise UnsupportedModelError(f"rope type {local_scaling['rope_type']!r} on sliding layers is not supported "
+                                        "(their RoPE is never scaled in the families tk reads)")
+        return theta, scaling, partial, local_theta
+    legacy = dict(hf.get("rope_scaling") or {})
+    local = hf.get("rope_local_base_freq")
+    return (*_rope_params({**legacy, **params}, hf), None if local is None else float(local))
+
+
+def _text_config(hf: dict, model_type: str) -> dict:
+    """A multimodal checkpoint's decoder config: its text_config, every key it leaves out at the default of
+    its transformers config class (published Gemma 3 configs name a handful; a generic default, tk's or
+    another family's, would be wrong), under the checkpoint's architecture and tying."""
+    import transformers  # only here: the nested config's defaults are its class's
+
+    text = dict(hf.get("text_config") or {})
+    full = transformers.AutoConfig.for_model(text.pop("model_type", model_type), **text).to_dict()
+    tied = hf.get("tie_word_embeddings", full.get("tie_word_embeddings"))
+    return {**full, "architectures": hf["architectures"], "tie_word_embeddings": tied}
+
+
+def _eos_list(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def _rope_layers(hf: dict, num_layers: int) -> list[bool]:
+    """SmolLM3's no_rope_layers: per layer, 1 = RoPE, 0 = none (despite the name); left out, every
+    no_rope_layer_interval-th layer (default 4) goes without (SmolLM3Config.__post_init__)."""
+    flags = hf.get("no_rope_layers")
+    if flags is None:
+        interval = hf.get("no_rope_layer_interval", 4)
+        flags = [int((i + 1) % interval != 0) for i in range(num_layers)]
+    return [bool(f) for f in flags]
+
+
+def _sliding(fam: Family, arch: str, hf: dict, rope_layers: list[bool] | None) -> tuple[int | None, list[bool] | None]:
+    """(sliding_window, sliding_layers): the window, and which layers slide (None: all)."""
+    window = hf.get("sliding_window") or None  # Qwen2-MoE writes 0 for none
+    if fam.sliding == "always":
+        return window, None
+    if fam.sliding == "opt-in" and hf.get("use_sliding_window"):
+        raise UnsupportedModelError(f"{arch} with use_sliding_window=true is not supported (its max_window_layers "
+                                    "rule); export it with use_sliding_window false, as it was trained")
+    if fam.sliding != "layer-types" or window is None or (fam.sliding_gate and not hf.get(fam.sliding_gate)):
+        return None, None
+    types = hf.get("layer_types") or fam.layer_types(hf, rope_layers)
+    sliding = [t == "sliding_attention" for t in types]
+    return (window, sliding) if any(sliding) else (None, None)
+
+
+def config_from_hf(hf: dict) -> DecoderConfig:
+    """Translate a Hugging Face config.json (as a dict) for one of FAMILIES."""
+    archs = hf.get("architectures") or []
+    arch = next((a for a in archs if a in FAMILIES), None)
+    if arch is None:
+        name = ", ".join(archs) or f"model_type {hf.get('model_type')!r} without architectures"
+        raise UnsupportedModelError(
+            f"architecture {name} is not supported; supported: {', '.join(FAMILIES)}"
+        )
+    fam = FAMILIES[arch]
+    if fam.text_config:
+        hf = _text_config(hf, fam.text_config)
+    for key, what in fam.refuse.items():
+        if hf.get(key):
+            raise UnsupportedModelError(f"{arch} with {key}=true ({what}) is not supported")
+    theta, scaling, partial, local_theta = _rope_from_hf(hf)
+    num_layers = hf.get("num_hidden_layers") or 0
+    rope_layers = _rope_layers(hf, num_layers) if fam.no_rope_layers else None
+    window, sliding_layers = _sliding(fam, arch, hf, rope_layers)
+    bias = bool(hf.get(fam.hf_bias, False)) if fam.hf_bias else False
+    act = hf.get(fam.hf_act) or hf.get("hidden_act", "silu")
+    fields = dict(
+        vocab_size=hf.get("vocab_size"),
+        hidden_size=hf.get("hidden_size"),
+        intermediate_size=hf.get("intermediate_size"),
+        num_layers=hf.get("num_hidden_layers"),
+        num_heads=hf.get("num_attention_heads"),
+        num_kv_heads=hf.get("num_key_value_heads"),
+        head_dim=hf.get("head_dim"),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        partial_rotary_factor=partial,
+        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        qkv_bias=bias,
+        o_bias=bias,
+        mlp_bias=bool(hf.get("mlp_bias", False)),
+        hidden_act=act,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", fam.tied)),
+        sliding_window=window,
+        sliding_layers=sliding_layers,
+        rope_local_theta=local_theta if fam.local_rope and window is not None else None,
+        rope_layers=rope_layers,
+        architecture=arch,
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=_eos_list(hf.get("eos_token_id")),
+        pad_token_id=hf.get("pad_token_id"),
+    )
+    for ours, (key, default) in fam.hf_floats.items():
+        fields[ours] = float(default if hf.get(key) is None else hf[key])
+    for cap in fam.softcaps:  # None or absent: off
+        value = hf.get(f"{cap}_logit_softcapping")
+        fields[f"{cap}_softcap"] = None if value is None else float(value)
+    if fam.pre_attn_scalar:  # Gemma2Config / Gemma3TextConfig default 256
+        fields["attention_scale"] = float(hf.get("query_pre_attn_scalar") or 256) ** -0.5
+    if fam.moe is not None:
+        fields.update(fam.moe(hf, num_layers))
+    fields.update(fam.fixed)
+    if fields["qkv_bias"] and not fam.hf_bias:  # Qwen2: q/k/v biased, o not
+        fields["o_bias"] = False
+    return DecoderConfig(**fields)

@@ -1,0 +1,358 @@
+"""Load a local Hugging Face checkpoint folder into the reference `Decoder`.
+
+Reads config.json (and generation_config.json for EOS ids) and safetensors weights, single-file or
+sharded through model.safetensors.index.json. Never unpickles. Every shape is checked against
+the config before anything is materialized, so a mismatched or corrupt checkpoint fails with a
+sentence naming the tensor, not deep inside torch.
+
+`weight_map` is the one table of how Hugging Face tensor names map to ours; the presets write
+checkpoints from the same table.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import SafetensorError, safe_open
+
+from tk.models.spec.config import DecoderConfig, UnsupportedModelError
+from tk.models.checkpoint.families import FAMILIES, config_from_hf
+from tk.models.spec.dtypes import canonical_dtype
+from tk.models.spec.errors import CheckpointError, TkError  # noqa: F401  (CheckpointError: callers import it from here too)
+from tk.models.reference.decoder import Decoder
+from tk.models.reference.positions import rope_inv_freq
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved
+_ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+              "I32": torch.int32}
+# a block's norms (ours -> Hugging Face's) by where they sit: before each branch, after (OLMo 2), or both
+# (Gemma 2/3: there post_attention_layernorm is the attention's *output* norm)
+_BLOCK_NORMS = {"pre": {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"},
+                "post": {"attn_norm": "post_attention_layernorm", "ffn_norm": "post_feedforward_layernorm"},
+                "sandwich": {"attn_norm": "input_layernorm", "attn_post_norm": "post_attention_layernorm",
+                             "ffn_norm": "pre_feedforward_layernorm", "ffn_post_norm": "post_feedforward_layernorm"}}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return getattr(torch, canonical_dtype(name))
+
+
+def weight_map(cfg: DecoderConfig) -> dict[str, list[tuple[str, int]]]:
+    """Our parameter name -> the Hugging Face tensors concatenated (along dim 0) to make it,
+    each with its number of rows. Fused families store the concatenation already."""
+    C, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    fam = FAMILIES[cfg.architecture]
+    m: dict[str, list[tuple[str, int]]] = {"embed.weight": [(fam.prefix + "embed_tokens.weight", V)],
+                                           "norm.weight": [(fam.prefix + "norm.weight", C)]}
+    if not cfg.tie_embeddings:
+        m["lm_head.weight"] = [(fam.lm_head, V)]
+    for i in range(cfg.num_layers):
+        hf, us = f"{fam.prefix}layers.{i}.", f"layers.{i}."
+        for ours, theirs in _BLOCK_NORMS[cfg.norm_placement].items():
+            m[us + ours + ".weight"] = [(hf + theirs + ".weight", C)]
+        qkv = [("q", cfg.q_size), ("k", cfg.kv_size), ("v", cfg.kv_size)]
+        for kind, on in (("weight", True), ("bias", cfg.qkv_bias)):
+            if not on:
+                continue
+            if cfg.fused_projections:
+                m[us + f"attn.wqkv.{kind}"] = [(hf + f"self_attn.qkv_proj.{kind}", cfg.q_size + 2 * cfg.kv_size)]
+            else:
+                m[us + f"attn.wqkv.{kind}"] = [(hf + f"self_attn.{p}_proj.{kind}", n) for p, n in qkv]
+        m[us + "attn.wo.weight"] = [(hf + "self_attn.o_proj.weight", C)]
+        if cfg.o_bias:
+            m[us + "attn.wo.bias"] = [(hf + "self_attn.o_proj.bias", C)]
+        if cfg.qk_norm:  # per head (D), or over the whole projection (OLMo 2: H*D and Hkv*D)
+            q_dim, k_dim = (cfg.q_size, cfg.kv_size) if cfg.qk_norm == "projection" else (cfg.head_dim, cfg.head_dim)
+            m[us + "attn.q_norm.weight"] = [(hf + "self_attn.q_norm.weight", q_dim)]
+            m[us + "attn.k_norm.weight"] = [(hf + "self_attn.k_norm.weight", k_dim)]
+        if not cfg.layer(i).moe:
+            _ffn(m, us + "ffn.", hf + "mlp.", ("gate_proj", "up_proj", "down_proj"), I, C, cfg)
+            continue
+        names = fam.experts
+        if names is None:
+            raise UnsupportedModelError(f"{cfg.architecture} has no mixture-of-experts tensor names; tk reads "
+                                        f"experts of {', '.join(a for a, f in FAMILIES.items() if f.experts)}")
+        block = f"{hf}{names.block}."
+        m[us + "ffn.router.weight"] = [(block + "gate.weight", cfg.num_experts)]
+        for e in range(cfg.num_experts):
+            _ffn(m, f"{us}ffn.experts.{e}.", f"{block}experts.{e}.", (names.gate, names.up, names.down),
+                 cfg.expert_size, C, cfg)
+        if cfg.shared_expert_size:  # Qwen2-MoE
+            _ffn(m, us + "ffn.shared.", hf + "mlp.shared_expert.", ("gate_proj", "up_proj", "down_proj"),
+                 cfg.shared_expert_size, C, cfg)
+            m[us + "ffn.shared_gate.weight"] = [(hf + "mlp.shared_expert_gate.weight", 1)]
+    return m
+
+
+def _ffn(m: dict, ours: str, hf: str, names: tuple[str, str, str], width: int, hidden: int, cfg: DecoderConfig) -> None:
+    """A gated FFN's entries: w_gate_up from gate and up (or a fused gate_up_proj), w_down."""
+    gate, up, down = names
+    for kind, on in (("weight", True), ("bias", cfg.mlp_bias)):
+        if not on:
+            continue
+        if cfg.fused_projections:
+            m[ours + f"w_gate_up.{kind}"] = [(hf + f"gate_up_proj.{kind}", 2 * width)]
+        else:
+            m[ours + f"w_gate_up.{kind}"] = [(hf + f"{p}.{kind}", width) for p in (gate, up)]
+        m[ours + f"w_down.{kind}"] = [(hf + f"{down}.{kind}", hidden)]
+
+
+def hf_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
+    """The shape every Hugging Face tensor must have for this config."""
+    with torch.device("meta"):
+        ours = {k: tuple(v.shape) for k, v in Decoder(cfg).state_dict().items()}
+    return {name: (rows, *ours[key][1:]) for key, parts in weight_map(cfg).items() for name, rows in parts}
+
+
+def read_config(folder: Path) -> DecoderConfig:
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"checkpoint folder {folder} does not exist")
+    path = folder / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{folder} has no config.json; point at a Hugging Face checkpoint folder")
+    try:
+        hf = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e})") from None
+    try:
+        cfg = config_from_hf(hf)
+    except UnsupportedModelError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    gen = folder / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        if eos is not None:
+            cfg.eos_token_ids = sorted(set(cfg.eos_token_ids) | set(eos if isinstance(eos, list) else [eos]))
+    return cfg
+
+
+def _weight_files(folder: Path) -> dict[str, Path]:
+    """Tensor name -> file holding it."""
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            wm = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index} is not a valid safetensors index ({e})") from None
+        return {name: folder / fname for name, fname in wm.items()}
+    single = folder / SINGLE_FILE
+    if not single.is_file():
+        others = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt*"))
+        hint = f" (found {', '.join(others)}: tk loads safetensors only, never pickles)" if others else ""
+        raise CheckpointError(f"{folder} has no {SINGLE_FILE} or {INDEX_FILE}{hint}")
+    return {name: single for name in _open(single).keys()}
+
+
+def _open(path: Path):
+    if not path.is_file():
+        raise CheckpointError(f"weights file {path} is missing")
+    try:
+        return safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path} is not a readable safetensors file ({e}); re-download or re-save it") from None
+
+
+class ReusableBuffer:
+    """Bytes reused from tensor to tensor, grown as needed: fresh memory costs a page fault per
+    4 KiB, most of a streaming reader's or writer's kernel time at real sizes."""
+
+    def __init__(self):
+        self._bytes = torch.empty(0, dtype=torch.uint8)
+
+    def view(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        n = math.prod(shape) * dtype.itemsize
+        if self._bytes.numel() < n:
+            self._bytes = torch.empty(n, dtype=torch.uint8)
+        return self._bytes[:n].view(dtype).view(shape)
+
+
+class CheckpointReader:
+    """A checkpoint's tensors under our names, one at a time: every shape is checked against the
+    config when the reader opens, before any weight is read; `tensor(ours)` reads and concatenates
+    the Hugging Face tensors that make one of ours (nothing else stays in memory)."""
+
+    def __init__(self, folder: Path, cfg: DecoderConfig):
+        from tk.models.checkpoint.prequantized import quantized_shapes, read_prequantized
+        from tk.models.quant.quantize import quantized_layers
+
+        self.folder, self.cfg = Path(folder), cfg
+        files = _weight_files(self.folder)
+        expected = hf_shapes(cfg)
+        self._float_shapes = dict(expected)  # a packed projection's shape as a float weight
+        # a GPTQ/AWQ checkpoint: each projection's weight is its packed integers, zero points and scales
+        self.prequantized = read_prequantized(self.folder)
+        self.packed: set[str] = set()  # our names read from integers
+        if self.prequantized is not None:
+            for ours in quantized_layers(cfg, lm_head=False):
+                for name, _ in weight_map(cfg)[ours]:
+                    n, k = expected.pop(name)
+                    base = name.removesuffix(".weight")
+                    for part, shape in quantized_shapes(self.prequantized, k, n).items():
+                        if part != "g_idx" or f"{base}.g_idx" in files:  # older GPTQ files always have g_idx
+                            expected[f"{base}.{part}"] = shape
+                self.packed.add(ours)
+        missing = [n for n in expected if n not in files]
+        others = FAMILIES[cfg.architecture].ignore  # a multimodal checkpoint's other towers
+        unexpected = [n for n in files if n not in expected and not n.endswith(IGNORED_SUFFIXES)
+                      and not (cfg.tie_embeddings and n == "lm_head.weight") and not n.startswith(others)]
+        if missing:
+            raise CheckpointError(f"checkpoint lacks {len(missing)} tensor(s) its config needs, e.g. {missing[0]}")
+        if unexpected:
+            raise CheckpointError(
+                f"checkpoint has {len(unexpected)} tensor(s) its config does not describe, e.g. {unexpected[0]}"
+            )
+        self.files = files
+        self.handles = {p: _open(p) for p in set(files[n] for n in expected)}
+        for name, shape in expected.items():
+            try:
+                got = tuple(self.handles[files[name]].get_slice(name).get_shape())
+            except SafetensorError as e:
+                raise CheckpointError(f"cannot read {name} from {files[name]} ({e})") from None
+            if got != shape:
+                pq = self.prequantized
+                why = f" with {pq.method.upper()} groups of {pq.group}" if pq and name.endswith((".scales", ".qzeros")) else ""
+                raise CheckpointError(f"tensor {name} has shape {list(got)} but config.json implies {list(shape)}{why}")
+        self._headers: dict[Path, tuple[dict, int]] = {}
+        self._convert = ReusableBuffer()  # reads that change dtype land here first
+        self.map = weight_map(cfg)
+        if cfg.tie_embeddings:
+            self.map = {**self.map, "lm_head.weight": self.map["embed.weight"]}
+
+    def _info(self, name: str) -> tuple[Path, dict, int]:
+        path = self.files[name]
+        if path not in self._headers:
+            with open(path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                self._headers[path] = (json.loads(f.read(n)), 8 + n)
+        header, base = self._headers[path]
+        return path, header[name], base
+
+    def _read_into(self, name: str, out: torch.Tensor) -> None:
+        """Read `name` into `out` (its shape, any dtype) with pread, not through safetensors' memory
+        map: mapped pages would stay resident (and count in RSS) for as long as the reader lives, a
+        second copy of the checkpoint. In the checkpoint's dtype the bytes land in `out` directly."""
+        path, info, base = self._info(name)
+        if info["dtype"] not in _ST_DTYPES:
+            raise CheckpointError(f"cannot read {name} from {path}: dtype {info['dtype']} is not one tk reads")
+        begin, end = info["data_offsets"]
+        src = _ST_DTYPES[info["dtype"]]
+        buf = out if out.dtype == src else self._convert.view(out.shape, src)
+        got = 0
+        if end > begin:
+            with open(path, "rb") as f:
+                got = os.preadv(f.fileno(), [buf.view(torch.uint8).numpy()], base + begin)
+        if got != end - begin or buf.numel() * buf.element_size() != end - begin:
+            raise CheckpointError(f"cannot read {name} from {path} (read {got} of {end - begin} bytes); "
+                                  "the file may be truncated")
+        if buf is not out:
+            out.copy_(buf)
+
+    def shape(self, ours: str) -> tuple[int, ...]:
+        shapes = [self._float_shapes[name] if ours in self.packed else self._info(name)[1]["shape"]
+                  for name, _ in self.map[ours]]
+        return (sum(s[0] for s in shapes), *shapes[0][1:]) if shapes[0] else ()
+
+    def quantized(self, ours: str):
+        """A GPTQ/AWQ projection's integers as tk stores them (models/quant/quantize.py QTensor, [K, N]),
+        its parts concatenated along N."""
+        from tk.models.checkpoint.prequantized import unpack
+        from tk.models.quant.quantize import QTensor
+
+        parts = []
+        for name, rows in self.map[ours]:
+            base = name.removesuffix(".weight")
+            tensors = {}
+            for part in ("qweight", "qzeros", "scales", "g_idx"):
+                if f"{base}.{part}" in self.files:
+                    info = self._info(f"{base}.{part}")[1]
+                    t = torch.empty(info["shape"], dtype=_ST_DTYPES.get(info["dtype"], torch.uint8))
+                    self._read_into(f"{base}.{part}", t)  # refuses a dtype tk does not read
+                    tensors[part] = t.float().numpy() if part == "scales" else t.numpy()
+            parts.append(unpack(self.prequantized, base, tensors, self.shape(ours)[1], rows))
+        return QTensor(np.concatenate([p.q for p in parts], 1), np.concatenate([p.scales for p in parts], 1),
+                       np.concatenate([p.zeros for p in parts], 1))
+
+    def tensor(self, ours: str, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Our parameter `ours` (e.g. layers.0.attn.wqkv.weight) in `dtype`, its parts (concatenated
+        along dim 0 where we fuse) read straight into their rows; into `out` when given (a buffer
+        the caller reuses). A GPTQ/AWQ projection is its integers, dequantized."""
+        if ours in self.packed:
+            from tk.models.quant.quantize import dequantize
+
+            w = torch.from_numpy(dequantize(self.quantized(ours), self.prequantized.group)).T.to(dtype)
+            return w if out is None else out.copy_(w)
+        shape = self.shape(ours)
+        if out is None:
+            out = torch.empty(shape, dtype=dtype)
+        elif tuple(out.shape) != shape or out.dtype != dtype:
+            raise ValueError(f"{ours} is {dtype} {shape}, not {out.dtype} {tuple(out.shape)}")
+        if not shape:  # a scalar: one part
+            self._read_into(self.map[ours][0][0], out)
+            return out
+        row = 0
+        for name, _ in self.map[ours]:
+            rows = self._info(name)[1]["shape"][0]
+            self._read_into(name, out[row:row + rows])
+            row += rows
+        return out
+
+
+def load_state_dict(folder: Path, cfg: DecoderConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Our state dict, shapes checked first, fused where the model fuses."""
+    reader = CheckpointReader(folder, cfg)
+    sd = {ours: reader.tensor(ours, dtype) for ours in weight_map(cfg)}
+    if cfg.tie_embeddings:
+        sd["lm_head.weight"] = sd["embed.weight"]
+    return sd
+
+
+def load_decoder(folder: str | Path, dtype: str | torch.dtype = "float32") -> Decoder:
+    """Build the reference decoder from a Hugging Face checkpoint folder, in eval mode."""
+    folder = Path(folder)
+    dtype = torch_dtype(dtype) if isinstance(dtype, str) else dtype
+    cfg = read_config(folder)
+    sd = load_state_dict(folder, cfg, dtype)
+    with torch.device("meta"):  # no random init of weights we are about to replace
+        model = Decoder(cfg)
+    model.load_state_dict(sd, assign=True, strict=True)
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    model.inv_freq = rope_inv_freq(cfg)
+    if cfg.rope_local_theta is not None:
+        model.inv_freq_local = rope_inv_freq(cfg, "local")
+    return model.eval()
+
+
+def quantize_weights_(model: Decoder, precision, calibration=None) -> Decoder:
+    """The quantized reference: each weight a quantized export stores quantized replaced, in place,
+    by its dequantized value (models/quant/quantize.py, after the same `calibration`'s channel scales and
+    weighted by its importance, models/quant/calibration.py; scales rounded to the activations' dtype as
+    the artifact stores them), so that eager PyTorch computes what the graphs compute. A quantized
+    embedding is its own table's, or when tied the LM head's, dequantized."""
+    from tk.models.checkpoint.prequantized import METHODS as PREQUANTIZED
+    from tk.models.quant.quantize import dequantize, quant_plan, quantize
+
+    if precision.method in PREQUANTIZED:
+        return model  # loaded from its integers, dequantized (CheckpointReader.tensor)
+    scale_dtype = torch_dtype(precision.activations)
+    if calibration is not None:
+        calibration.scale_(model)
+    for name, scheme in quant_plan(model.config, precision).items():
+        module = model.get_submodule(name.removesuffix(".weight"))
+        qt = quantize(module.weight.detach().float().T.numpy(), scheme, calibration and calibration.importance_of(name))
+        qt.scales = torch.from_numpy(qt.scales).to(scale_dtype).float().numpy()
+        w = torch.from_numpy(dequantize(qt, scheme.block)).T.contiguous()
+        module.weight = torch.nn.Parameter(w.to(module.weight.dtype), requires_grad=False)  # unties a tied head
+    if precision.quantized_embedding and model.config.tie_embeddings:
+        model.embed.weight = model.lm_head.weight  # the one table, tied again
+    return model

@@ -1,0 +1,231 @@
+"""The graph contract: names, order, dtypes and symbolic dims of the prefill and decode graphs.
+
+This module is data (and the one array function every caller shares), read by the exporter (to name and check what it writes), by the runtimes
+(to feed and check what they run) and by the parity harness. Nobody spells "present.0.key" by
+hand. It imports nothing but the standard library so that `runtimes` may depend on it without
+pulling in torch.
+
+Any change to names, order, dtypes or dims bumps CONTRACT_VERSION.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from tk.models.spec.dtypes import DTYPES
+from tk.models.spec.errors import TkError
+
+# 2: the static-capacity decode variant (write_indices, fixed-capacity cache); 3: a sliding layer's static
+# cache may be a ring of fewer positions (GraphDims.ring); 4: a static decode graph's attention_mask may be
+# narrower than the cache (GraphDims.narrow_mask: it attends over that many positions). Each version's
+# artifacts are the next one's without the new feature, so all are read (READS).
+CONTRACT_VERSION = 4
+READS = (2, 3, 4)
+RING_RUN = 128  # with rings, the most new tokens per row a decode graph that also prefills takes (changing it bumps the version)
+
+PREFILL = "prefill"
+DECODE = "decode"
+GRAPHS = (PREFILL, DECODE)
+
+# Symbolic dims (Optimum / onnxruntime-genai spelling).
+BATCH = "batch_size"
+SEQ = "sequence_length"
+PAST = "past_sequence_length"
+TOTAL = "total_sequence_length"
+
+KV_DTYPE = "kv"  # placeholder in the table: the precision the graph was exported in
+
+
+class ContractError(TkError, ValueError):
+    """A graph, artifact or input does not follow the contract."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str  # "int64", "float32", or KV_DTYPE
+    dims: tuple[str | int, ...]  # symbolic names, or ints for fixed sizes ("num_kv_heads" etc. resolved later)
+
+    def resolve(self, kv_dtype: str, num_kv_heads: int, head_dim: int, vocab_size: int) -> "TensorSpec":
+        fixed = {"num_kv_heads": num_kv_heads, "head_dim": head_dim, "vocab_size": vocab_size}
+        dims = tuple(fixed.get(d, d) if isinstance(d, str) else d for d in self.dims)
+        return TensorSpec(self.name, kv_dtype if self.dtype == KV_DTYPE else self.dtype, dims)
+
+
+def kv_names(layer: int, prefix: str) -> tuple[str, str]:
+    return f"{prefix}.{layer}.key", f"{prefix}.{layer}.value"
+
+
+def past_names(num_layers: int) -> list[str]:
+    return [n for i in range(num_layers) for n in kv_names(i, "past_key_values")]
+
+
+def present_names(num_layers: int) -> list[str]:
+    return [n for i in range(num_layers) for n in kv_names(i, "present")]
+
+
+def hidden_names(num_layers: int) -> list[str]:
+    """Debug outputs (tk export --debug-outputs): each layer's output hidden state, float32."""
+    return [f"hidden.{i}" for i in range(num_layers)]
+
+
+def _kv(names: list[str], seq_dim: str | int) -> list[TensorSpec]:
+    return [TensorSpec(n, KV_DTYPE, (BATCH, "num_kv_heads", seq_dim, "head_dim")) for n in names]
+
+
+def ring_sizes(windows: list[int | None], capacity: int, run: int) -> tuple[int | None, ...] | None:
+    """Per layer, how many positions a sliding layer's static cache holds when that is fewer than the
+    capacity: a ring of window + run - 1 slots, where `run` is the most new tokens per row one decode
+    step writes (1; RING_RUN where the decode graph also prefills), so that no slot a query of the step
+    still needs is overwritten by the step (models/decoder.ring_mask). None for every other layer, and
+    None when no layer's cache is a ring."""
+    sizes = tuple(None if w is None or w + run - 1 >= capacity else w + run - 1 for w in windows)
+    return sizes if any(s is not None for s in sizes) else None
+
+
+def _layer_kv(num_layers: int, prefix: str, sizes) -> list[TensorSpec]:
+    return [spec for i in range(num_layers) for spec in _kv(list(kv_names(i, prefix)), sizes[i])]
+
+
+def inputs(graph: str, num_layers: int, capacity: int | None = None, decode_prefills: bool = False,
+           ring: tuple[int | None, ...] | None = None, narrow_mask: bool = False) -> list[TensorSpec]:
+    """Graph inputs, in order (the contract table in DESIGN.md).
+
+    With `capacity` the decode graph has a static-capacity cache: past and present are
+    [batch, kv_heads, capacity, head_dim] buffers updated in place at `write_indices` (one cache
+    index per row), and `attention_mask` covers the whole buffer (0 beyond what is written).
+    With `decode_prefills` that graph takes a run of new tokens per row (sequence_length >= 1,
+    written from `write_indices` on) and returns the last one's logits: a prompt can be prefilled
+    through it, so one session (one packed copy of the weights) serves both phases. Its rows are
+    never padded: row b holds its tokens at 0 .. write_indices[b] - 1, so the graph attends to
+    exactly those and the new ones, and reads `attention_mask` for nothing but its width (the
+    runtimes still keep it, 1 exactly there). With `ring` (ring_sizes) a sliding layer's past and
+    present hold its ring's slots instead: position p at slot p % slots. With `narrow_mask` the
+    decode graph's attention_mask may cover only the cache's first total_sequence_length positions
+    (<= capacity, at least every row's write index plus its new tokens): it attends over those alone,
+    so a step costs what the rows hold, not the capacity (the cache is still written in place whole).
+    """
+    if graph == DECODE and capacity is not None:
+        new = SEQ if decode_prefills else 1
+        return [
+            TensorSpec("input_ids", "int64", (BATCH, new)),
+            TensorSpec("attention_mask", "int64", (BATCH, TOTAL if narrow_mask else capacity)),
+            TensorSpec("position_ids", "int64", (BATCH, new)),
+            TensorSpec("write_indices", "int64", (BATCH,)),
+            *_layer_kv(num_layers, "past_key_values", layer_capacities(num_layers, capacity, ring)),
+        ]
+    if graph == PREFILL:
+        return [
+            TensorSpec("input_ids", "int64", (BATCH, SEQ)),
+            TensorSpec("attention_mask", "int64", (BATCH, SEQ)),
+            TensorSpec("position_ids", "int64", (BATCH, SEQ)),
+        ]
+    if graph == DECODE:
+        return [
+            TensorSpec("input_ids", "int64", (BATCH, 1)),
+            TensorSpec("attention_mask", "int64", (BATCH, TOTAL)),
+            TensorSpec("position_ids", "int64", (BATCH, 1)),
+            *_kv(past_names(num_layers), PAST),
+        ]
+    raise ContractError(f"unknown graph {graph!r}; expected one of {', '.join(GRAPHS)}")
+
+
+def layer_capacities(num_layers: int, capacity: int, ring: tuple[int | None, ...] | None) -> list[int]:
+    """Each layer's static cache positions: its ring's slots, or the capacity."""
+    return [capacity if ring is None or ring[i] is None else ring[i] for i in range(num_layers)]
+
+
+def outputs(graph: str, num_layers: int, capacity: int | None = None, prefill_last: bool = False,
+            ring: tuple[int | None, ...] | None = None) -> list[TensorSpec]:
+    """Graph outputs, in order. Logits are float32 in every precision.
+
+    With `prefill_last` the prefill graph returns the logits of the last position only (B, 1, V):
+    all that generation needs, and the LM head then costs one position instead of S. The
+    present cache still covers every position.
+    """
+    if graph == DECODE and capacity is not None:
+        return [TensorSpec("logits", "float32", (BATCH, 1, "vocab_size")),
+                *_layer_kv(num_layers, "present", layer_capacities(num_layers, capacity, ring))]
+    if graph == PREFILL:
+        return [TensorSpec("logits", "float32", (BATCH, 1 if prefill_last else SEQ, "vocab_size")),
+                *_kv(present_names(num_layers), SEQ)]
+    if graph == DECODE:
+        return [TensorSpec("logits", "float32", (BATCH, 1, "vocab_size")), *_kv(present_names(num_layers), TOTAL)]
+    raise ContractError(f"unknown graph {graph!r}; expected one of {', '.join(GRAPHS)}")
+
+
+@dataclass(frozen=True)
+class GraphDims:
+    """The sizes an artifact fixes: enough to resolve every spec above."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    kv_dtype: str  # "float32", "float16" or "bfloat16"
+    kv_capacity: int | None = None  # set: the decode graph has a static-capacity cache of this many positions
+    hidden_size: int | None = None  # set: the graphs also output hidden.{i} after the contract's outputs (debug)
+    prefill_logits: str = "all"  # "last": prefill returns the last position's logits only (B, 1, V)
+    decode_prefills: bool = False  # the static decode graph takes S >= 1 new tokens per row (see inputs)
+    ring: tuple[int | None, ...] | None = None  # per layer, its static cache's ring slots (ring_sizes) or None
+    narrow_mask: bool = False  # the static decode graph attends over its attention_mask's width (see inputs)
+
+    @property
+    def max_run(self) -> int | None:
+        """The most new tokens per row one static decode step takes (None: any number; prompts longer
+        than this go through the decode graph in runs of it)."""
+        if not self.decode_prefills:
+            return 1
+        return RING_RUN if self.ring is not None else None
+
+    def capacities(self) -> list[int]:
+        """Each layer's static cache positions (its ring's slots or kv_capacity)."""
+        return layer_capacities(self.num_layers, self.kv_capacity, self.ring)
+
+    def inputs(self, graph: str) -> tuple[TensorSpec, ...]:
+        return _resolved_inputs(self, graph)  # cached: runtimes check inputs against this every step
+
+    def outputs(self, graph: str) -> tuple[TensorSpec, ...]:
+        return _resolved_outputs(self, graph)
+
+    def kv_bytes_per_token(self, batch: int = 1) -> int:
+        """2 (key and value) * layers * kv_heads * head_dim * bytes, per token of context per row."""
+        return int(2 * self.num_layers * batch * self.num_kv_heads * self.head_dim * DTYPES[self.kv_dtype].bytes)
+
+    def static_cache_bytes(self, batch: int = 1) -> int:
+        """What a static cache's buffers hold for `batch` rows: each layer's capacity (or ring) positions."""
+        per_position = 2 * batch * self.num_kv_heads * self.head_dim * DTYPES[self.kv_dtype].bytes
+        return int(per_position * sum(self.capacities()))
+
+
+@functools.lru_cache(maxsize=64)
+def _resolved_inputs(dims: GraphDims, graph: str) -> tuple[TensorSpec, ...]:
+    return tuple(s.resolve(dims.kv_dtype, dims.num_kv_heads, dims.head_dim, dims.vocab_size)
+                 for s in inputs(graph, dims.num_layers, dims.kv_capacity, dims.decode_prefills, dims.ring,
+                                 dims.narrow_mask))
+
+
+@functools.lru_cache(maxsize=64)
+def _resolved_outputs(dims: GraphDims, graph: str) -> tuple[TensorSpec, ...]:
+    specs = [s.resolve(dims.kv_dtype, dims.num_kv_heads, dims.head_dim, dims.vocab_size)
+             for s in outputs(graph, dims.num_layers, dims.kv_capacity, dims.prefill_logits == "last", dims.ring)]
+    if dims.hidden_size is not None:
+        seq = SEQ if graph == PREFILL else 1
+        specs += [TensorSpec(n, "float32", (BATCH, seq, dims.hidden_size)) for n in hidden_names(dims.num_layers)]
+    return tuple(specs)
+
+
+# Manifest file names shared by exporter and runtimes.
+MANIFEST = "manifest.json"
+GRAPH_FILES = {PREFILL: "prefill.onnx", DECODE: "decode.onnx"}
+ENGINE_FILES = {PREFILL: "prefill.engine", DECODE: "decode.engine"}  # TensorRT engines (tk build-engine)
+ENGINE_META = "engine.json"
+
+
+def position_ids_from_mask(mask):
+    """Position ids the caller computes from a 2D mask: cumsum(mask) - 1, clamped at 0.
+
+    Works on numpy arrays (and on torch tensors, which share the methods used here).
+    """
+    return (mask.cumsum(-1) - 1).clip(0)

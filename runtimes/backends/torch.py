@@ -1,0 +1,104 @@
+"""PyTorch backend over the reference decoder, given by the caller (runtimes never import models).
+
+Construction is cheap: pass the decoder, or a loader that returns it (Polygraphy's
+runner-takes-a-callable idiom) with the dims it will have; the loader runs on activation.
+device "auto" takes CUDA when torch sees a GPU, else the CPU; "cuda" insists on a GPU. The cache
+is the decoder's own tensors and stays on the device between steps.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from tk.models.spec import contract
+from tk.runtimes.base import BackendUnavailable, Runtime, StepOutput, rows_of
+
+
+def dims_of(config, kv_dtype: str) -> contract.GraphDims:
+    c = config
+    return contract.GraphDims(c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size, kv_dtype)
+
+
+class TorchRuntime(Runtime):
+    name = "torch"
+    all_prefill_logits = True  # the model computes every position's logits, whatever the artifact's graphs return
+
+    def __init__(self, model=None, device: str = "auto", debug: bool = False, *,
+                 loader: Callable[[], object] | None = None, dims: contract.GraphDims | None = None,
+                 max_context: int | None = None):
+        """A Decoder `model`, or a `loader` returning one with the `dims` and `max_context` it will have."""
+        self.model, self._loader = model, loader
+        if model is not None:
+            kv_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+            dims, max_context = dims_of(model.config, kv_dtype), model.config.max_position_embeddings
+        super().__init__(dims, max_context)
+        self.device, self.debug = device, debug  # "auto" | "cpu" | "cuda..."; debug: per-layer hidden states
+        self._torch = self._device = None  # set by _load: torch, and the device it runs on
+
+    def _load(self) -> None:
+        import torch
+
+        device = ("cuda" if torch.cuda.is_available() else "cpu") if self.device == "auto" else self.device
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise BackendUnavailable("the torch backend was asked for CUDA but torch sees no CUDA device; "
+                                     "use --device cpu or install a CUDA build of torch on a GPU machine")
+        self._torch, self._device = torch, device
+        if self.model is None:
+            self.model = self._loader()
+        self.model.to(device).eval()  # in place: a module's .to() returns itself
+
+    def _unload(self) -> None:
+        if self._loader is not None:
+            self.model = None  # loads again on the next activation
+            _return_freed_memory()
+        self._torch = self._device = None
+
+    def _run(self, graph, feeds, past, session, in_place=False):
+        t = self._torch
+        ids, mask, pos = (t.from_numpy(np.ascontiguousarray(feeds[k])).to(self._device)
+                          for k in ("input_ids", "attention_mask", "position_ids"))
+        write = feeds.get("write_indices")  # a static-capacity cache (dims.kv_capacity)
+        write = None if write is None else t.from_numpy(np.ascontiguousarray(write)).to(self._device)
+        pairs = None if past is None else list(zip(past[0::2], past[1::2]))
+        with t.inference_mode():
+            out = self.model(ids, mask, pos, pairs, write, output_hidden=self.debug)
+            present = [x for kv in out[1] for x in kv]
+            if in_place:  # kv_write returned new buffers: the layout keeps its own
+                for buf, new in zip(past, present):
+                    buf.copy_(new)
+                present = past
+        hidden = [h.cpu().numpy() for h in out[2]] if self.debug else None
+        return StepOutput(out[0].float().cpu().numpy(), hidden), present
+
+    # A static cache's buffers are tensors on the device (the numpy defaults would copy every step).
+    def _alloc_cache(self, shape, dtype):
+        return self._torch.zeros(shape, dtype=getattr(self._torch, dtype), device=self._device)
+
+    def _copy_positions(self, dst, src, count, dst_row=None, src_row=None, src_at=0, dst_at=0):
+        dst[rows_of(dst_row), :, dst_at:dst_at + count].copy_(src[rows_of(src_row), :, src_at:src_at + count])
+
+    def _read_positions(self, buf, row, start, end):
+        return buf[row:row + 1, :, start:end].clone()  # stays on the device
+
+    def _to_numpy(self, buf) -> np.ndarray:
+        return buf.float().cpu().numpy()
+
+    def _take(self, buffers, rows):
+        index = self._torch.as_tensor(rows, device=self._device)
+        return [b.index_select(0, index) for b in buffers]
+
+
+def _return_freed_memory() -> None:
+    """Hand the freed weights back to the OS. glibc keeps freed heap memory for reuse (and raises its
+    mmap threshold after large frees, so tensors land on the heap): without this, a reference
+    unloaded before ONNX Runtime loads (export validation) would still count in the process's RSS."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass

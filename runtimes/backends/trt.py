@@ -1,0 +1,317 @@
+"""TensorRT backend over an artifact's prefill.engine and decode.engine (tk build-engine).
+
+Written against the TensorRT 10 runtime API as documented (Runtime.deserialize_cuda_engine,
+IExecutionContext.set_input_shape / set_tensor_address / execute_async_v3) with Polygraphy's
+CUDA wrappers (DeviceArray, Stream) for memory, so it needs no torch and no cuda-python. The KV
+cache stays on the GPU between steps. With the dynamic layout each session owns two sets of
+buffers sized for the engine's maximum sequence (ping-pong: a decode step writes its present
+into the set the past is not in); with the static layout one set at the capacity, written in
+place. Polygraphy's DeviceArray has no finalizer, so every buffer is freed explicitly: when a
+session closes or its rows are taken, and the runtime's own at deactivation.
+
+`engine_problems` (what stops an engine from loading here) and the profile check are pure and
+tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from tk.models.spec import contract
+from tk.models.spec.manifest import ArtifactError, Manifest, sha256_file
+from tk.models.spec.dtypes import DTYPES
+from tk.models.spec.errors import TRT_MISSING
+from tk.runtimes.base import BackendUnavailable, artifact_identity, InputError, Runtime, StepOutput
+
+
+class EnginesMissing(ArtifactError, BackendUnavailable):
+    """The artifact has no engines yet: the trt backend cannot run until tk build-engine has."""
+
+
+def read_engine_meta(artifact: Path) -> dict:
+    path = Path(artifact) / contract.ENGINE_META
+    if not path.is_file():
+        raise EnginesMissing(f"{artifact} has no TensorRT engines; build them with: tk build-engine {artifact}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ArtifactError(f"{path} is not valid JSON ({e}); rebuild with tk build-engine") from None
+
+
+def engine_problems(meta: dict, artifact: Path, env: dict) -> list[str]:
+    """Every reason the engines cannot be used here, each a sentence a user can act on."""
+    rebuild = f"rebuild them here with: tk build-engine {artifact} --force"
+    problems = []
+    if meta.get("contract_version") not in contract.READS:
+        problems.append(f"the engines follow graph contract version {meta.get('contract_version')} and this tk reads "
+                        f"version {contract.CONTRACT_VERSION}; re-export and {rebuild}")
+    if meta.get("tensorrt_version") != env["tensorrt_version"]:
+        problems.append(f"the engines were built with TensorRT {meta.get('tensorrt_version')} and this machine has "
+                        f"TensorRT {env['tensorrt_version']}; an engine loads only in the version that built it: "
+                        f"{rebuild}")
+    gpu = meta.get("gpu", {})
+    if gpu.get("compute_capability") != env["compute_capability"]:
+        problems.append(f"the engines were built for {gpu.get('name')} (compute capability "
+                        f"{gpu.get('compute_capability')}) and this GPU is {env['gpu_name']} (compute capability "
+                        f"{env['compute_capability']}); {rebuild}")
+    for graph in contract.GRAPHS:
+        onnx_path = Path(artifact) / contract.GRAPH_FILES[graph]
+        if onnx_path.is_file() and meta.get("onnx_sha256", {}).get(graph) != sha256_file(onnx_path):
+            problems.append(f"{contract.ENGINE_FILES[graph]} was built from a different {onnx_path.name} "
+                            f"(the graph was re-exported since); {rebuild}")
+        if not (Path(artifact) / contract.ENGINE_FILES[graph]).is_file():
+            problems.append(f"{contract.ENGINE_FILES[graph]} is missing; {rebuild}")
+    return problems
+
+
+def profile_problem(graph: str, profile: dict, shapes: dict[str, tuple], limits: dict) -> str | None:
+    """The first input shape outside the engine's optimization profile, as advice; None if all fit."""
+    if graph == contract.DECODE and "attention_mask" in shapes:
+        past = shapes["attention_mask"][1] - 1
+        if past > limits["max_seq_len"] - 1:
+            return (f"decode: past length {past} is beyond the engine's maximum {limits['max_seq_len'] - 1}; "
+                    "rebuild with a larger --max-seq-len")
+    for name, shape in shapes.items():
+        lo, _, hi = profile[name]
+        for axis, (n, a, b) in enumerate(zip(shape, lo, hi)):
+            if n > b:
+                flag = "--max-batch" if axis == 0 else "--max-input-len" if graph == contract.PREFILL else "--max-seq-len"
+                what = "batch" if axis == 0 else f"dim {axis}"
+                return f"{graph}: {name} {what} {n} is beyond the engine's maximum {b}; rebuild with a larger {flag}"
+            if n < a:
+                return f"{graph}: {name} has shape {list(shape)}, below the engine's minimum {lo}"
+    return None
+
+
+def trt_environment() -> dict:
+    """TensorRT version and the GPU this process sees (needs tensorrt and cuda-python or torch)."""
+    try:
+        import tensorrt as trt
+    except ImportError:
+        raise BackendUnavailable(TRT_MISSING) from None
+    name, cc = _gpu()
+    return {"tensorrt_version": trt.__version__, "gpu_name": name, "compute_capability": cc}
+
+
+def _gpu() -> tuple[str, str]:
+    try:
+        from cuda.bindings import runtime as cudart
+
+        err, props = cudart.cudaGetDeviceProperties(0)
+        if int(err) == 0:
+            name = props.name.decode() if isinstance(props.name, bytes) else str(props.name)
+            return name.rstrip("\x00"), f"{props.major}.{props.minor}"
+    except ImportError:
+        pass
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability(0)
+            return torch.cuda.get_device_name(0), f"{major}.{minor}"
+    except ImportError:
+        pass
+    raise BackendUnavailable("no NVIDIA GPU is visible (checked with cuda-python and torch); TensorRT needs one")
+
+
+class _Buffer:
+    """A device buffer and the dense (B, H, S, D) tensor it holds now; it has room for `room`
+    positions per row (what it was allocated for)."""
+
+    def __init__(self, array, shape: tuple, room: int):
+        self.array, self.shape, self.room = array, shape, room
+
+    @property
+    def ptr(self) -> int:
+        return self.array.ptr
+
+
+class TrtRuntime(Runtime):
+    row_slices = False  # its buffers view their leading rows only
+    name = "trt"
+
+    def __init__(self, artifact: str | Path):
+        self.artifact = Path(artifact)
+        self.manifest = Manifest.read(self.artifact)
+        has_engines = (self.artifact / contract.ENGINE_META).is_file()
+        self.meta = read_engine_meta(self.artifact) if has_engines else None
+        max_context = self.meta["limits"]["max_seq_len"] if self.meta else self.manifest.max_context
+        super().__init__(self.manifest.dims, max_context)
+        if self.meta:  # the limits the engines were built for bound what serving's slots may run
+            self.max_batch = self.meta["limits"]["max_batch"]
+            self.max_prompt = self.meta["limits"]["max_input_len"]
+        self._at_rest()
+
+    @property
+    def identity(self) -> str:
+        return artifact_identity(self.name, self.artifact)
+
+    def _at_rest(self) -> None:
+        """What `_load` sets, as it is before loading and after unloading."""
+        self._cuda = self._dt = self._logger = self.stream = self.logits = None
+        self.engines, self.contexts, self.inputs = {}, {}, {}
+
+    def _load(self) -> None:
+        env = trt_environment()  # first: on a machine without TensorRT, that is what the user must fix
+        if self.meta is None:  # no engines when this runtime was made (its limits come from them)
+            read_engine_meta(self.artifact)  # EnginesMissing, while they still are
+            raise ArtifactError(f"the engines of {self.artifact} were built after this runtime was opened; "
+                                "open it again")
+        problems = engine_problems(self.meta, self.artifact, env)
+        if problems:
+            raise ArtifactError(problems[0])
+        import tensorrt as trt
+        from polygraphy import cuda
+        from polygraphy.datatype import DataType
+
+        self._cuda, self._dt = cuda, DataType
+        self._logger = trt.Logger(trt.Logger.WARNING)
+        runtime = trt.Runtime(self._logger)
+        for graph in contract.GRAPHS:
+            engine = runtime.deserialize_cuda_engine((self.artifact / contract.ENGINE_FILES[graph]).read_bytes())
+            if engine is None:
+                raise ArtifactError(f"TensorRT could not load {contract.ENGINE_FILES[graph]}; rebuild with "
+                                    f"tk build-engine {self.artifact} --force")
+            self.engines[graph], self.contexts[graph] = engine, engine.create_execution_context()
+        self.stream = cuda.Stream()
+        self.inputs = {g: cuda.DeviceArray.raw((0,))
+                       for g in ("input_ids", "attention_mask", "position_ids", "write_indices")}
+        self.logits = cuda.DeviceArray.raw((0,))
+
+    def _unload(self) -> None:
+        for buf in [*self.inputs.values(), self.logits]:
+            if buf is not None:
+                buf.free()
+        if self.stream is not None:
+            self.stream.free()
+        self._at_rest()
+
+    # --- device buffers (the layouts' hooks) ---
+
+    def _alloc_cache(self, shape, dtype, room: int | None = None):
+        room = shape[2] if room is None else room
+        nbytes = shape[0] * shape[1] * room * shape[3] * int(DTYPES[dtype].bytes)
+        return _Buffer(self._cuda.DeviceArray.raw((nbytes,)), tuple(shape), room)
+
+    def _seq_buffers(self, batch: int) -> list[_Buffer]:
+        """A set of cache buffers a dynamic-layout session grows into (the engine's longest sequence)."""
+        d = self.dims
+        shape, room = (batch, d.num_kv_heads, 0, d.head_dim), self.meta["limits"]["max_seq_len"]
+        return [self._alloc_cache(shape, d.kv_dtype, room) for _ in range(2 * d.num_layers)]
+
+    def _release(self, buffers) -> None:
+        for buf in buffers or []:
+            buf.array.free()
+
+    def _copy_positions(self, dst: _Buffer, src: _Buffer, count: int, dst_row: int | None = None,
+                        src_row: int | None = None, src_at: int = 0, dst_at: int = 0) -> None:
+        """`count` positions of `src` (laid out with src.shape's stride) from src_at into `dst` from dst_at,
+        on the device: every row, or src's row src_row into dst's row dst_row."""
+        d = self.dims.head_dim * int(DTYPES[self.dims.kv_dtype].bytes)  # bytes per position
+        heads = src.shape[1]
+        rows = range(src.shape[0]) if src_row is None else [src_row]
+        copy, kind = self._cuda.wrapper().memcpy, self._cuda.MemcpyKind.DeviceToDevice
+        for i, r in enumerate(rows):
+            to = i if dst_row is None else dst_row
+            for h in range(heads):
+                copy(dst.ptr + ((to * heads + h) * dst.shape[2] + dst_at) * d,
+                     src.ptr + ((r * heads + h) * src.shape[2] + src_at) * d, count * d, kind, self.stream.ptr)
+
+    def _leading(self, buf: _Buffer, n: int) -> _Buffer:
+        """A view of the first n rows (same device memory; never released on its own)."""
+        return _Buffer(buf.array, (n,) + tuple(buf.shape[1:]), buf.room)
+
+    def _to_numpy(self, buf: _Buffer) -> np.ndarray:
+        dtype = self.dims.kv_dtype
+        raw = np.empty(int(np.prod(buf.shape)) * int(DTYPES[dtype].bytes), dtype=np.uint8)
+        buf.array.view(shape=(raw.size,), dtype=self._dt.UINT8).copy_to(raw, self.stream)
+        self.stream.synchronize()
+        return _to_float32(raw, dtype).reshape(buf.shape)
+
+    def _take(self, buffers, rows):
+        """Rows of a session's cache, copied on the device into new buffers; the old ones are freed."""
+        item = int(DTYPES[self.dims.kv_dtype].bytes)
+        out = []
+        copy, kind = self._cuda.wrapper().memcpy, self._cuda.MemcpyKind.DeviceToDevice
+        for buf in buffers:
+            per_row = int(np.prod(buf.shape[1:])) * item
+            new = self._alloc_cache((len(rows),) + buf.shape[1:], self.dims.kv_dtype, buf.room)
+            for i, r in enumerate(rows):
+                copy(new.ptr + i * per_row, buf.ptr + int(r) * per_row, per_row, kind, self.stream.ptr)
+            out.append(new)
+        self._release(buffers)
+        return out
+
+    def _release_session(self, session) -> None:
+        self._release(session.backend)  # the spare set of a dynamic session's ping-pong (Session.backend)
+
+    # --- running an engine ---
+
+    def _run(self, graph, feeds, past, session, in_place=False):
+        B = feeds["input_ids"].shape[0]
+        if graph == contract.PREFILL:
+            present = self._seq_buffers(B)
+            past_len = None
+        elif in_place:
+            present, past_len = past, None  # each buffer's own positions (a ring's are fewer)
+        else:
+            present, session.backend = session.backend or self._seq_buffers(B), None
+            past_len = session.length - 1
+        try:
+            logits = self._execute(graph, feeds, past, present, past_len)
+        except BaseException:
+            if present is not past:
+                self._release(present)
+            raise
+        if not in_place:  # what the engine wrote: dense (B, H, T, D)
+            T = feeds["input_ids"].shape[1] if past_len is None else past_len + 1
+            for buf in present:
+                buf.shape = (B, self.dims.num_kv_heads, T, self.dims.head_dim)
+        if graph == contract.DECODE and not in_place:
+            session.backend = past  # ping-pong: the next step writes where this past was
+        return StepOutput(logits), present
+
+    def _execute(self, graph: str, arrays: dict[str, np.ndarray], past: list | None, present: list,
+                 past_len: int | None) -> np.ndarray:
+        """Run one engine; `past_len` is the sequence dim of the past it reads (None: prefill, or a
+        static cache, whose buffers each have their own)."""
+        shapes = {n: a.shape for n, a in arrays.items()}
+        B = arrays["input_ids"].shape[0]
+        if past is not None:
+            shapes.update({n: (B, self.dims.num_kv_heads, past_len if past_len is not None else buf.shape[2],
+                               self.dims.head_dim) for n, buf in zip(self.past_names, past)})
+        problem = profile_problem(graph, self.meta["profiles"][graph], shapes, self.meta["limits"])
+        if problem:
+            raise InputError(problem)
+        ctx = self.contexts[graph]
+        for name, array in arrays.items():
+            buf = self.inputs[name].resize((array.nbytes,))
+            buf.copy_from(np.ascontiguousarray(array).view(np.uint8).reshape(-1), self.stream)
+            ctx.set_input_shape(name, array.shape)
+            ctx.set_tensor_address(name, buf.ptr)
+        for name, buf in zip(self.past_names, past or []):
+            ctx.set_input_shape(name, shapes[name])
+            ctx.set_tensor_address(name, buf.ptr)
+        S = arrays["input_ids"].shape[1]
+        if graph == contract.PREFILL and self.dims.prefill_logits == "last":
+            S = 1
+        logits_shape = (B, S, self.dims.vocab_size)
+        self.logits.resize((int(np.prod(logits_shape)) * 4,))
+        ctx.set_tensor_address("logits", self.logits.ptr)
+        for name, buf in zip(self.present_names, present):
+            ctx.set_tensor_address(name, buf.ptr)
+        if not ctx.execute_async_v3(self.stream.ptr):
+            raise InputError(f"{graph}: TensorRT failed to run the engine for inputs {shapes}")
+        host = np.empty(logits_shape, dtype=np.float32)
+        self.logits.view(shape=logits_shape, dtype=self._dt.FLOAT32).copy_to(host, self.stream)
+        self.stream.synchronize()
+        return host
+
+
+def _to_float32(raw: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":  # numpy has no bfloat16: widen the 16 bits into a float32's high half
+        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return raw.view(np.dtype(dtype)).astype(np.float32)

@@ -1,0 +1,83 @@
+"""Next-token selection, shared by every backend: greedy, temperature, top-k, top-p, repetition
+penalty, seeded. Pure numpy on float32 logits, so two backends whose logits agree pick the same
+tokens for the same seed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from tk.models.spec.errors import UsageProblem
+
+
+GREEDY_BELOW = 1e-5
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+    repetition_penalty: float = 1.0  # 1: off (Hugging Face semantics: divide positive logits, multiply negative)
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise UsageProblem(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise UsageProblem(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise UsageProblem(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.repetition_penalty <= 0:
+            raise UsageProblem(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.seed < 0:
+            raise UsageProblem(f"seed must be >= 0, got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0, or one so small that dividing by it overflows float32 (vLLM's 1e-5)."""
+        return self.temperature < GREEDY_BELOW
+
+
+class Sampler:
+    def __init__(self, config: SamplingConfig):
+        self.config = config
+        self.rng = np.random.default_rng(config.seed)
+
+    def __call__(self, logits: np.ndarray, seen: np.ndarray | None = None, rows: list[int] | None = None,
+                 total: int | None = None) -> np.ndarray:
+        """logits (B, V) float32 -> ids (B,) int64. seen (total, V) bool: tokens already in each row.
+
+        `rows` name the batch's rows among `total` (rows that finished have left the batch): each
+        step draws one number for every row of the `total`, so a row's draws do not depend on
+        which other rows are still generating."""
+        c = self.config
+        logits = logits.astype(np.float32, copy=False)  # nothing below writes in place
+        if seen is not None and rows is not None and len(rows) != seen.shape[0]:
+            seen = seen[rows]
+        if c.repetition_penalty != 1.0 and seen is not None:
+            penalized = np.where(logits > 0, logits / c.repetition_penalty, logits * c.repetition_penalty)
+            logits = np.where(seen, penalized, logits)
+        if c.greedy:
+            return logits.argmax(-1).astype(np.int64, copy=False)
+        logits = logits / c.temperature
+        if c.top_k:
+            kth = -np.sort(-logits, axis=-1)[:, min(c.top_k, logits.shape[-1]) - 1 : min(c.top_k, logits.shape[-1])]
+            logits = np.where(logits < kth, -np.inf, logits)
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        if c.top_p < 1.0:
+            order = np.argsort(-probs, axis=-1, kind="stable")
+            sorted_p = np.take_along_axis(probs, order, -1)
+            # keep the smallest prefix whose mass reaches top_p (always at least the top token)
+            drop_sorted = (np.cumsum(sorted_p, -1) - sorted_p) >= c.top_p
+            drop = np.zeros_like(drop_sorted)
+            np.put_along_axis(drop, order, drop_sorted, -1)
+            probs = np.where(drop, 0.0, probs)
+            probs /= probs.sum(-1, keepdims=True)
+        u = self.rng.random(probs.shape[0]) if total is None or rows is None else self.rng.random(total)[rows]
+        cdf = np.cumsum(probs, -1)
+        u = u * cdf[:, -1]  # below the total that float32 summed: the first token whose cdf reaches u has mass
+        return (cdf < u[:, None]).sum(-1).astype(np.int64)

@@ -1,0 +1,210 @@
+"""Serving's scheduler: which requests hold slots, and what each step computes. Pure: no model, no
+thread, no clock (tests/test_scheduler.py drives it alone, as vLLM's tests/v1/core/test_scheduler.py
+drives vLLM's).
+
+A request (`Seq`) waits in a queue, takes a free slot (the lowest), prefills its prompt, decodes,
+and ends; or it is aborted at any of those. Each `schedule()` returns a `StepPlan` under a budget
+of `step_tokens` tokens (None: the decode tokens plus `chunk_tokens` for each prompt coming in):
+first one token for every decoding request (decode first, as
+onnxruntime-genai's AllocateDecodeFirstTokenBudget and vLLM's scheduler do), then prefill chunks
+of the prompts already in slots, oldest first, then new admissions while slots and budget last. So a
+long prompt is prefilled a chunk per step while the running requests keep decoding. A step in which
+no request decodes has nobody to keep waiting: its budget is `idle_tokens` (at least `step_tokens`). `chunked`
+False (a backend that cannot continue a prompt part way: runtimes/slots.Slots.chunk_problem)
+prefills each prompt whole in the step that admits it, over budget if it must. With a
+`PrefixCache`, an admitted prompt first takes the longest cached prefix of its own tokens
+(`Seq.cached`, for the loop to copy into its slot) and prefills only the rest; a prompt whose first
+block is not cached yet but is that of a prompt still prefilling waits for it (and the queue behind
+it), to take what that one computes rather than compute it again beside it (a burst of requests
+that share a system prompt).
+
+The loop (runtimes/serving/batching.py) runs the plan, then tells the scheduler what happened:
+`advance(chunk)` after a chunk ran (its last one makes the request decode) and `finish(seq)` when
+a request ends (EOS, a stop, its budget, an error), which frees its slot. There is no preemption:
+a static cache reserves each slot's whole context up front, so a request that holds a slot can
+always finish; what cannot get a slot waits, and beyond `max_queue` waiting, `add` refuses
+(QueueFull, HTTP 429). Not thread-safe: the batcher calls it under its lock.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Sequence
+
+from tk.runtimes.errors import RuntimeProblem
+from tk.runtimes.serving.prefix_cache import PrefixCache
+
+
+class QueueFull(RuntimeProblem):
+    """Every slot is busy and the queue is full: retry later (HTTP 429)."""
+
+
+class State(str, Enum):
+    WAITING = "waiting"  # in the queue
+    PREFILL = "prefill"  # in a slot, its prompt part way into the cache
+    DECODE = "decode"  # in a slot, one token per step
+    DONE = "done"  # ended (finished or aborted); its slot is free
+
+
+@dataclass(eq=False)
+class Seq:
+    """One request as the scheduler sees it. `request` is the caller's (opaque here)."""
+
+    prompt: Sequence[int]
+    request: Any = None
+    reuse: bool = True  # may start from a cached prefix (False: it needs every prompt position's logits)
+    state: State = State.WAITING
+    slot: int | None = None
+    computed: int = 0  # prompt tokens in its slot's cache
+    reused: int = 0  # of which came from the prefix cache
+    cached: list = field(default_factory=list)  # the matched prefix's payloads, until the loop copies them
+    aborted: bool = False
+    head: bytes | None = None  # its first block's name in the prefix cache (b"": shorter than a block)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Prompt tokens start .. end - 1 of `seq` to prefill this step; the last one ends its prefill."""
+
+    seq: Seq
+    start: int
+    end: int
+
+    @property
+    def last(self) -> bool:
+        return self.end == len(self.seq.prompt)
+
+
+@dataclass
+class StepPlan:
+    left: list[Seq] = field(default_factory=list)  # aborted in a slot: the loop frees the row and ends them
+    admitted: list[Seq] = field(default_factory=list)  # took a slot this step (a cached prefix to copy first)
+    decode: list[Seq] = field(default_factory=list)  # one token each
+    prefill: list[Chunk] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> int:
+        return len(self.decode) + sum(c.end - c.start for c in self.prefill)
+
+
+def limits_problem(slots: int, max_queue: int, step_tokens: int | None) -> str | None:
+    """Why a scheduler cannot run with these limits (None: it can)."""
+    if slots < 1 or max_queue < 0:
+        return f"slots must be >= 1 and the queue >= 0, got {slots} and {max_queue}"
+    if step_tokens is not None and step_tokens < slots:
+        return (f"a step's budget of {step_tokens} tokens is less than one decode token for each of the {slots} "
+                f"slots; give at least {slots}")
+    return None
+
+
+class Scheduler:
+    def __init__(self, slots: int, max_queue: int, step_tokens: int | None = None, chunked: bool = True,
+                 prefix: PrefixCache | None = None, idle_tokens: int = 0, chunk_tokens: int = 16):
+        """`step_tokens` None: a step takes its decode tokens plus `chunk_tokens` of prompt for each
+        prompt coming in (in slots, or waiting with a slot free), oldest first."""
+        if problem := limits_problem(slots, max_queue, step_tokens):
+            raise ValueError(problem)
+        self.slots, self.max_queue, self.step_tokens, self.chunked = slots, max_queue, step_tokens, chunked
+        self.chunk_tokens = max(1, chunk_tokens)
+        self.idle_tokens = max(step_tokens or self.chunk_tokens, idle_tokens)
+        self.prefix = prefix if chunked else None  # a cached prefix is useless where a prompt cannot continue
+        self.waiting: deque[Seq] = deque()
+        self.running: dict[int, Seq] = {}  # slot -> its request (prefilling or decoding)
+        self._prefilling: list[Seq] = []  # in slots, prefilling, oldest first
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def add(self, seq: Seq) -> None:
+        if len(self.running) + len(self.waiting) >= self.slots + self.max_queue:
+            raise QueueFull(f"all {self.slots} slots are busy and the queue of {self.max_queue} is full; retry later")
+        seq.state = State.WAITING
+        self.waiting.append(seq)
+
+    def abort(self, seq: Seq) -> bool:
+        """End a request. True: it was waiting and is gone now (the caller ends it); False: it leaves
+        its slot in the next plan (`StepPlan.left`), or it had ended already."""
+        if seq.state is State.WAITING:
+            self.waiting.remove(seq)
+            seq.state = State.DONE
+            return True
+        if seq.state is not State.DONE:
+            seq.aborted = True
+        return False
+
+    def abort_all(self) -> list[Seq]:
+        """Abort everything: returns the waiting requests, gone now; those in slots leave in the next plan."""
+        gone = list(self.waiting)
+        for seq in gone:
+            self.abort(seq)
+        for seq in self.running.values():
+            seq.aborted = True
+        return gone
+
+    def finish(self, seq: Seq) -> None:
+        """A request in a slot ended: the slot is free for the next plan."""
+        if seq.state in (State.PREFILL, State.DECODE):
+            del self.running[seq.slot]
+            if seq in self._prefilling:
+                self._prefilling.remove(seq)
+        seq.state, seq.cached = State.DONE, []
+
+    def advance(self, chunk: Chunk) -> None:
+        """A planned chunk ran: its tokens are in the cache; after the last, the request decodes."""
+        seq = chunk.seq
+        if seq.state is not State.PREFILL:
+            return  # it ended (failed) during the step
+        seq.computed = chunk.end
+        if chunk.last:
+            seq.state = State.DECODE
+            self._prefilling.remove(seq)
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        for seq in [s for s in self.running.values() if s.aborted]:
+            self.finish(seq)
+            plan.left.append(seq)
+        plan.decode = [self.running[slot] for slot in sorted(self.running) if self.running[slot].state is State.DECODE]
+        if not plan.decode:
+            budget = self.idle_tokens
+        else:
+            coming = len(self._prefilling) + min(len(self.waiting), self.slots - len(self.running))
+            budget = (self.chunk_tokens * max(1, coming) if self.step_tokens is None
+                      else self.step_tokens - len(plan.decode))
+        for seq in self._prefilling:
+            budget -= self._chunk(plan, seq, budget)
+        free = sorted(set(range(self.slots)) - set(self.running))
+        while self.waiting and free and budget > 0 and not self._shares_a_pending_prefix(self.waiting[0]):
+            seq = self.waiting.popleft()
+            seq.slot, seq.state = free.pop(0), State.PREFILL
+            if self.prefix is not None and seq.reuse:
+                seq.cached = self.prefix.match(seq.prompt, len(seq.prompt) - 1)
+                seq.computed = seq.reused = len(seq.cached) * self.prefix.block
+            self.running[seq.slot] = seq
+            self._prefilling.append(seq)
+            plan.admitted.append(seq)
+            budget -= self._chunk(plan, seq, budget)
+        return plan
+
+    def _head(self, seq: Seq) -> bytes:
+        if seq.head is None:
+            seq.head = next(iter(self.prefix.names(seq.prompt, 1)), b"")
+        return seq.head
+
+    def _shares_a_pending_prefix(self, seq: Seq) -> bool:
+        """Its first block is one a prompt still prefilling will put in the prefix cache (not there yet)."""
+        if self.prefix is None or not seq.reuse or not self._head(seq) or seq.head in self.prefix:
+            return False
+        return any(self._head(other) == seq.head for other in self._prefilling)
+
+    def _chunk(self, plan: StepPlan, seq: Seq, budget: int) -> int:
+        """Plan the next chunk of a prefilling request within `budget` -> the tokens it takes."""
+        left = len(seq.prompt) - seq.computed
+        n = min(left, budget) if self.chunked else (left if budget > 0 else 0)
+        if n <= 0:
+            return 0
+        plan.prefill.append(Chunk(seq, seq.computed, seq.computed + n))
+        return n

@@ -1,0 +1,70 @@
+"""One HTTP request of `tk serve` in flight: its choices (each prompt, `n` times) as batcher jobs
+whose events reach the event loop on one queue, tagged with the choice's index, and their state as
+the events arrive (openai_api.Choice), until all have finished or the request is cancelled.
+"""
+
+from __future__ import annotations
+
+from tk.runtimes.decoding.rows import FinishReason
+from tk.toolkit.serving import frontend
+from tk.toolkit.serving.openai import api as openai_api
+from tk.toolkit.serving.openai.api import ApiError
+
+
+class HttpJob(frontend.Job):
+    """One choice of an HTTP request: its events go to the request's queue on the event loop, with
+    the choice's index."""
+
+    def __init__(self, batcher, prompt: list[int], params: frontend.Params, tokenizer, metrics, loop, queue,
+                 index: int, choice: int):
+        super().__init__(batcher, prompt, params, tokenizer, metrics, choice)
+        self.loop, self.queue, self.index = loop, queue, index
+
+    def deliver(self, piece, event) -> None:  # the batcher's thread
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.index, piece, event))
+
+
+
+class Run:
+    """One HTTP request's choices in flight: their jobs, their state as events arrive (`take`), and
+    what ends them (all finished, or `cancel`)."""
+
+    def __init__(self, jobs: list[HttpJob], choices: list[openai_api.Choice], queue, prompt_tokens: int):
+        self.jobs, self.choices, self.queue, self.prompt_tokens = jobs, choices, queue, prompt_tokens
+        self.pending = len(jobs)
+
+    def take(self, index: int, piece: str, event) -> None:
+        c = self.choices[index]
+        c.text += piece
+        if event.token is None:
+            c.reason = event.finish_reason
+            self.pending -= 1
+            if event.logprob is not None:  # the EOS that ended it, scored
+                c.eos = event.logprob.token
+                c.scores.append(event.logprob)
+        else:
+            c.tokens.append(event.token)
+            if event.logprob is not None:
+                c.scores.append(event.logprob)
+
+    def cancel(self) -> None:
+        for job in self.jobs:
+            job.cancel()
+
+    def usage(self) -> dict:
+        return openai_api.Reply.usage(self.prompt_tokens, sum(len(c.tokens) for c in self.choices))
+
+    def prompt_scores(self) -> dict[int, list]:
+        return {job.index: job.request.prompt_scores for job in self.jobs}
+
+    def failure(self, index: int) -> ApiError:
+        """A choice that did not complete: 503 when the server stopped it, 500 when it failed."""
+        request = self.jobs[index].request
+        if self.choices[index].reason == FinishReason.CANCELLED:
+            return ApiError(503, "the server is shutting down; retry on another replica", kind="server_error")
+        return ApiError(500, f"the batcher failed this request: {request.error}", kind="server_error")
+
+    def raise_failure(self) -> None:
+        for c in self.choices:
+            if not c.reason.completed:
+                raise self.failure(c.index)

@@ -1,0 +1,155 @@
+"""Structured outputs: a request's text held to a grammar while it decodes, by a token mask in its
+own sampler (runtimes/decoding/logits.py's processors), under continuous batching: each request has its own
+matcher and masks its own logits row, so a grammar never touches another request's row.
+
+The grammars are llguidance's (guidance-ai; the engine vLLM's `guidance` backend runs): OpenAI's
+`response_format` (`json_object`, `json_schema`), vLLM's `structured_outputs` (`json`, `regex`,
+`choice`, `grammar` in llguidance's Lark dialect, `json_object`) and its older `guided_json`,
+`guided_regex`, `guided_choice`, `guided_grammar`. llguidance over xgrammar: it computes each
+mask on the fly from the grammar (no compile step per schema, so 64 requests with 64 different
+schemas cost nothing up front), it works on numpy (xgrammar's masks are torch tensors), and its
+JSON-schema coverage is the wider. JSON is compact (no free whitespace): a free-whitespace grammar
+lets a weak model emit blanks until its token budget runs out, which is never valid JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from typing import Sequence
+
+import numpy as np
+
+from tk.toolkit.serving.openai.api import ApiError
+
+MISSING = "structured outputs need llguidance: pip install 'tk[serve]'"
+JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+def _one_line(message: str) -> str:
+    return re.sub(r"\s+", " ", message.split("<state>")[0]).strip()
+
+
+def requested(body) -> tuple[str, str, object] | None:
+    """The body's one constraint: (field, kind, spec) with kind json, json_object, regex, choice or
+    grammar; None when it asks for none; a 400 when it asks for more than one."""
+    found = []
+    rf = body.response_format
+    if rf is not None and rf.type == "json_object":
+        found.append(("response_format", "json_object", None))
+    elif rf is not None and rf.type == "json_schema":
+        found.append(("response_format", "json", rf.json_schema.schema_))
+    so = body.structured_outputs
+    if so is not None:
+        given = [(k, v) for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                     ("grammar", so.grammar)) if v is not None]
+        given += [("json_object", None)] if so.json_object else []
+        found += [("structured_outputs", kind, spec) for kind, spec in given]
+    found += [(f"guided_{kind}", kind, spec) for kind, spec in (("json", body.guided_json), ("regex", body.guided_regex),
+                                                                ("choice", body.guided_choice),
+                                                                ("grammar", body.guided_grammar)) if spec is not None]
+    if len(found) > 1:
+        raise ApiError(400, f"{', '.join(f for f, _, _ in found)}: give one constraint per request", found[1][0])
+    return found[0] if found else None
+
+
+class Compiler:
+    """Turns a body's constraint into a `Grammar` factory, checked up front (a bad schema, regex or
+    grammar is a 400 naming the field). llguidance's tokenizer is built on first use, on a worker
+    thread (about a second for a large vocabulary)."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_ids: Sequence[int]):
+        self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, list(eos_ids)
+        self._llg_tokenizer, self._lock = None, threading.Lock()
+
+    def _llg(self):
+        try:
+            import llguidance
+        except ImportError:
+            raise ApiError(400, MISSING, kind="invalid_request_error") from None
+        with self._lock:
+            if self._llg_tokenizer is None:
+                self._llg_tokenizer = self._make_tokenizer(llguidance)
+        return llguidance, self._llg_tokenizer
+
+    def _make_tokenizer(self, llguidance):
+        folder = self.tokenizer.folder
+        if (folder / "tokenizer.json").is_file():
+            return llguidance.LLTokenizer((folder / "tokenizer.json").read_text(), n_vocab=self.vocab_size,
+                                          eos_token=self.eos_ids)
+        from llguidance.hf import from_tokenizer
+
+        return from_tokenizer(self.tokenizer.hf, n_vocab=self.vocab_size, eos_token=self.eos_ids)
+
+    def compile(self, body) -> "Constraint | None":
+        found = requested(body)
+        if found is None:
+            return None
+        field, kind, spec = found
+        if not self.eos_ids:
+            raise ApiError(400, f"{field}: structured outputs need the model's EOS token, and this artifact names none")
+        llg, tok = self._llg()
+        try:
+            if kind == "json" and isinstance(spec, str):
+                spec = json.loads(spec)
+            if kind == "json_object":
+                grammar = llg.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+            elif kind == "json":
+                grammar = llg.LLMatcher.grammar_from_json_schema(spec, defaults=JSON_OPTIONS)
+            elif kind == "regex":
+                grammar = llg.LLMatcher.grammar_from_regex(spec)
+            elif kind == "choice":
+                grammar = llg.grammar_from("choice", spec)
+            else:
+                grammar = llg.LLMatcher.grammar_from_lark(spec)
+            limits = llg.LLParserLimits(verbose_errors=False)
+            failed, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, tok, limits=limits)
+        except Exception as e:  # noqa: BLE001: a client's schema may be nested too deep to build (RecursionError, ...)
+            failed, messages = True, [f"{type(e).__name__}: {e}"]
+        if failed:
+            raise ApiError(400, f"{field}: not a valid {kind.replace('_', ' ')} constraint: "
+                                f"{_one_line(messages[0]) if messages else 'refused'}", field)
+        return Constraint(llg, tok, grammar, self.vocab_size)
+
+
+class Constraint:
+    """A compiled grammar; `start()` gives one generation its own `Grammar` (frontend.Constraint)."""
+
+    def __init__(self, llg, tokenizer, grammar: str, vocab_size: int):
+        self.llg, self.tokenizer, self.grammar, self.vocab_size = llg, tokenizer, grammar, vocab_size
+
+    def start(self) -> "Grammar":
+        return Grammar(self)
+
+
+class Grammar:
+    """One generation's matcher, as a logits processor: it feeds the matcher the tokens kept since
+    its last call, then bans every token the grammar forbids next (a new array: the raw logits stay
+    what log-probabilities are computed from). `complete(tokens)`: nothing may follow but EOS."""
+
+    def __init__(self, c: Constraint):
+        from llguidance.numpy import allocate_token_bitmask
+
+        self.matcher = c.llg.LLMatcher(c.tokenizer, c.grammar, log_level=0,
+                                       limits=c.llg.LLParserLimits(verbose_errors=False))
+        self.bits = allocate_token_bitmask(1, c.vocab_size)
+        self.vocab_size, self.fed = c.vocab_size, 0
+
+    def _feed(self, tokens: Sequence[int]) -> None:
+        for token in tokens[self.fed:]:
+            if not self.matcher.consume_token(token):
+                raise RuntimeError(f"the grammar refused token {token}: {_one_line(self.matcher.get_error())}")
+        self.fed = len(tokens)
+
+    def __call__(self, logits: np.ndarray, tokens: Sequence[int]) -> np.ndarray:
+        from llguidance.numpy import fill_next_token_bitmask
+
+        self._feed(tokens)
+        fill_next_token_bitmask(self.matcher, self.bits)
+        allowed = np.unpackbits(self.bits.view(np.uint8), bitorder="little")[: self.vocab_size].astype(bool)
+        return np.where(allowed[None, : logits.shape[-1]], logits, np.float32(-np.inf))
+
+    def complete(self, tokens: Sequence[int]) -> bool:
+        self._feed(tokens)
+        return self.matcher.is_stopped()
