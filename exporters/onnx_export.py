@@ -22,6 +22,7 @@ from tk.models.spec.manifest import STATIC_OPSET, Target, Variant
 from tk.models.reference.decoder import Decoder
 from tk.models.spec.errors import TkError
 from tk.exporters.quantize_graph import dequantize_matmuls
+from tk.exporters import trace_cache
 from tk.exporters.replicate import TRACED_LAYERS, grow, order_io
 from tk.exporters.weights import attach_external, export_view
 
@@ -229,6 +230,8 @@ def finish_graph(traced: Traced, model: Decoder, path: Path, weights: dict[str, 
     start = time.perf_counter()
     graph, dims, layers = traced.graph, traced.dims, model.config.num_layers
     program, how = traced.program, f"traced {layers} layers"
+    if traced.variant.target is Target.ORT:
+        _register_contrib_schemas()  # the optimizer infers the contrib ops' outputs (a cached trace registered none)
     _optimize(program, weights, path.parent, schemes)
     if traced.layers < layers:
         why = grow(program.model, layers, weights, lambda m: attach_external(m, weights, path.parent))
@@ -253,6 +256,7 @@ def _optimize(program, weights: dict[str, tuple], base_dir: Path, schemes: dict 
         program.optimize()  # what export(optimize=True) runs (folding, fusions), now over the real data
 
 
+@trace_cache.cached
 def _trace(model: Decoder, graph: str, dims: contract.GraphDims, variant: Variant):
     """torch.onnx.export on the meta device, unoptimized (the optimizer needs the weights' data)."""
     fused = variant.target is Target.ORT

@@ -23,6 +23,17 @@ if _WORKERS > 1:
 from hf_models import ALL, FAMILIES, make_checkpoint  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def trace_cache(tmp_path_factory):
+    """One cache of traced graphs for the run (exporters/trace_cache.py), shared by the xdist workers
+    and the tk commands the tests start: a graph is traced once per config, dtype and variant, not
+    once per export. Graphs are byte-identical with and without it (tests/test_export.py)."""
+    if "TK_TRACE_CACHE" not in os.environ:
+        root = tmp_path_factory.getbasetemp()
+        root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root  # the run's folder, not the worker's
+        os.environ["TK_TRACE_CACHE"] = str(root / "trace-cache")
+
+
 def assert_close(actual, expected, atol: float, what: str = "") -> None:
     """Like torch.testing.assert_close with only atol, printing max and mean difference on failure."""
     a = torch.as_tensor(np.asarray(actual, dtype=np.float64))
