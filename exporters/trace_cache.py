@@ -39,27 +39,29 @@ def _code_fingerprint() -> str:
     return h.hexdigest()
 
 
-def _key(model, graph: str, dims, variant) -> str:
+def _key(model, graph: str, dims) -> str:
     dtype = next(model.parameters()).dtype
-    text = "\n".join((_code_fingerprint(), repr(model.config), str(dtype), graph, repr(dims), repr(variant)))
+    text = "\n".join((_code_fingerprint(), repr(model.config), str(dtype), graph, repr(dims)))
     return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _serialize(ir_model) -> bytes:
-    """The traced model as ONNX bytes, each initializer a placeholder of its dtype and shape."""
+    """The traced model as ONNX bytes, each meta initializer (a weight) a placeholder of its dtype and shape."""
     import onnx_ir as ir
 
     kept = {}
     try:
         for name, value in ir_model.graph.initializers.items():
+            if not getattr(getattr(value.const_value, "raw", None), "is_meta", False):
+                continue  # a constant the trace made (real data): stored as it is
             kept[name] = value.const_value
             nbytes = value.dtype.itemsize * math.prod(value.shape.numpy())
             value.const_value = ir.ExternalTensor(_PLACEHOLDER, offset=0, length=int(nbytes), dtype=value.dtype,
                                                   shape=value.shape, name=name, base_dir="")
         return ir.to_proto(ir_model).SerializeToString()
     finally:
-        for name, value in ir_model.graph.initializers.items():
-            value.const_value = kept.get(name)
+        for name, tensor in kept.items():
+            ir_model.graph.initializers[name].const_value = tensor
 
 
 def _names(ir_model) -> dict:
@@ -84,18 +86,18 @@ def _deserialize(data: bytes, names: dict):
 
 
 def cached(trace):
-    """Wrap `trace(model, graph, dims, variant) -> ONNXProgram` with the cache `TK_TRACE_CACHE` names.
+    """Wrap `trace(model, graph, dims) -> ONNXProgram` with the cache `TK_TRACE_CACHE` names.
     Miss or hit, the caller gets the graph as read back from its bytes, so both export the same file."""
     @functools.wraps(trace)
-    def wrapper(model, graph: str, dims, variant):
+    def wrapper(model, graph: str, dims):
         folder = os.environ.get(ENV)
         if not folder:
-            return trace(model, graph, dims, variant)
-        path = Path(folder) / f"{_key(model, graph, dims, variant)}.onnx"
+            return trace(model, graph, dims)
+        path = Path(folder) / f"{_key(model, graph, dims)}.onnx"
         names_path = path.with_suffix(".names.json")
         if path.is_file():  # written last: its names are there
             return _deserialize(path.read_bytes(), json.loads(names_path.read_text()))
-        program = trace(model, graph, dims, variant)
+        program = trace(model, graph, dims)
         data, names = _serialize(program.model), _names(program.model)
         path.parent.mkdir(parents=True, exist_ok=True)
         for target, content in ((names_path, json.dumps(names).encode()), (path, data)):

@@ -27,12 +27,17 @@ def _export(checkpoint: Path, out: Path, cache: Path | None, *flags: str) -> dic
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flags", [(), ("--for", "ort-cpu", "--max-seq-len", "64")], ids=["portable", "ort-cpu"])
-def test_cached_traces_write_the_same_graphs(tiny, tmp_path, flags):
-    plain = _export(tiny, tmp_path / "plain", None, *flags)
-    missed = _export(tiny, tmp_path / "miss", tmp_path / "cache", *flags)
+@pytest.mark.parametrize("family, flags", [
+    ("tiny", ()),
+    ("tiny", ("--for", "ort-cpu", "--max-seq-len", "64")),
+    ("gemma", ("--for", "ort-cpu")),  # constants the trace makes (the embedding's scale) beside meta weights
+], ids=["portable", "ort-cpu", "gemma-ort-cpu"])
+def test_cached_traces_write_the_same_graphs(tiny, checkpoints, tmp_path, family, flags):
+    checkpoint = tiny if family == "tiny" else checkpoints(family)
+    plain = _export(checkpoint, tmp_path / "plain", None, *flags)
+    missed = _export(checkpoint, tmp_path / "miss", tmp_path / "cache", *flags)
     assert len(list((tmp_path / "cache").glob("*.onnx"))) == 2  # prefill and decode, traced once each
-    hit = _export(tiny, tmp_path / "hit", tmp_path / "cache", *flags)
+    hit = _export(checkpoint, tmp_path / "hit", tmp_path / "cache", *flags)
     assert len(list((tmp_path / "cache").glob("*.onnx"))) == 2  # nothing traced again
     for name in FILES:
         assert missed[name] == plain[name], f"{name} differs after a miss"
@@ -41,19 +46,21 @@ def test_cached_traces_write_the_same_graphs(tiny, tmp_path, flags):
 
 def test_the_key_is_what_determines_a_trace():
     from tk.models.spec.config import DecoderConfig
-    from tk.models.spec.manifest import Variant
+    from tk.models.spec.contract import GraphDims
+    from tk.models.spec.manifest import Precision
+    from tk.models.spec.variant import Variant
     from tk.exporters.weights import export_view
     import torch
 
     cfg = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
                         num_kv_heads=2, max_position_embeddings=64)
     view = export_view(cfg, torch.float32)
-    variant = Variant()
-    key = trace_cache._key(view, "decode", ("dims",), variant)
-    assert key == trace_cache._key(export_view(cfg, torch.float32), "decode", ("dims",), variant)
-    assert key != trace_cache._key(view, "prefill", ("dims",), variant)
-    assert key != trace_cache._key(view, "decode", ("other dims",), variant)
-    assert key != trace_cache._key(export_view(cfg, torch.float16), "decode", ("dims",), variant)
+    dims = GraphDims.of(cfg, Precision(), Variant())  # the sizes, and the variant they hold
+    key = trace_cache._key(view, "decode", dims)
+    assert key == trace_cache._key(export_view(cfg, torch.float32), "decode", dims)
+    assert key != trace_cache._key(view, "prefill", dims)
+    assert key != trace_cache._key(view, "decode", dataclasses.replace(dims, kv_dtype="float16"))
+    assert key != trace_cache._key(export_view(cfg, torch.float16), "decode", dims)
     assert key != trace_cache._key(export_view(dataclasses.replace(cfg, rope_theta=500.0), torch.float32),
-                                   "decode", ("dims",), variant)
-    assert key != trace_cache._key(view, "decode", ("dims",), dataclasses.replace(variant, opset=18))
+                                   "decode", dims)
+    assert key != trace_cache._key(view, "decode", dataclasses.replace(dims, variant=Variant(opset=18)))
