@@ -35,11 +35,11 @@ from pathlib import Path
 import numpy as np
 
 from tk.runtimes.decoding.generate import generate
-from tk.runtimes.backends.ort import open_ort
+from tk.runtimes.backends.ort import OrtRuntime
 
 
 def tk_ort(artifact: Path, threads: int, huge_pages: bool = True):
-    rt = open_ort(artifact, threads=threads, huge_pages=huge_pages, prepack=True).activate()  # speed: packed weights
+    rt = OrtRuntime(artifact, threads=threads, huge_pages=huge_pages, prepack=True).activate()  # speed: packed weights
 
     def run(prompt: list[int], n: int):
         r = generate(rt, [prompt], n, ignore_eos=True)

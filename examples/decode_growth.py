@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from tk.runtimes.decoding.generate import generate
-from tk.runtimes.backends.ort import open_ort
+from tk.runtimes.backends.ort import OrtRuntime
 
 
 def main() -> None:
@@ -24,7 +24,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    runtimes = {a: open_ort(a, threads=args.threads, prepack=True).activate() for a in args.artifacts}
+    runtimes = {a: OrtRuntime(a, threads=args.threads, prepack=True).activate() for a in args.artifacts}
     rng = np.random.default_rng(0)
     prompts = {p: rng.integers(0, next(iter(runtimes.values())).dims.vocab_size, p).tolist() for p in args.past}
     times = {(a, p): [] for a in runtimes for p in args.past}

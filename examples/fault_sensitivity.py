@@ -26,7 +26,8 @@ from tk.models.reference.positions import rope_inv_freq
 from tk.models.checkpoint.loading import load_decoder
 from tk.models.fixtures.presets import PRESETS, write_preset
 from tk.runtimes.backends.torch import TorchRuntime
-from tk.toolkit.verify.metrics import random_cases, tolerance_for
+from tk.toolkit.verify.metrics import random_cases
+from tk.toolkit.verify.tolerance import tolerance_for
 from tk.toolkit.verify.compare import compare_backends
 
 

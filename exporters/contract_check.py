@@ -11,11 +11,11 @@ from pathlib import Path
 
 import onnx
 
+from tk.exporters.onnx_util import CONTROL_FLOW, is_default_domain
 from tk.models.spec import contract
 from tk.models.spec.dtypes import DTYPES
 
 _ELEM = {d.onnx: d.name for d in DTYPES.values()}
-FORBIDDEN_OPS = ("If", "Loop", "Scan")
 
 
 def describe_value(value: onnx.ValueInfoProto) -> tuple[str, str, tuple]:
@@ -43,9 +43,9 @@ def graph_problems(model: onnx.ModelProto, graph: str, dims: contract.GraphDims,
             if shape != spec.dims:
                 problems.append(f"{graph} {kind} {name} has dims {list(shape)}, the contract says {list(spec.dims)}")
     for node in model.graph.node:
-        if node.op_type in FORBIDDEN_OPS:
+        if node.op_type in CONTROL_FLOW:
             problems.append(f"{graph} has a {node.op_type} node ({node.name}); tk graphs have no control flow")
-        if node.domain not in ("", "ai.onnx") and (node.domain, node.op_type) not in allowed_ops:
+        if not is_default_domain(node.domain) and (node.domain, node.op_type) not in allowed_ops:
             problems.append(f"{graph} has op {node.domain}.{node.op_type}; tk graphs use the default domain only")
     return problems
 
@@ -64,6 +64,6 @@ def check_graph_file(path: Path, graph: str, dims: contract.GraphDims,
 def op_histogram(model: onnx.ModelProto) -> dict[str, int]:
     hist: dict[str, int] = {}
     for node in model.graph.node:
-        key = node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}.{node.op_type}"
+        key = node.op_type if is_default_domain(node.domain) else f"{node.domain}.{node.op_type}"
         hist[key] = hist.get(key, 0) + 1
     return dict(sorted(hist.items(), key=lambda kv: (-kv[1], kv[0])))

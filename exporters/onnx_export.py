@@ -18,7 +18,7 @@ from torch import nn
 from torch.export import Dim
 
 from tk.models.spec import contract
-from tk.models.spec.manifest import STATIC_OPSET, Target, Variant
+from tk.models.spec.variant import CacheLayout, PrefillLogits, Target, Variant
 from tk.models.reference.decoder import Decoder
 from tk.models.spec.errors import TkError
 from tk.exporters.quantize_graph import dequantize_matmuls
@@ -42,30 +42,30 @@ class GraphModule(nn.Module):
     prefill: (input_ids, attention_mask, position_ids) -> (logits, present.0.key, ...)
     decode:  (..., past.0.key, ...) -> (logits, present...), one new token
     static decode: (..., write_indices, cache...) -> (logits, cache...), cache written in place
-    With output_hidden, each layer's hidden state follows as a debug output (hidden.{i}).
+    With the variant's debug outputs, each layer's hidden state follows (hidden.{i}).
     """
 
-    def __init__(self, model: Decoder, static: bool = False, output_hidden: bool = False, fused: bool = False,
-                 last_only: bool = False, decode_prefills: bool = False):
+    def __init__(self, model: Decoder, graph: str, variant: Variant):
         super().__init__()
-        self.model, self.static, self.output_hidden, self.fused = model, static, output_hidden, fused
-        self.last_only, self.decode_prefills = last_only, decode_prefills
+        self.model, self.variant = model, variant
+        self.static = graph == contract.DECODE and variant.cache is CacheLayout.STATIC
+        self.decode_prefills = self.static and variant.decode_prefills  # a run of new tokens, the last one's logits
+        self.last_only = self.decode_prefills if graph == contract.DECODE else variant.prefill_logits is PrefillLogits.LAST
 
     def forward(self, input_ids, attention_mask, position_ids, *rest):
         write_index = None
         if self.static:
             write_index, rest = rest[0], rest[1:]
         past = [(rest[2 * i], rest[2 * i + 1]) for i in range(len(rest) // 2)] or None
-        if self.fused:  # ONNX Runtime's kernels (tk export --target ort)
+        hidden = self.variant.debug_outputs
+        if self.variant.target is Target.ORT:  # ONNX Runtime's kernels (tk export --target ort)
             from tk.models.reference import ort_kernels
 
             out = ort_kernels.forward(self.model, input_ids, attention_mask, position_ids, past, write_index,
                                       self.last_only, self.decode_prefills)
         else:
-            out = self.model(input_ids, attention_mask, position_ids, past, write_index, self.output_hidden,
-                             self.last_only)
-        hidden = list(out[2]) if self.output_hidden else []
-        return (out[0], *[t for kv in out[1] for t in kv], *hidden)
+            out = self.model(input_ids, attention_mask, position_ids, past, write_index, hidden, self.last_only)
+        return (out[0], *[t for kv in out[1] for t in kv], *(list(out[2]) if hidden else []))
 
 
 def _tensor_scatter(cache, update, write_indices, circular: bool = False):
@@ -133,42 +133,44 @@ def _group_query_attention(qkv, past_k, past_v, seqlens_k, total, cos_cache, sin
         **extra)
 
 
-def _example(graph: str, model: Decoder, dims: contract.GraphDims, fused: bool = False):
-    """Example inputs (batch 2, so batch is not specialized to 1) and dynamic shapes."""
-    c, B, S, P = model.config, 2, 5, 3
-    capacity, output_hidden = dims.kv_capacity, dims.hidden_size is not None
-    batch = Dim(contract.BATCH, min=1)
-    if graph == contract.DECODE and capacity is not None:
-        new = 2 if dims.decode_prefills else 1  # a run of new tokens per row (2: not specialized to 1)
-        # a narrow mask covers what the rows hold (not specialized to the capacity, nor to P + new)
-        mask = torch.zeros(B, min(P + new + 2, capacity) if dims.narrow_mask else capacity, dtype=torch.int64)
-        mask[:, : P + new] = 1
-        past = [torch.zeros(B, c.num_kv_heads, n, c.head_dim, dtype=model.dtype) for n in dims.capacities() for _ in "kv"]
-        args = (torch.randint(0, c.vocab_size, (B, new)), mask, P + torch.arange(new).repeat(B, 1),
-                torch.full((B,), P, dtype=torch.int64), *past)
-        tokens = {0: batch, 1: Dim(contract.SEQ, min=1)} if dims.decode_prefills else {0: batch}
-        width = {1: Dim(contract.TOTAL, min=1, max=capacity)} if dims.narrow_mask else {}
-        shapes = {"input_ids": tokens, "attention_mask": {0: batch, **width}, "position_ids": tokens,
-                  "rest": ({0: batch}, *({0: batch} for _ in past))}  # write_indices, then the cache
-        return GraphModule(model, static=True, output_hidden=output_hidden, fused=fused,
-                           last_only=dims.decode_prefills, decode_prefills=dims.decode_prefills), args, shapes
+def _example(graph: str, model: Decoder, dims: contract.GraphDims):
+    """Example inputs and dynamic shapes, read off the contract's inputs: batch 2 (so it is not
+    specialized to 1), a past of 3, a prompt of 5, a run of 2 new tokens where the static decode graph
+    takes runs (not specialized to 1), and a narrow mask wider than what the rows hold (specialized
+    neither to the capacity nor to the past and new tokens)."""
+    B, S, P = 2, 5, 3
+    static = graph == contract.DECODE and dims.kv_capacity is not None
+    new = 2 if static and dims.variant.decode_prefills else 1
+    batch, past = Dim(contract.BATCH, min=1), Dim(contract.PAST, min=1)  # never 0: TensorRT rejects empty dims
+    symbols = {contract.BATCH: batch, contract.SEQ: Dim(contract.SEQ, min=1), contract.PAST: past,
+               contract.TOTAL: Dim(contract.TOTAL, min=1, max=dims.kv_capacity) if static else past + 1}
     if graph == contract.PREFILL:
-        seq = Dim(contract.SEQ, min=1)
-        ids = torch.randint(0, c.vocab_size, (B, S))
-        mask = torch.ones(B, S, dtype=torch.int64)
-        args = (ids, mask, contract.position_ids_from_mask(mask))
-        shapes = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq},
-                  "position_ids": {0: batch, 1: seq}}
-        last = dims.prefill_logits == "last"
-        return GraphModule(model, output_hidden=output_hidden, fused=fused, last_only=last), args, shapes
-    past_dim = Dim(contract.PAST, min=1)  # never 0: TensorRT rejects empty dims; prefill covers "no past"
-    ids = torch.randint(0, c.vocab_size, (B, 1))
-    mask = torch.ones(B, P + 1, dtype=torch.int64)
-    past = [torch.zeros(B, c.num_kv_heads, P, c.head_dim, dtype=model.dtype) for _ in range(2 * c.num_layers)]
-    args = (ids, mask, torch.full((B, 1), P, dtype=torch.int64), *past)
-    shapes = {"input_ids": {0: batch}, "attention_mask": {0: batch, 1: past_dim + 1},
-              "position_ids": {0: batch}, "rest": tuple({0: batch, 2: past_dim} for _ in past)}
-    return GraphModule(model, output_hidden=output_hidden, fused=fused), args, shapes
+        sizes, start = {contract.BATCH: B, contract.SEQ: S}, 0
+    elif static:
+        sizes = {contract.BATCH: B, contract.SEQ: new, contract.TOTAL: min(P + new + 2, dims.kv_capacity)}
+        start = P
+    else:
+        sizes, start = {contract.BATCH: B, contract.PAST: P, contract.TOTAL: P + 1}, P
+    args, shapes = [], []
+    filled = P + new if static else None  # the static cache's mask: 1 over what the rows hold
+    for spec in dims.inputs(graph):
+        shape = contract.shape(spec, sizes)
+        if spec.name == "input_ids":
+            value = torch.randint(0, dims.vocab_size, shape)
+        elif spec.name == "attention_mask":
+            value = torch.zeros(shape, dtype=torch.int64)
+            value[:, :filled] = 1
+        elif spec.name == "position_ids":
+            value = start + torch.arange(shape[1]).repeat(B, 1)
+        elif spec.name == "write_indices":
+            value = torch.full(shape, P, dtype=torch.int64)
+        else:  # the cache
+            value = torch.zeros(shape, dtype=model.dtype)
+        args.append(value)
+        shapes.append({axis: symbols[d] for axis, d in enumerate(spec.dims) if isinstance(d, str)})
+    named = dict(zip(("input_ids", "attention_mask", "position_ids"), shapes))
+    rest = {"rest": tuple(shapes[3:])} if len(shapes) > 3 else {}  # write_indices and the cache
+    return GraphModule(model, graph, dims.variant), tuple(args), {**named, **rest}
 
 
 def _rename_dims(ir_graph) -> None:
@@ -188,7 +190,6 @@ class Traced:
 
     graph: str
     dims: contract.GraphDims
-    variant: Variant
     program: object  # torch.onnx.ONNXProgram
     layers: int  # how many layers were traced
     seconds: float
@@ -201,12 +202,12 @@ def traced_layers(config) -> int:
     return TRACED_LAYERS if deep and config.uniform_layers else config.num_layers
 
 
-def trace_graph(model: Decoder, graph: str, dims: contract.GraphDims, variant: Variant) -> Traced:
+def trace_graph(model: Decoder, graph: str, dims: contract.GraphDims) -> Traced:
     """Trace one graph of the contract `dims` describes from the meta-device export view `model`:
     no weight is needed, so this runs while the weights file is written. A model deeper than
     TRACED_LAYERS + 1 whose layers repeat is traced with TRACED_LAYERS layers (finish_graph grows it).
 
-    With `dims.kv_capacity` the decode graph gets a static-capacity cache and opset 24 (TensorScatter).
+    With `dims.kv_capacity` the decode graph gets a static-capacity cache, in the opset `dims.opset` gives.
     target "ort" fuses residual add + RMSNorm (both graphs) and the decode step's RoPE, cache write
     and attention into ONNX Runtime's contrib kernels; the graphs' inputs and outputs do not change.
     """
@@ -214,8 +215,8 @@ def trace_graph(model: Decoder, graph: str, dims: contract.GraphDims, variant: V
     layers = traced_layers(model.config)
     if layers < model.config.num_layers:
         model = export_view(model.config.first_layers(layers), model.dtype)
-    program = _trace(model, graph, dataclasses.replace(dims, num_layers=layers), variant)
-    return Traced(graph, dims, variant, program, layers, time.perf_counter() - start)
+    program = _trace(model, graph, dataclasses.replace(dims, num_layers=layers))
+    return Traced(graph, dims, program, layers, time.perf_counter() - start)
 
 
 def finish_graph(traced: Traced, model: Decoder, path: Path, weights: dict[str, tuple],
@@ -230,7 +231,7 @@ def finish_graph(traced: Traced, model: Decoder, path: Path, weights: dict[str, 
     start = time.perf_counter()
     graph, dims, layers = traced.graph, traced.dims, model.config.num_layers
     program, how = traced.program, f"traced {layers} layers"
-    if traced.variant.target is Target.ORT:
+    if dims.variant.target is Target.ORT:
         _register_contrib_schemas()  # the optimizer infers the contrib ops' outputs (a cached trace registered none)
     _optimize(program, weights, path.parent, schemes)
     if traced.layers < layers:
@@ -239,7 +240,7 @@ def finish_graph(traced: Traced, model: Decoder, path: Path, weights: dict[str, 
             order_io(program.model.graph, [s.name for s in dims.inputs(graph)], [s.name for s in dims.outputs(graph)])
             how = f"traced {traced.layers} layers, copied to {layers}"
         else:
-            program = _trace(model, graph, dims, traced.variant)
+            program = _trace(model, graph, dims)
             _optimize(program, weights, path.parent, schemes)
             how += f" ({why})"
     _rename_dims(program.model.graph)
@@ -257,12 +258,11 @@ def _optimize(program, weights: dict[str, tuple], base_dir: Path, schemes: dict 
 
 
 @trace_cache.cached
-def _trace(model: Decoder, graph: str, dims: contract.GraphDims, variant: Variant):
+def _trace(model: Decoder, graph: str, dims: contract.GraphDims):
     """torch.onnx.export on the meta device, unoptimized (the optimizer needs the weights' data)."""
-    fused = variant.target is Target.ORT
+    fused = dims.variant.target is Target.ORT
     static = graph == contract.DECODE and dims.kv_capacity is not None
-    opset = STATIC_OPSET if static and (not fused or dims.ring) else variant.opset  # TensorScatter; fused: rings only
-    module, args, shapes = _example(graph, model, dims, fused)
+    module, args, shapes = _example(graph, model, dims)
     args = tuple(a.to("meta") for a in args)  # traced on the meta device: no weights in memory
     table = {}
     if static:
@@ -281,7 +281,7 @@ def _trace(model: Decoder, graph: str, dims: contract.GraphDims, variant: Varian
         warnings.simplefilter("ignore")  # the exporter's deprecation chatter is not the user's business
         try:
             program = torch.onnx.export(
-                module.eval(), args, dynamo=True, opset_version=opset, dynamic_shapes=shapes,
+                module.eval(), args, dynamo=True, opset_version=dims.opset(graph), dynamic_shapes=shapes,
                 input_names=in_names, output_names=out_names, verbose=False, optimize=False,
                 custom_translation_table=table or None,
             )

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tk.exporters.onnx_util import DEFAULT_DOMAINS, is_default_domain
 from tk.exporters.weights import BYTES, PREFIX, QUANT, SCALE, ZERO, external_tensor
 
 QDQ_OPSET = 21  # blocked DequantizeLinear, INT4
@@ -36,7 +37,7 @@ def dequantize_matmuls(ir_model, table: dict[str, tuple], schemes: dict, base_di
     graph = ir_model.graph
     count = 0
     for node in list(graph):
-        if node.domain not in ("", "ai.onnx"):
+        if not is_default_domain(node.domain):
             continue
         if node.op_type == "Gather" and node.inputs[0] is not None and node.inputs[0].name == EMBED \
                 and EMBED not in table:  # a quantized embedding: its float table is not written
@@ -60,7 +61,7 @@ def dequantize_matmuls(ir_model, table: dict[str, tuple], schemes: dict, base_di
             graph.initializers.pop(w.name)
             dq.outputs[0].name = w.name  # the float weight's name, now computed
         count += 1
-    for opset in ("", "ai.onnx"):
+    for opset in DEFAULT_DOMAINS:
         if opset in ir_model.opset_imports and ir_model.opset_imports[opset] < QDQ_OPSET:
             raise AssertionError(f"quantized graphs need opset >= {QDQ_OPSET}")
     return count

@@ -9,11 +9,13 @@ loaders so that every failure maps to one sentence naming the graph and the pars
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
 from pathlib import Path
 from typing import Callable
 
 from tk.models.spec import contract
+from tk.models.spec.contract import BATCH, PAST, SEQ, TOTAL
+from tk.models.spec.engine import EngineMeta, Gpu, Limits
 from tk.models.spec.manifest import Manifest, sha256_file
 from tk.models.spec.dtypes import canonical_dtype
 from tk.models.spec.errors import TRT_MISSING, TkError, UsageProblem
@@ -21,26 +23,6 @@ from tk.models.spec.errors import TRT_MISSING, TkError, UsageProblem
 
 class EngineBuildError(TkError, RuntimeError):
     """TensorRT is missing, or could not parse or build a graph."""
-
-
-@dataclass(frozen=True)
-class Limits:
-    max_batch: int
-    max_input_len: int  # longest prompt the prefill engine takes
-    max_seq_len: int  # prompt + generated tokens the decode engine takes
-
-    def check(self, max_context: int) -> None:
-        if self.max_batch < 1:
-            raise UsageProblem(f"--max-batch must be at least 1, got {self.max_batch}")
-        if self.max_input_len < 1:
-            raise UsageProblem(f"--max-input-len must be at least 1, got {self.max_input_len}")
-        if self.max_seq_len < 2:
-            raise UsageProblem(f"--max-seq-len must be at least 2 (a prompt token and one new one), got {self.max_seq_len}")
-        if self.max_input_len >= self.max_seq_len:
-            raise UsageProblem(f"--max-input-len ({self.max_input_len}) must be below --max-seq-len ({self.max_seq_len}) "
-                             "so at least one token can be generated")
-        if self.max_seq_len > max_context:
-            raise UsageProblem(f"--max-seq-len ({self.max_seq_len}) is beyond the model's context of {max_context}")
 
 
 def compute_profiles(dims: contract.GraphDims, limits: Limits, max_context: int) -> dict[str, dict[str, list[list[int]]]]:
@@ -55,24 +37,17 @@ def compute_profiles(dims: contract.GraphDims, limits: Limits, max_context: int)
     """
     limits.check(max_context)
     B, L, S = limits.max_batch, limits.max_input_len, limits.max_seq_len
+    if dims.kv_capacity is not None and S != dims.kv_capacity:
+        raise UsageProblem(f"the graphs have a static cache of {dims.kv_capacity} positions; --max-seq-len must be "
+                           f"{dims.kv_capacity} (or left out)")
     ob, ol, op = max(1, B // 2), max(1, L // 2), max(1, (S - 1) // 2)
-    H, D = dims.num_kv_heads, dims.head_dim
-    prefill = {name: [[1, 1], [ob, ol], [B, L]] for name in ("input_ids", "attention_mask", "position_ids")}
-    decode = {"input_ids": [[1, 1], [ob, 1], [B, 1]],
-              "attention_mask": [[1, 2], [ob, op + 1], [B, S]],
-              "position_ids": [[1, 1], [ob, 1], [B, 1]]}
-    for name in contract.past_names(dims.num_layers):
-        decode[name] = [[1, H, 1, D], [ob, H, op, D], [B, H, S - 1, D]]
-    if dims.kv_capacity is not None:  # static cache: only the batch varies; TensorRT updates it in place
-        if S != dims.kv_capacity:
-            raise UsageProblem(f"the graphs have a static cache of {dims.kv_capacity} positions; --max-seq-len must be "
-                             f"{dims.kv_capacity} (or left out)")
-        # a narrow mask covers the positions the rows hold (contract.inputs), else the whole cache
-        decode["attention_mask"] = [[1, 1], [ob, op + 1], [B, S]] if dims.narrow_mask else [[1, S], [ob, S], [B, S]]
-        decode["write_indices"] = [[1], [ob], [B]]
-        for name, n in zip(contract.past_names(dims.num_layers), [n for n in dims.capacities() for _ in "kv"]):
-            decode[name] = [[1, H, n, D], [ob, H, n, D], [B, H, n, D]]  # a sliding layer's ring holds n < S
-    return {contract.PREFILL: prefill, contract.DECODE: decode}
+    # [min, opt, max] of each symbolic dim; a decode step takes one new token a row, and its mask covers
+    # the past and that token (a static cache's narrow mask: at least one position)
+    sizes = {contract.PREFILL: ({BATCH: 1, SEQ: 1}, {BATCH: ob, SEQ: ol}, {BATCH: B, SEQ: L}),
+             contract.DECODE: ({BATCH: 1, SEQ: 1, PAST: 1, TOTAL: 1 if dims.kv_capacity is not None else 2},
+                               {BATCH: ob, SEQ: 1, PAST: op, TOTAL: op + 1}, {BATCH: B, SEQ: 1, PAST: S - 1, TOTAL: S})}
+    return {graph: {spec.name: [list(contract.shape(spec, s)) for s in sizes[graph]] for spec in dims.inputs(graph)}
+            for graph in contract.GRAPHS}
 
 
 def import_tensorrt():
@@ -119,11 +94,11 @@ def build_engine(trt, onnx_path: Path, profile: dict[str, list[list[int]]], prec
     return bytes(engine), bytes(config.get_timing_cache().serialize())
 
 
-def build_engines(artifact: Path, manifest: Manifest, env: dict, precision: str | None, limits: Limits,
+def build_engines(artifact: Path, manifest: Manifest, env: dict, precision: str | None, limits: Limits, *,
                   workspace_gib: float = 4.0, timing_cache: Path | None = None,
-                  progress: Callable[[str], None] = lambda m: None) -> tuple[dict, dict[str, bytes]]:
-    """Both engines for an artifact. Returns (engine.json contents, engine bytes by graph); the
-    caller writes them atomically."""
+                  progress: Callable[[str], None] = lambda m: None) -> tuple[EngineMeta, dict[str, bytes]]:
+    """Both engines for an artifact. Returns (engine.json, engine bytes by graph); the caller writes
+    them atomically."""
     trt = import_tensorrt()
     dims = manifest.dims
     exported = manifest.dtype
@@ -145,11 +120,7 @@ def build_engines(artifact: Path, manifest: Manifest, env: dict, precision: str 
         progress(f"built {contract.ENGINE_FILES[graph]} ({len(engines[graph]) / 2**20:.1f} MiB)")
     if timing_cache is not None and cache:
         timing_cache.write_bytes(cache)
-    meta = {"contract_version": contract.CONTRACT_VERSION, "tensorrt_version": env["tensorrt_version"],
-            "gpu": {"name": env["gpu_name"], "compute_capability": env["compute_capability"]},
-            "precision": precision, "strongly_typed": strongly_typed,
-            "limits": {"max_batch": limits.max_batch, "max_input_len": limits.max_input_len,
-                       "max_seq_len": limits.max_seq_len},
-            "profiles": profiles, "onnx_sha256": hashes,
-            "engines": {g: contract.ENGINE_FILES[g] for g in contract.GRAPHS}}
+    meta = EngineMeta(tensorrt_version=env["tensorrt_version"], gpu=Gpu(env["gpu_name"], env["compute_capability"]),
+                      precision=precision, strongly_typed=strongly_typed, limits=limits, profiles=profiles,
+                      onnx_sha256=hashes, engine_sha256={g: hashlib.sha256(b).hexdigest() for g, b in engines.items()})
     return meta, engines

@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass, field
 
 import onnx
 
+from tk.exporters.onnx_util import CONTROL_FLOW, is_default_domain, opset_of
+
 BASE = "8.6"  # every op below without a version parses in 8.6 and later (operators.md of 8.6)
 OP_MIN_VERSION: dict[str, str] = {
     **{op: BASE for op in (
@@ -39,7 +41,6 @@ OP_MIN_VERSION: dict[str, str] = {
     "DequantizeLinear": "10.0",  # blocked (int4 weight-only) DequantizeLinear: TensorRT 10.0 release notes
 }
 TRT_INT4_BLOCKS = (64, 128)  # the block sizes TensorRT documents for int4 weight-only quantization
-CONTROL_FLOW = ("If", "Loop", "Scan")
 # Parser opset ceiling by release: 20 in 10.0 (operators.md of 10.0); 24 by 10.14, the first to
 # parse Attention (opset 23), which is the earliest release tk can vouch for above 20; 25 from 11.5.
 MAX_OPSET = {"10.0": 20, "10.14": 24, "11.5": 25}
@@ -91,7 +92,7 @@ def lint_model(model: onnx.ModelProto, graph: str) -> LintResult:
     result = LintResult()
     need = [BASE]
     add = lambda rule, node, msg: result.problems.append(LintProblem(graph, rule, node, msg))  # noqa: E731
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    opset = opset_of(model)
     if opset < 9:
         add("opset", "", f"opset {opset} is below 9, the oldest TensorRT's parser reads")
     fitting = [v for v, top in MAX_OPSET.items() if top >= opset]
@@ -103,7 +104,7 @@ def lint_model(model: onnx.ModelProto, graph: str) -> LintResult:
     initializer_types = {t.name: t.data_type for t in model.graph.initializer}
     for node in model.graph.node:
         name = node.name or node.op_type
-        if node.domain not in ("", "ai.onnx"):
+        if not is_default_domain(node.domain):
             add("domain", name, f"op {node.domain}.{node.op_type} is outside the default ONNX domain")
             continue
         if node.op_type in CONTROL_FLOW:

@@ -35,7 +35,7 @@ from torch import nn
 from tk.models.spec.config import DecoderConfig
 from tk.models.reference.decoder import Decoder, RMSNorm
 from tk.models.reference.positions import rope_inv_freq
-from tk.models.spec.manifest import Precision
+from tk.models.spec.manifest import Precision, WeightEntry
 from tk.models.quant.calibration import Calibration
 from tk.models.checkpoint.loading import CheckpointReader, ReusableBuffer
 from tk.models.quant.quantize import Scheme, blocks_of, pack_int4, quant_plan, quantize
@@ -203,13 +203,13 @@ def _write(out, offset: int, t, length: int, name: str) -> None:
         raise AssertionError(f"{name}: wrote {out.tell() - offset} bytes, planned {length}")
 
 
-def weights_record(table: dict[str, tuple], graphs: dict[str, Path]) -> dict[str, list]:
-    """The table as the manifest records it: name -> [offset, length, dtype name, shape, the graphs
-    (of `graphs`, name -> saved file) whose initializers include it]."""
+def weights_record(table: dict[str, tuple], graphs: dict[str, Path]) -> dict[str, WeightEntry]:
+    """The table as the manifest records it, with the graphs (of `graphs`, name -> saved file) whose
+    initializers include each tensor."""
     names = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.int8: "int8",
              torch.uint8: "uint8", "int4": "int4", "uint4": "uint4"}
     used = {g: set(external_initializers(onnx.load(str(p), load_external_data=False))) for g, p in graphs.items()}
-    return {name: [o, n, names[d], list(shape), [g for g in graphs if name in used[g]]]
+    return {name: WeightEntry(o, n, names[d], list(shape), [g for g in graphs if name in used[g]])
             for name, (o, n, d, shape) in table.items()}
 
 

@@ -10,28 +10,33 @@ The session (runtimes/session.py) holds each row's positions, the mask and the c
 tensors, OrtValues, device buffers: opaque to callers), so the loop, parity, the probes and a
 server never build masks or positions; `session.keep(rows)` lets finished rows leave. How the
 cache grows is the export's cache layout (runtimes/cache_layouts.py), written once for every
-backend: a backend implements only `_load`, `_unload` (which puts back what `_load` set), `_run`
-(one graph, contract-named numpy feeds) and a few buffer hooks. Serving's slots are not the
-runtime's: runtimes/serving/slots.py opens them over a runtime and its static layout. Imports nothing heavy.
+backend and bound to the runtime's `CacheBuffers` (runtimes/buffers.py) when it is built: a
+backend implements only `_load`, `_unload` (which puts back what `_load` set), `run` (one graph,
+contract-named numpy feeds) and, for a cache it keeps off the host, a `CacheBuffers` of its own.
+`ArtifactRuntime` is the shared start of the backends over an exported artifact. Serving's slots
+are not the runtime's: serving's `Slots` opens them over a runtime and its static layout.
+Imports nothing heavy.
 """
 
 from __future__ import annotations
 
+import hashlib
 from abc import ABC, abstractmethod
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
 
 from tk.models.spec import contract
-from tk.models.spec.manifest import ArtifactError
-from tk.models.spec.dtypes import DTYPES
+from tk.models.spec.manifest import ArtifactError, Manifest
+from tk.runtimes.buffers import CacheBuffers
 from tk.runtimes.cache_layouts import layout_for
 from tk.runtimes.errors import BackendUnavailable, InputError, RuntimeProblem
 from tk.runtimes.session import Session, StepOutput
 
 # the interface's own names, and what backends raise (ArtifactError from the artifact's checks)
-__all__ = ["ArtifactError", "BackendUnavailable", "InputError", "PrefillVia", "Runtime", "RuntimeProblem",
-           "Session", "StepOutput", "check_inputs", "check_token_ids", "rows_of"]
+__all__ = ["ArtifactError", "ArtifactRuntime", "BackendUnavailable", "CacheBuffers", "InputError", "PrefillVia",
+           "Runtime", "RuntimeProblem", "Session", "StepOutput", "check_inputs", "check_token_ids"]
 
 PrefillVia = Literal["decode", "prefill"]  # which graph a static cache's prompts run through
 
@@ -66,48 +71,44 @@ def check_token_ids(input_ids: np.ndarray, vocab_size: int) -> None:
         raise InputError(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
 
 
-def artifact_identity(backend: str, artifact) -> str:
-    """`Runtime.identity` of a backend over an artifact: its manifest (which records every graph's and
-    weight file's sha256) and where it lies, so a re-export in place is another identity."""
-    import hashlib
-    from pathlib import Path
-
-    manifest = Path(artifact).resolve() / contract.MANIFEST
-    return f"{backend}:{manifest.parent}:{hashlib.sha256(manifest.read_bytes()).hexdigest()}"
-
-
 def shape_and_dtype(array: np.ndarray) -> tuple[tuple, str]:
     return array.shape, str(array.dtype)
 
 
-def rows_of(row: int | None) -> slice:
-    """The batch rows one copy touches: all (None), or that one."""
-    return slice(None) if row is None else slice(row, row + 1)
-
-
 class Runtime(ABC):
-    """One backend. Subclasses implement `_load`, `_unload`, `_run` and, for caches they keep off
-    the host, the buffer hooks below (the defaults are numpy's)."""
+    """One backend. Subclasses implement `_load`, `_unload`, `run` and, for caches they keep off
+    the host, pass a `CacheBuffers` of their own (the default holds numpy arrays)."""
 
     name = "base"
     # A static cache's prompts run through prefill.onnx; a backend whose decode graph can also
-    # prefill them (dims.decode_prefills) may say "decode" (ORT on the CPU: one session).
+    # prefill them (dims.variant.decode_prefills) may say "decode" (ORT on the CPU: one session).
     prefill_via: PrefillVia = "prefill"
 
     @property
     def all_prefill_logits(self) -> bool:
-        """A prefill's output holds every position's logits (not the last only: dims.prefill_logits)."""
-        return self.prefill_via == "prefill" and self.dims.prefill_logits == "all"
+        """A prefill's output holds every position's logits (not the last only: dims.variant.prefill_logits)."""
+        return self.prefill_via == "prefill" and self.dims.variant.prefill_logits == "all"
 
-    def __init__(self, dims: contract.GraphDims, max_context: int):
+    def __init__(self, dims: contract.GraphDims, max_context: int, buffers: CacheBuffers | None = None):
         self.dims = dims  # the graphs this runtime runs, always
-        self.layout = layout_for(dims)
+        self.buffers = CacheBuffers() if buffers is None else buffers
+        self.layout = layout_for(dims, self.buffers)
         self.past_names = contract.past_names(dims.num_layers)
         self.present_names = contract.present_names(dims.num_layers)
         self.max_context = min(max_context, dims.kv_capacity or max_context)
         self.max_batch: int | None = None  # the most rows one run may take (TensorRT: its engines' profiles)
         self.max_prompt: int | None = None  # the longest prefill (the same)
         self.active = False
+
+    @property
+    def row_views(self) -> bool:
+        """A cache buffer's leading rows run alone (serving's slots compute only up to the last busy one)."""
+        return self.buffers.row_views
+
+    @property
+    def row_slices(self) -> bool:
+        """Any one row of a cache buffer runs alone (chunked prefill, cached prefixes)."""
+        return self.buffers.row_slices
 
     @property
     def identity(self) -> str:
@@ -156,17 +157,17 @@ class Runtime(ABC):
         if tokens.shape[0] != session.batch:
             raise InputError(f"decode: {tokens.shape[0]} tokens for a session of {session.batch} rows")
         check_token_ids(tokens, self.dims.vocab_size)
-        return self.layout.step(self, session, tokens)
+        return self.layout.step(session, tokens)
 
     def cache_arrays(self, session: Session) -> list[np.ndarray]:
         """The session's cache as float32 (B, Hkv, length, D) arrays in contract order (copies; for
         parity and probes, not the loop)."""
-        return self.layout.arrays(self, session)
+        return self.layout.arrays(session)
 
     def cache_held(self, session: Session) -> list[np.ndarray | None]:
         """Per cache tensor, the (B, length) positions of `cache_arrays` it holds (a sliding layer's
         ring keeps its last slots only), or None where it holds them all."""
-        return self.layout.held(self, session)
+        return self.layout.held(session)
 
     # --- what a backend implements ---
 
@@ -178,49 +179,38 @@ class Runtime(ABC):
         runners are checked for this; tests/test_runtime_state.py checks tk's)."""
 
     @abstractmethod
-    def _run(self, graph: str, feeds: dict[str, np.ndarray], past: list | None, session: Session | None,
-             in_place: bool = False) -> tuple[StepOutput, list]:
-        """Run one graph on contract-named numpy feeds and the past cache (decode). Returns the
-        step's output and the present cache; with `in_place` (a static cache) the present is
-        written into `past`'s own buffers, and the same `feeds` arrays come back every step."""
+    def run(self, graph: str, feeds: dict[str, np.ndarray], past: list | None, session: Session | None,
+            in_place: bool = False) -> tuple[StepOutput, list]:
+        """Run one graph on contract-named numpy feeds and the past cache (decode): what the layouts
+        call, on an active runtime. Returns the step's output and the present cache; with `in_place`
+        (a static cache) the present is written into `past`'s own buffers, and the same `feeds` arrays
+        come back every step."""
 
-    # Buffer hooks for the layouts. The defaults hold the cache as numpy arrays.
-    def _alloc_cache(self, shape: tuple, dtype: str):
-        return np.zeros(shape, dtype=DTYPES[dtype].numpy)
-
-    def _copy_positions(self, dst, src, count: int, dst_row: int | None = None, src_row: int | None = None,
-                        src_at: int = 0, dst_at: int = 0) -> None:
-        """Copy `count` positions of a (B, H, T, D) present tensor, from its position src_at, into a
-        static buffer from its position dst_at: every row, or row src_row of src into row dst_row."""
-        dst[rows_of(dst_row), :, dst_at:dst_at + count] = self._to_numpy(src)[rows_of(src_row), :, src_at:src_at + count]
-
-    def _read_positions(self, buf, row: int, start: int, end: int):
-        """A copy of row `row`'s positions start .. end - 1 of a static buffer, (1, H, n, D), that
-        `_copy_positions` takes as its source (a prefix cache's block: runtimes/serving/batching.py)."""
-        return np.array(self._to_numpy(buf)[row:row + 1, :, start:end])
-
-    row_views = True  # `_leading` views a buffer's first rows without a copy (else slots run every row)
-    row_slices = True  # a cache buffer slices to any one row (`b[r:r + 1]`): numpy arrays and torch tensors
-
-    def _leading(self, buf, n: int):
-        """The first `n` batch rows of a cache buffer, sharing its memory."""
-        return buf[:n]
-
-    def _to_numpy(self, buf) -> np.ndarray:
-        return np.asarray(buf)
-
-    def _from_numpy(self, array: np.ndarray):
-        return array
-
-    def _release(self, buffers: list) -> None:
-        pass
-
-    def _release_session(self, session: Session) -> None:
+    def release_session_state(self, session: Session) -> None:
         """Free what the backend keeps in `session.backend` (on close and when rows leave; the
         session then sets it to None)."""
 
-    def _take(self, buffers: list, rows: np.ndarray) -> list:
-        """The cache of the given batch rows (a session's rows leaving)."""
-        out = [self._from_numpy(np.ascontiguousarray(self._to_numpy(b)[rows])) for b in buffers]
-        self._release(buffers)
-        return out
+
+class ArtifactRuntime(Runtime):
+    """A backend over an exported artifact's files: its manifest (read here unless the caller has it)
+    gives the dims; `_at_rest` sets what `_load` sets, as it is before loading and after unloading."""
+
+    def __init__(self, artifact: str | Path, manifest: Manifest | None = None, *, max_context: int | None = None,
+                 buffers: CacheBuffers | None = None):
+        self.artifact = Path(artifact)
+        self.manifest = Manifest.read(self.artifact) if manifest is None else manifest
+        super().__init__(self.manifest.dims, self.manifest.max_context if max_context is None else max_context, buffers)
+        self._at_rest()
+
+    @property
+    def identity(self) -> str:
+        """The artifact's manifest (which records every graph's and weight file's sha256) and where it
+        lies, so a re-export in place is another identity."""
+        manifest = self.artifact.resolve() / contract.MANIFEST
+        return f"{self.name}:{manifest.parent}:{hashlib.sha256(manifest.read_bytes()).hexdigest()}"
+
+    @abstractmethod
+    def _at_rest(self) -> None: ...
+
+    def _unload(self) -> None:
+        self._at_rest()

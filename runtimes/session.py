@@ -4,7 +4,7 @@ Every piece of a session's state is declared here (`__slots__`: nothing is attac
 outside): what both cache layouts keep (`rows`, `positions`, `mask`, `length`, `cache`), what the
 static layout adds (`static`, a `StaticState`), and one place that is the backend's own
 (`backend`: ONNX Runtime's IO bindings, TensorRT's spare cache buffers), which the backend frees
-in `Runtime._release_session` and the session then forgets. The layouts
+in `Runtime.release_session_state` and the session then forgets. The layouts
 (runtimes/cache_layouts.py) build sessions; callers get them from `Runtime.start`. Imports
 nothing of runtimes: base and the layouts both stand on it.
 """
@@ -58,14 +58,14 @@ class Session:
 
     def __init__(self, runtime, cache: list, mask: np.ndarray, positions: np.ndarray, length: int,
                  static: StaticState | None = None):
-        self.runtime = runtime  # the tk.runtimes.base.Runtime that runs it
+        self.runtime = runtime  # the tk.runtimes.base.Runtime that runs it (its graphs, its layout)
         self.cache = cache  # the layout's buffers, in contract order (numpy, OrtValues, device buffers)
         self.rows = list(range(mask.shape[0]))
         self.positions = positions
         self.mask = mask
         self.length = length
         self.static = static  # a static-capacity cache's (runtimes/cache_layouts.StaticLayout)
-        self.backend: Any = None  # the backend's own, freed by Runtime._release_session
+        self.backend: Any = None  # the backend's own, freed by Runtime.release_session_state
 
     @property
     def batch(self) -> int:
@@ -79,16 +79,16 @@ class Session:
         self.rows = [self.rows[i] for i in rows]
         self.positions = self.positions[idx]
         self.mask = self.mask[idx]
-        self.runtime.layout.keep(self.runtime, self, idx)
+        self.runtime.layout.keep(self, idx)
 
     def release_backend_state(self) -> None:
         """The backend frees what it keeps for this session (it points at buffers about to change)."""
-        self.runtime._release_session(self)
+        self.runtime.release_session_state(self)
         self.backend = None
 
     def close(self) -> None:
         if self.cache is not None:
-            self.runtime.layout.release(self.runtime, self)
+            self.runtime.layout.release(self)
             self.cache = None
         self.release_backend_state()
 

@@ -31,7 +31,7 @@ class NumpyRuntime(Runtime):
         paths = self.manifest.verify_files(self.artifact)
         self.graphs = {g: ReferenceEvaluator(str(p)) for g, p in paths.items()}
 
-    def _run(self, graph, feeds, past, session, in_place=False):
+    def run(self, graph, feeds, past, session, in_place=False):
         inputs = {**feeds, **dict(zip(self.past_names, past or []))}
         outs = self.graphs[graph].run(None, inputs)
         present = outs[1 : 1 + len(self.present_names)]

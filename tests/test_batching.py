@@ -10,7 +10,7 @@ import pytest
 
 from tk.models.spec.manifest import Manifest
 from tk.runtimes.base import InputError
-from tk.runtimes.serving.batching import Batcher, BatcherClosed, QueueFull, Request, wait_all
+from tk.runtimes.serving.batching import Batcher, BatcherClosed, BatcherLimits, QueueFull, Request, wait_all
 from tk.runtimes.decoding.generate import generate
 from tk.runtimes.serving.slots import Slots
 from tk.runtimes.decoding.sampling import SamplingConfig
@@ -44,7 +44,7 @@ def fast_artifact(serve_artifact, tmp_path_factory):
     from tk.toolkit.pipeline.export import export_artifact
 
     out = tmp_path_factory.mktemp("fast") / "artifact"
-    export_artifact(Manifest.read(serve_artifact).source["path"], out, target="ort", kv_cache="static",
+    export_artifact(Manifest.read(serve_artifact).source.path, out, target="ort", kv_cache="static",
                     max_seq_len=128, prefill_logits="last")
     return out
 
@@ -57,8 +57,8 @@ def test_each_request_equals_its_solo_run_whatever_shares_its_steps(serve_artifa
     m = Manifest.read(artifact)
     prompts, budgets, sampling = _mix(m.dims.vocab_size, 14, head=40)
     solo = _solo(artifact, backend, prompts, budgets, sampling, m.eos_token_ids)
-    with Batcher(open_runtime(artifact, backend, SLOTS), slots=4, max_queue=16, eos_ids=m.eos_token_ids,
-                 step_tokens=8) as batcher:
+    with Batcher(open_runtime(artifact, backend, SLOTS), limits=BatcherLimits(slots=4, max_queue=16, step_tokens=8),
+                 eos_ids=m.eos_token_ids) as batcher:
         requests = []
         for i, (p, n, s) in enumerate(zip(prompts, budgets, sampling)):
             requests.append(batcher.submit(Request(p, n, s)))
@@ -79,7 +79,7 @@ def test_a_cancelled_request_leaves_at_once_and_frees_its_slot(serve_artifact):
     prompts, budgets, sampling = _mix(m.dims.vocab_size, 3, seed=1)
     solo = _solo(serve_artifact, "ort", prompts, [60] * 3, [SamplingConfig()] * 3, ())
     seen = threading.Event()
-    with Batcher(open_runtime(serve_artifact, "ort", SLOTS), slots=2, max_queue=4) as batcher:
+    with Batcher(open_runtime(serve_artifact, "ort", SLOTS), limits=BatcherLimits(slots=2, max_queue=4)) as batcher:
         def on_event(event):
             if event.token is not None and len(long.tokens) == 5:
                 seen.set()
@@ -98,7 +98,8 @@ def test_a_cancelled_request_leaves_at_once_and_frees_its_slot(serve_artifact):
 
 def test_limits_are_refusals_not_crashes(serve_artifact):
     m = Manifest.read(serve_artifact)
-    batcher = Batcher(open_runtime(serve_artifact, "ort", SLOTS), slots=1, max_queue=1, eos_ids=m.eos_token_ids)
+    batcher = Batcher(open_runtime(serve_artifact, "ort", SLOTS), limits=BatcherLimits(slots=1, max_queue=1),
+                      eos_ids=m.eos_token_ids)
     with pytest.raises(BatcherClosed):  # not started
         batcher.submit(Request([5], 4))
     with batcher:
@@ -121,7 +122,7 @@ def test_limits_are_refusals_not_crashes(serve_artifact):
 
 
 def test_close_lets_requests_finish_then_cancels_the_rest(serve_artifact):
-    batcher = Batcher(open_runtime(serve_artifact, "ort", SLOTS), slots=2, max_queue=4).start()
+    batcher = Batcher(open_runtime(serve_artifact, "ort", SLOTS), limits=BatcherLimits(slots=2, max_queue=4)).start()
     short = batcher.submit(Request([5, 6, 7], 3, ignore_eos=True))
     endless = batcher.submit(Request([8, 9], 125, ignore_eos=True))
     short.done.wait(30)
@@ -151,7 +152,7 @@ def test_a_failing_request_fails_alone_and_the_batcher_goes_on(serve_artifact):
             raise ZeroDivisionError("division by zero")
         return False
 
-    with Batcher(open_runtime(serve_artifact, "ort", SLOTS), slots=2, max_queue=4) as batcher:
+    with Batcher(open_runtime(serve_artifact, "ort", SLOTS), limits=BatcherLimits(slots=2, max_queue=4)) as batcher:
         bad = batcher.submit(Request([5, 6], 10, ignore_eos=True, stop=stop))
         good = batcher.submit(Request([7, 8, 9], 6, ignore_eos=True))
         assert wait_all([bad, good], 30)
@@ -165,9 +166,10 @@ def test_the_backends_batch_and_prompt_limits_are_refusals(serve_artifact):
     runtime = open_runtime(serve_artifact, "ort", SLOTS)
     runtime.max_batch, runtime.max_prompt = 2, 8  # what TensorRT's profiles set
     with pytest.raises(InputError, match="--slots 2"):
-        Batcher(runtime, slots=4).start()
+        Batcher(runtime, limits=BatcherLimits(slots=4)).start()
     runtime.deactivate()
-    with Batcher(runtime, slots=2) as batcher, pytest.raises(InputError, match="longer than the ort backend's 8"):
+    with (Batcher(runtime, limits=BatcherLimits(slots=2)) as batcher,
+          pytest.raises(InputError, match="longer than the ort backend's 8")):
         batcher.submit(Request(list(range(5, 14)), 4))
 
 
@@ -181,10 +183,11 @@ def test_log_probabilities_of_prompt_and_tokens_equal_the_reference(serve_artifa
     artifact = request.getfixturevalue("fast_artifact") if variant == "fast" else serve_artifact
     m = Manifest.read(artifact)
     prompt = np.random.default_rng(5).integers(3, m.dims.vocab_size, size=23).tolist()
-    with Batcher(open_runtime(artifact, backend, SLOTS), slots=2, eos_ids=m.eos_token_ids) as batcher:
+    with Batcher(open_runtime(artifact, backend, SLOTS), limits=BatcherLimits(slots=2),
+                 eos_ids=m.eos_token_ids) as batcher:
         heard = []
-        r = Request(prompt, 6, SamplingConfig(), True, heard.append, processors=[logit_bias({7: 50.0}, m.dims.vocab_size)],
-                    logprobs=3, prompt_logprobs=2)
+        r = Request(prompt, 6, SamplingConfig(), ignore_eos=True, on_event=heard.append,
+                    processors=[logit_bias({7: 50.0}, m.dims.vocab_size)], logprobs=3, prompt_logprobs=2)
         assert wait_all([batcher.submit(r)], 60)
     assert r.tokens == [7] * 6  # the bias decided the tokens; the log-probabilities stay the model's own
     with open_runtime(serve_artifact, "torch", SLOTS) as ref:
@@ -207,8 +210,8 @@ def test_a_step_attends_over_what_the_rows_hold_not_the_whole_cache(serve_artifa
     widths = []
     with open_runtime(serve_artifact, "ort", SLOTS) as rt, Slots(rt, 2) as slots:
         assert rt.dims.narrow_mask and rt.dims.kv_capacity == 128
-        run = rt._run
-        rt._run = lambda graph, feeds, *a, **k: (widths.append((graph, feeds["attention_mask"].shape)),
+        run = rt.run
+        rt.run = lambda graph, feeds, *a, **k: (widths.append((graph, feeds["attention_mask"].shape)),
                                                  run(graph, feeds, *a, **k))[1]
         slots.admit(1, prompt)
         narrow = [slots.step(np.array([0, t]), [1]).logits[1] for t in (7, 8)]

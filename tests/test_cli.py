@@ -153,6 +153,15 @@ def test_export_creates_missing_parent_folders(tiny, tmp_path):
     assert (out / "manifest.json").is_file() and sorted(p.name for p in out.parent.iterdir()) == ["model"]
 
 
+def test_export_says_when_the_static_decode_graph_is_not_in_the_asked_opset(tiny, tmp_path):
+    result = run("export", tiny, "-o", tmp_path / "out", "--no-validate", "--opset", "22", "--kv-cache", "static",
+                 "--max-seq-len", "32")
+    assert result.exit_code == 0, result.output
+    assert ("  note: decode.onnx is opset 24, not --opset 22: its static cache is written with TensorScatter"
+            in result.stderr.splitlines())
+    assert contract.MANIFEST in {p.name for p in (tmp_path / "out").iterdir()}
+
+
 @pytest.mark.slow
 def test_force_replaces_and_inspect_reads_artifact(tiny, tmp_path):
     out = tmp_path / "out"

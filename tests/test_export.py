@@ -24,7 +24,8 @@ from tk.models.spec.manifest import Manifest
 from tk.runtimes.decoding.generate import generate
 from tk.runtimes.backends.ort import OrtRuntime
 from tk.toolkit.pipeline.export import export_artifact
-from tk.toolkit.verify.metrics import random_cases, run_trace, tolerance_for
+from tk.toolkit.verify.metrics import random_cases, run_trace
+from tk.toolkit.verify.tolerance import tolerance_for
 
 pytestmark = pytest.mark.slow
 
@@ -34,9 +35,9 @@ def test_fp32_export_validates_and_ort_greedy_matches_transformers(checkpoints, 
     art = artifacts(family)
     manifest = Manifest.read(art)
     v = manifest.validation
-    assert v["passed"] and v["tolerance"] == dataclasses.asdict(tolerance_for("float32", manifest.config))
-    assert {c["case"] for c in v["comparisons"]} == {"batch1-len7", "batch3-len5/9/12"}
-    assert all(len(c["steps"]) == 9 for c in v["comparisons"])  # prefill + 8 decode steps
+    assert v.passed and v.tolerance == dataclasses.asdict(tolerance_for("float32", manifest.config))
+    assert {c["case"] for c in v.comparisons} == {"batch1-len7", "batch3-len5/9/12"}
+    assert all(len(c["steps"]) == 9 for c in v.comparisons)  # prefill + 8 decode steps
 
     prompt = torch.randint(2, 384, (1, 9), generator=torch.Generator().manual_seed(3))
     expected = hf_greedy(checkpoints(family), prompt[0].tolist(), 32)
@@ -71,9 +72,9 @@ def test_fp16_export_passes_its_tolerance(artifacts, family):
     manifest = Manifest.read(artifacts(family, "fp16"))
     v = manifest.validation
     assert manifest.dtype == "float16" and manifest.dims.kv_dtype == "float16"
-    assert v["passed"] and v["tolerance"]["min_top1"] == 0.95
+    assert v.passed and v.tolerance["min_top1"] == 0.95
     fp32 = tolerance_for("float32", manifest.config)
-    worst = max(s["max_abs"] for c in v["comparisons"] for s in c["steps"])
+    worst = max(s["max_abs"] for c in v.comparisons for s in c["steps"])
     assert 50 * fp32.bound(1.0) < worst  # really half precision: the fp32 gate would fail
 
 

@@ -21,7 +21,6 @@ from test_batching import SLOTS, _mix, _solo
 from test_ort_target import PROMPTS, _decode_both
 from tk.exporters.onnx_export import traced_layers
 from tk.exporters.replicate import TRACED_LAYERS
-from tk.models.reference import ort_kernels
 from tk.models.spec.config import fused_unsupported
 from tk.models.spec.manifest import Manifest
 from tk.models.spec.options import ExportOptions
@@ -30,7 +29,7 @@ from tk.models.checkpoint.loading import load_decoder, read_config
 from tk.models.quant.quantize import quantized_layers
 from tk.runtimes.backends.torch import TorchRuntime
 from tk.toolkit.tools.describe import inspect_path
-from tk.runtimes.serving.batching import Batcher, Request, wait_all
+from tk.runtimes.serving.batching import Batcher, BatcherLimits, Request, wait_all
 from tk.runtimes.decoding.generate import generate, left_pad
 from tk.toolkit.backends import BackendOptions, open_runtime
 from tk.toolkit.pipeline.export import export_artifact
@@ -92,7 +91,7 @@ def _tokens(artifact, backend: str, n: int, prompt: list[int] = PROMPT, static: 
 
 def _validated_with_probes(artifact) -> None:
     """Export validation passed, and tk parity with its probes (leaks, drift, cache vs recompute)."""
-    assert Manifest.read(artifact).validation["passed"]
+    assert Manifest.read(artifact).validation.passed
     report = parity(artifact, ["ort"], steps=8)
     assert report.passed and all(p.passed for p in report.backends["ort"].probes), report.backends["ort"]
 
@@ -127,9 +126,9 @@ def test_int4_granite_validates_and_fuses(checkpoints, tmp_path):
     match the quantized reference and every linear (LM head included) fuses into MatMulNBits."""
     manifest = export_artifact(checkpoints("granite"), tmp_path / "artifact", weights="int4")
     v = manifest.validation
-    layers = manifest.config["num_layers"]
-    assert v["passed"] and v["reference"] == "torch float32, quantized weights"
-    assert v["fused_matmulnbits"] == {"prefill": 4 * layers + 1, "decode": 4 * layers + 1}
+    layers = manifest.config.num_layers
+    assert v.passed and v.reference == "torch float32, quantized weights"
+    assert v.fused_matmulnbits == {"prefill": 4 * layers + 1, "decode": 4 * layers + 1}
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +189,8 @@ def test_served_requests_through_rings_and_experts_equal_their_solo_runs(gate, b
     m = Manifest.read(artifact)
     prompts, budgets, sampling = _mix(m.dims.vocab_size, 12)
     solo = _solo(artifact, backend, prompts, budgets, sampling, m.eos_token_ids)
-    with Batcher(open_runtime(artifact, backend, SLOTS), slots=4, max_queue=16, eos_ids=m.eos_token_ids) as batcher:
+    with Batcher(open_runtime(artifact, backend, SLOTS), limits=BatcherLimits(slots=4, max_queue=16),
+                 eos_ids=m.eos_token_ids) as batcher:
         requests = [batcher.submit(Request(p, n, s)) for p, n, s in zip(prompts, budgets, sampling)]
         assert wait_all(requests, 120)
     assert [r.tokens for r in requests] == [s.tokens for s in solo]
@@ -218,7 +218,7 @@ def test_family_matrix_portable_fastest_cpu_and_int4(checkpoints, tmp_path, fami
         _validated_with_probes(art)
         if name == "int4":
             n = len(quantized_layers(read_config(folder), lm_head=True))
-            assert manifest.validation["fused_matmulnbits"] == {"prefill": n, "decode": n}
+            assert manifest.validation.fused_matmulnbits == {"prefill": n, "decode": n}
         else:
             assert _tokens(art, "ort", 24) == expected
     assert _tokens(tmp_path / "portable", "torch", 24) == expected

@@ -79,11 +79,11 @@ def test_nothing_to_do_is_quiet():
 
 @pytest.mark.parametrize("wanted", [True, False])
 def test_ort_runtime_asks_only_for_what_its_sessions_mapped(tiny_artifact, monkeypatch, wanted):
-    from tk.runtimes.backends.ort import open_ort
+    from tk.runtimes.backends.ort import OrtRuntime
 
     asked = []
     monkeypatch.setattr(hugepages, "back_with_huge_pages", lambda regions: asked.append(regions) or 0)
-    with open_ort(tiny_artifact, huge_pages=wanted) as rt:
+    with OrtRuntime(tiny_artifact, huge_pages=wanted) as rt:
         assert rt.huge_page_bytes == 0
     assert len(asked) == int(wanted)  # once, after both sessions exist
     assert all(start < end for start, end in (asked[0] if wanted else []))

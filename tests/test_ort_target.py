@@ -22,12 +22,12 @@ from tk.models.spec.contract import position_ids_from_mask
 from tk.models.checkpoint.loading import load_decoder
 from tk.runtimes.decoding.generate import generate, left_pad
 from tk.runtimes.base import InputError
-from tk.runtimes.backends.ort import OrtRuntime, open_ort
+from tk.runtimes.backends.ort import OrtRuntime
 from tk.runtimes.serving.slots import Slots
 from tk.runtimes.backends.torch import TorchRuntime
 from tk.toolkit.pipeline.export import export_artifact
 from tk.toolkit.cli.main import main
-from tk.toolkit.verify.metrics import tolerance_for
+from tk.toolkit.verify.tolerance import tolerance_for
 from tk.toolkit.verify.compare import parity
 from tk.toolkit.verify.probes import run_probes
 
@@ -123,8 +123,8 @@ def fused_llama(checkpoints, tmp_path_factory):
 
 def test_fused_graphs_use_ort_kernels_and_keep_the_contract(fused_llama):
     manifest = Manifest.read(fused_llama)
-    assert manifest.variant.target == "ort" and manifest.dims.prefill_logits == "last"
-    assert manifest.validation["passed"]
+    assert manifest.variant.target == "ort" and manifest.dims.variant.prefill_logits == "last"
+    assert manifest.validation.passed
     assert not manifest.trt_lint["ok"]  # contrib ops: TensorRT cannot parse them, and the lint says so
     assert any(p["rule"] == "domain" for p in manifest.trt_lint["problems"])
     ops = {}
@@ -140,13 +140,13 @@ def test_fused_graphs_use_ort_kernels_and_keep_the_contract(fused_llama):
     logits = prefill.graph.output[0].type.tensor_type.shape.dim
     assert [d.dim_param or d.dim_value for d in logits] == ["batch_size", 1, 384]
     decode = onnx.load(str(fused_llama / "decode.onnx"), load_external_data=False)
-    assert manifest.variant.decode_prefills and manifest.dims.decode_prefills
+    assert manifest.variant.decode_prefills and manifest.dims.max_run is None
     assert [d.dim_param or d.dim_value for d in decode.graph.input[0].type.tensor_type.shape.dim] == [
         "batch_size", "sequence_length"]  # a run of new tokens: the decode graph also prefills
     assert [d.dim_param or d.dim_value for d in decode.graph.output[0].type.tensor_type.shape.dim] == [
         "batch_size", 1, 384]
     # export validation judged both ways of prefilling: through the decode graph and prefill.onnx
-    assert {c["backend"] for c in manifest.validation["comparisons"]} == {"ort", "ort/pre"}
+    assert {c["backend"] for c in manifest.validation.comparisons} == {"ort", "ort/pre"}
 
 
 def test_one_session_prefills_through_the_decode_graph(fused_llama):
@@ -174,7 +174,7 @@ def test_one_session_prefills_through_the_decode_graph(fused_llama):
 
 
 def test_fused_tokens_equal_portable_and_transformers(checkpoints, artifacts, fused_llama):
-    with open_ort(fused_llama) as fused, open_ort(artifacts("llama")) as portable:
+    with OrtRuntime(fused_llama) as fused, OrtRuntime(artifacts("llama")) as portable:
         a = [r.tokens for r in generate(fused, PROMPTS, 24, ignore_eos=True).rows]
         b = [r.tokens for r in generate(portable, PROMPTS, 24, ignore_eos=True).rows]
         ids, mask = left_pad(PROMPTS)
@@ -206,7 +206,7 @@ def test_fused_graphs_on_other_families(checkpoints, tmp_path, family, static):
     out = tmp_path / family
     options = dict(kv_cache="static", max_seq_len=64, prefill_logits="last") if static else {}
     manifest = export_artifact(checkpoints(family), out, target="ort", **options)
-    assert manifest.validation["passed"] and manifest.variant.decode_prefills == static
+    assert manifest.validation.passed and manifest.variant.decode_prefills == static
     report = parity(out, ["ort"], steps=16)
     assert report.passed, report.backends["ort"].first_divergence
 
@@ -244,8 +244,8 @@ def test_build_engine_refuses_an_ort_target_artifact(fused_llama):
 class LastOnly(TorchRuntime):
     """A backend whose prefill returns the last position's logits only, as --prefill-logits last does."""
 
-    def _run(self, graph, feeds, past, session, in_place=False):
-        out, present = super()._run(graph, feeds, past, session, in_place)
+    def run(self, graph, feeds, past, session, in_place=False):
+        out, present = super().run(graph, feeds, past, session, in_place)
         if graph == contract.PREFILL:
             out.logits = out.logits[:, -1:]
         return out, present

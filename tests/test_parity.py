@@ -18,18 +18,22 @@ from safetensors.torch import load_file, save_file
 from conftest import FAMILY_NAMES
 from tk.models.reference.decoder import RMSNorm
 from tk.models.checkpoint.loading import load_decoder
+from tk.models.spec.config import DecoderConfig
+from tk.models.spec.manifest import Manifest
 from tk.models.reference.positions import rope_inv_freq
 from tk.runtimes.backends.torch import TorchRuntime
 from tk.toolkit.cli.main import main
 from tk.toolkit.verify.compare import BackendReport, CaseReport, ParityReport, compare_backends, parity
-from tk.toolkit.verify.metrics import (Comparison, Divergence, StepResult, Trace, compare_traces, measure_traces,
-                                       random_cases, tolerance_for)
+from tk.toolkit.verify.metrics import (Comparison, Divergence, StepMetrics, StepResult, Trace, compare_traces,
+                                       measure_traces, random_cases)
 from tk.toolkit.verify.probes import PROBES, ProbeResult
 from tk.toolkit.verify.report import SCHEMA_PATH, to_dict, verdict
+from tk.toolkit.verify.tolerance import tolerance_for
 
 PROBE_NAMES = [p.__name__ for p in PROBES]
 
 pytestmark = pytest.mark.slow
+SMALL = DecoderConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4)  # for tolerances
 
 
 def run(*args):
@@ -48,8 +52,8 @@ def test_fp32_ort_passes_on_every_family(artifacts, family):
 def test_fp16_passes_its_table_and_fails_the_fp32_table(artifacts):
     art = artifacts("llama", "fp16")
     assert parity(art, ["ort"], steps=6).passed
-    strict = tolerance_for("float32", json.loads((art / "manifest.json").read_text())["config"])
-    report = parity(art, ["ort"], steps=6, overrides={"atol": strict.atol, "rtol": strict.rtol})
+    strict = tolerance_for("float32", Manifest.read(art).config)
+    report = parity(art, ["ort"], steps=6, atol=strict.atol, rtol=strict.rtol)
     assert not report.passed and report.backends["ort"].failed
     assert report.backends["ort"].first_divergence.step == 0
 
@@ -258,7 +262,7 @@ def test_debug_export_localizes_to_the_layer_output(tiny, tmp_path):
     shutil.copytree(tiny, ckpt)
     art = tmp_path / "art"
     manifest = export_artifact(ckpt, art, debug_outputs=True)
-    assert manifest.dims.hidden_size == 64 and manifest.validation["passed"]
+    assert manifest.dims.hidden_size == 64 and manifest.validation.passed
     assert parity(art, ["ort"], steps=3).passed
     sd = load_file(ckpt / "model.safetensors")
     sd["model.layers.0.mlp.down_proj.weight"] *= 1.1  # the reference's layer-0 FFN changes, the graphs do not
@@ -272,13 +276,16 @@ def test_debug_export_localizes_to_the_layer_output(tiny, tmp_path):
 
 
 def _case(name: str, *passed: bool, divergence: Divergence | None = None) -> CaseReport:
-    steps = [StepResult(i, 0.0, 0.0, 0.0, 0.5 if ok else 2.0, 1.0, 1.0, 1.0, 0.0, 0.0, [], 0.0, ok)
+    steps = [StepResult(metrics=StepMetrics(step=i, max_abs=0.0, mean_abs=0.0, max_rel=0.0, cosine_min=1.0, top1=1.0,
+                                            top5=1.0, kl_max=0.0),
+                        error_ratio=0.5 if ok else 2.0, top1=1.0, kl_ratio=0.0, present_max_abs=[], present_ratio=0.0,
+                        passed=ok)
              for i, ok in enumerate(passed)]
     return CaseReport(Comparison(name.split("/")[0], "torch", name, steps, divergence))
 
 
 def test_passed_is_decided_by_the_leaves():
-    tol = tolerance_for("float32", {"num_layers": 2, "hidden_size": 64, "intermediate_size": 128})
+    tol = tolerance_for("float32", SMALL)
     ok, bad = ProbeResult("finite", True, 0.0, 0.0, "all finite"), ProbeResult("finite", False, 0.0, 0.0, "NaN")
     good = BackendReport("good", "float32", [_case("good/a", True, True)], [ok])
     skipped = BackendReport("trt", skipped="pip install tensorrt")
@@ -316,12 +323,11 @@ def test_measure_traces_gives_the_gates_metrics_without_the_gate():
     logits = [rng.normal(size=(2, 4, 50)), rng.normal(size=(2, 1, 50)), rng.normal(size=(2, 1, 50))]
     ref = Trace("torch", np.zeros((2, 2), np.int64), logits)
     test = Trace("ort", ref.tokens, [x + rng.normal(scale=0.3, size=x.shape) for x in logits])
-    tol = tolerance_for("float32", {"num_layers": 2, "hidden_size": 64, "intermediate_size": 128})
+    tol = tolerance_for("float32", SMALL)
     judged = compare_traces(ref, test, mask, tol, "c")
     assert not judged.passed and (judged.first_divergence.step, judged.first_divergence.where) == (0, "logits")
     measured = measure_traces(ref, test, mask)
     assert len(measured) == len(judged.steps) == 3
     for j, m in zip(judged.steps, measured):
-        for name in ("step", "max_abs", "mean_abs", "max_rel", "cosine_min", "top5", "kl_max"):
-            assert getattr(j, name) == getattr(m, name), name
+        assert j.metrics == m
         assert m.top1 <= j.top1  # the gate counts the reference's near-ties as agreeing; a measurement does not

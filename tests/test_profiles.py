@@ -8,7 +8,9 @@ import json
 
 import pytest
 
-from tk.models.spec.manifest import Manifest, Precision, Variant
+from tk.models.spec.config import DecoderConfig
+from tk.models.spec.manifest import Manifest, Precision, Source
+from tk.models.spec.variant import Variant
 
 from tk.models.spec.options import PROFILE_CAPACITY, PROFILES, ExportOptions
 from tk.models.checkpoint.families import config_from_hf
@@ -98,7 +100,9 @@ def test_conflicts_are_usage_errors_before_any_work(tiny, tmp_path, args, expect
 
 
 def test_manifest_without_profile_loads_as_none():
-    manifest = Manifest({}, Precision(), Variant(), {}, {"path": "x"}, profile="serve")
+    config = DecoderConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4)
+    manifest = Manifest(config=config, precision=Precision(), variant=Variant(), graphs={}, source=Source("x", ""),
+                        profile="serve")
     d = manifest.to_dict()
     assert d["profile"] == "serve" and Manifest.from_dict(d).profile == "serve"
     del d["profile"]  # written before profiles

@@ -43,12 +43,12 @@ def test_quantized_export_validates_and_fuses(quantized, family, weights):
     art = quantized(family, weights)
     m = Manifest.read(art)
     v = m.validation
-    assert v["passed"] and v["reference"] == "torch float32, quantized weights"
-    layers = m.config["num_layers"]
-    assert v["fused_matmulnbits"] == {"prefill": 4 * layers + 1, "decode": 4 * layers + 1}
-    steps = [s for c in v["comparisons"] for s in c["steps"]]
+    assert v.passed and v.reference == "torch float32, quantized weights"
+    layers = m.config.num_layers
+    assert v.fused_matmulnbits == {"prefill": 4 * layers + 1, "decode": 4 * layers + 1}
+    steps = [s for c in v.comparisons for s in c["steps"]]
     assert max(s["error_ratio"] for s in steps) <= 1.0
-    q = v["quantization"]  # measured against the full-precision reference, and recorded
+    q = v.quantization  # measured against the full-precision reference, and recorded
     assert 0.0 <= q["top1_mean"] <= 1.0 and q["max_abs"] > 0
     graph = onnx.load(str(art / "decode.onnx"), load_external_data=False)
     dq = [n for n in graph.graph.node if n.op_type == "DequantizeLinear"]
@@ -137,10 +137,10 @@ def test_int4_fast_export_runs_one_session_and_benches(quantized):
 
     art = quantized("llama", "int4", target="ort", kv_cache="static", max_seq_len=64, prefill_logits="last")
     m = Manifest.read(art)
-    layers = m.config["num_layers"]
-    assert m.variant.decode_prefills and m.validation["passed"]
-    assert m.validation["fused_matmulnbits"] == {"prefill": 4 * layers + 1, "decode": 4 * layers + 1}
-    assert {c["backend"] for c in m.validation["comparisons"]} == {"ort", "ort/pre"}
+    layers = m.config.num_layers
+    assert m.variant.decode_prefills and m.validation.passed
+    assert m.validation.fused_matmulnbits == {"prefill": 4 * layers + 1, "decode": 4 * layers + 1}
+    assert {c["backend"] for c in m.validation.comparisons} == {"ort", "ort/pre"}
     prompts = [[5, 17, 99, 3, 8], [42, 8, 300, 12, 77, 150, 9]]
     with OrtRuntime(art) as one, OrtRuntime(art, prefill_via="prefill") as two:
         assert set(one.sessions) == {"decode"} and set(two.sessions) == {"prefill", "decode"}
@@ -251,7 +251,7 @@ def test_trained_model_keeps_its_tokens_within_the_table(trained, tmp_path, weig
     from tk.toolkit.verify.quant import QUANT_TABLE
 
     export_artifact(trained, tmp_path / "art", weights=weights)
-    q = Manifest.read(tmp_path / "art").validation["quantization"]
+    q = Manifest.read(tmp_path / "art").validation.quantization
     assert q["within_table"], q
     min_top1, _, max_kl = QUANT_TABLE[weights]
     assert q["top1_mean"] >= min_top1 and q["kl_max_mean"] <= max_kl
@@ -270,9 +270,9 @@ def test_mixed_precision_and_the_tied_table(checkpoints, tmp_path):
     art = tmp_path / "art"
     export_artifact(checkpoints("qwen2"), art, weights="int4", mixed_precision="sensitive")
     m = Manifest.read(art)
-    assert m.precision.quantized_embedding and m.precision.mixed == "sensitive" and m.validation["passed"]
-    layers = m.config["num_layers"]
-    assert m.validation["fused_matmulnbits"] == {"prefill": 4 * layers + 1, "decode": 4 * layers + 1}
+    assert m.precision.quantized_embedding and m.precision.mixed == "sensitive" and m.validation.passed
+    layers = m.config.num_layers
+    assert m.validation.fused_matmulnbits == {"prefill": 4 * layers + 1, "decode": 4 * layers + 1}
     kinds = {name.removeprefix("model.").removesuffix(".weight_t.quant"): e[2] for name, e in m.weights.items()
              if name.endswith(".quant")}
     int8 = {"lm_head"} | {f"layers.{i}.{w}" for i in sensitive_layers(layers) for w in ("attn.wqkv", "ffn.w_down")}
@@ -304,15 +304,15 @@ def test_calibration_weights_the_search_and_rebuilds_its_reference(trained, tmp_
                         "--weights", "int4", "--calibration", str(text)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     m = Manifest.read(calibrated)
-    assert m.validation["passed"] and m.precision.calibration["tokens"] > 100
-    assert m.precision.calibration["file"] == "calibration.txt" and (calibrated / "calibration.npz").is_file()
+    assert m.validation.passed and m.precision.calibration.tokens > 100
+    assert m.precision.calibration.file == "calibration.txt" and (calibrated / "calibration.npz").is_file()
     entry = m.weights["model.layers.1.ffn.w_down.weight_t.quant"]
     stored = (calibrated / "weights.onnx.data").read_bytes()[entry[0]:entry[0] + entry[1]]
     down = load_file(str(trained / "model.safetensors"))["model.layers.1.mlp.down_proj.weight"]
     plain = pack_int4(quantize(np.ascontiguousarray(down.T), Scheme("int4", 32, "search", True)).q)  # uncalibrated
     assert plain.tobytes() != stored and len(plain.tobytes()) == len(stored)
     calibration = load(calibrated)
-    assert m.precision.calibration["scaled_weights"] == len(calibration.scales) > 0
+    assert m.precision.calibration.scaled_weights == len(calibration.scales) > 0
     layer = next(i for i in range(4) if f"layers.{i}.attn.wqkv.weight" in calibration.scales)
     offset, length = m.weights[f"model.layers.{layer}.attn_norm.weight"][:2]
     folded = np.frombuffer((calibrated / "weights.onnx.data").read_bytes()[offset:offset + length], np.float32)

@@ -12,7 +12,7 @@ import pytest
 
 from tk.models.spec import contract
 from tk.runtimes.base import InputError, Runtime, StepOutput
-from tk.runtimes.serving.batching import Batcher, Request, wait_all
+from tk.runtimes.serving.batching import Batcher, BatcherLimits, Request, wait_all
 from tk.runtimes.decoding.generate import Generation, generate
 from tk.runtimes.decoding.rows import FinishReason, RowPolicy, seen_matrix
 from tk.runtimes.decoding.sampling import SamplingConfig
@@ -86,7 +86,7 @@ class ToyStatic(Runtime):
     def _logits(h: np.ndarray) -> np.ndarray:  # (B, S) int64 -> (B, S, V) float32
         return (((h[..., None] * 2654435761 + np.arange(V) * 40503) % 997) / 997.0).astype(np.float32)
 
-    def _run(self, graph, feeds, past, session, in_place=False):
+    def run(self, graph, feeds, past, session, in_place=False):
         self.runs += 1
         ids, mask, pos = feeds["input_ids"], feeds["attention_mask"], feeds["position_ids"]
         if graph == contract.PREFILL:
@@ -117,7 +117,7 @@ def test_each_request_equals_its_solo_run_by_construction():
         solo = [generate(rt, [p], n, s, eos).rows[0] for p, n, s in mix]
     assert {r.finish_reason for r in solo} >= {FinishReason.EOS, FinishReason.LENGTH}  # the mix finishes both ways
     stopped = threading.Event()
-    with Batcher(ToyStatic(), slots=3, max_queue=16, eos_ids=eos) as batcher:
+    with Batcher(ToyStatic(), limits=BatcherLimits(slots=3, max_queue=16), eos_ids=eos) as batcher:
         requests = [batcher.submit(Request(p, n, s)) for p, n, s in mix]
         cut = batcher.submit(Request(mix[0][0], 10, ignore_eos=True, stop=lambda toks: len(toks) == 2,
                                      on_event=lambda e: e.finish_reason and stopped.set()))
@@ -135,7 +135,7 @@ def test_each_request_equals_its_solo_run_by_construction():
 
 def test_a_waiting_request_cancelled_leaves_and_its_callback_runs_outside_the_lock():
     gate, heard = threading.Event(), []
-    with Batcher(ToyStatic(), slots=1, max_queue=2) as batcher:
+    with Batcher(ToyStatic(), limits=BatcherLimits(slots=1, max_queue=2)) as batcher:
         first = batcher.submit(Request([1, 2], 40, ignore_eos=True, stop=lambda toks: gate.wait(10) and False))
         waiting = Request([3], 4, on_event=lambda e: heard.append(batcher._cv._is_owned()))
         batcher.submit(waiting)
@@ -161,8 +161,8 @@ def test_prompts_in_chunks_and_from_cached_prefixes_equal_their_solo_runs(cache_
     with ToyStatic() as rt:
         solo = [generate(rt, [p], n, s, eos).rows[0] for p, n, s in mix]
     # 3 slots, 4 tokens a step: every prompt comes in chunks, beside the others' decode steps
-    with Batcher(ToyStatic(), slots=3, max_queue=16, eos_ids=eos, step_tokens=4,
-                 prefix_cache_bytes=cache_bytes) as batcher:
+    with Batcher(ToyStatic(), limits=BatcherLimits(slots=3, max_queue=16, step_tokens=4,
+                                                 prefix_cache_bytes=cache_bytes), eos_ids=eos) as batcher:
         first = batcher.submit(Request(*mix[0]))
         assert wait_all([first], 10)  # its prompt's blocks are cached now
         requests = [first] + [batcher.submit(Request(p, n, s)) for p, n, s in mix[1:]]

@@ -12,13 +12,18 @@ from tk.runtimes.decoding.generate import generate
 pytestmark = pytest.mark.slow
 
 
+def _state(rt) -> dict:
+    """The runtime's attributes and its cache buffers' (`buffers.x`: what a backend's `_load` sets there)."""
+    return {**vars(rt), **{f"buffers.{k}": v for k, v in vars(rt.buffers).items()}}
+
+
 def unchanged_by_activation(rt) -> dict:
     """Activate and deactivate `rt`; assert its attributes are what they were -> them while active."""
-    before = {k: type(v)(v) if type(v) in (dict, list) else v for k, v in vars(rt).items()}  # as they are now
+    before = {k: type(v)(v) if type(v) in (dict, list) else v for k, v in _state(rt).items()}  # as they are now
     rt.activate()
-    loaded = dict(vars(rt))
+    loaded = _state(rt)
     rt.deactivate()
-    after = vars(rt)
+    after = _state(rt)
     assert after.keys() == before.keys(), f"attributes added or dropped: {sorted(after.keys() ^ before.keys())}"
     changed = [k for k in before if not (after[k] is before[k] or after[k] == before[k])]
     assert not changed, f"deactivation left these as activation set them: {changed}"
@@ -31,7 +36,7 @@ def test_ort_runtime_is_restored_by_deactivation(tiny_artifact, kw):
 
     rt = OrtRuntime(tiny_artifact, **kw)
     loaded = unchanged_by_activation(rt)
-    assert loaded["device"] == "cpu" and loaded["_ort"] is not None  # the check saw what loading sets
+    assert loaded["buffers.device"] == "cpu" and loaded["_ort"] is not None  # the check saw what loading sets
     with rt:  # and it runs again
         assert len(generate(rt, [[5, 6, 7]], 3, ignore_eos=True).rows[0].tokens) == 3
 
@@ -43,4 +48,4 @@ def test_torch_runtime_is_restored_by_deactivation(tiny, tiny_artifact):
     m = Manifest.read(tiny_artifact)
     rt = torch_reference(tiny, m.dims, m.max_context, device="auto")  # loads its decoder on activation
     loaded = unchanged_by_activation(rt)
-    assert loaded["model"] is not None and loaded["_device"] in ("cpu", "cuda") and rt.device == "auto"
+    assert loaded["model"] is not None and loaded["buffers.device"] in ("cpu", "cuda") and rt.device == "auto"

@@ -7,7 +7,14 @@ from __future__ import annotations
 import pytest
 
 from tk.runtimes.serving.prefix_cache import PrefixCache
-from tk.runtimes.serving.scheduler import QueueFull, Scheduler, Seq, State
+from tk.runtimes.base import InputError
+from tk.runtimes.serving.scheduler import BatcherLimits, QueueFull, Scheduler, Seq, State
+
+
+def _limits(**limits) -> BatcherLimits:
+    """Limits without an idle budget of their own: a step where nobody decodes takes `step_tokens`
+    (or `chunk_tokens`) too, as these plans assume."""
+    return BatcherLimits(**{"idle_tokens": 0, **limits})
 
 
 def _ran(sched: Scheduler, plan) -> None:
@@ -21,7 +28,7 @@ def _chunks(plan) -> list[tuple[int, int, int]]:
 
 
 def test_admission_takes_the_lowest_free_slots_in_arrival_order_and_the_rest_wait():
-    sched = Scheduler(slots=2, max_queue=4, step_tokens=64)
+    sched = Scheduler(_limits(slots=2, max_queue=4, step_tokens=64))
     a, b, c = Seq([1, 2, 3]), Seq([4, 5]), Seq([6])
     for seq in (a, b, c):
         sched.add(seq)
@@ -38,7 +45,7 @@ def test_admission_takes_the_lowest_free_slots_in_arrival_order_and_the_rest_wai
 
 
 def test_a_step_decodes_every_running_request_first_and_prefills_a_long_prompt_in_chunks_of_what_is_left():
-    sched = Scheduler(slots=4, max_queue=4, step_tokens=8)
+    sched = Scheduler(_limits(slots=4, max_queue=4, step_tokens=8))
     short = [Seq([1]), Seq([2])]
     for seq in short:
         sched.add(seq)
@@ -56,7 +63,7 @@ def test_a_step_decodes_every_running_request_first_and_prefills_a_long_prompt_i
 
 
 def test_prompts_already_in_slots_go_before_new_admissions_and_admissions_stop_when_the_budget_is_spent():
-    sched = Scheduler(slots=4, max_queue=4, step_tokens=10)
+    sched = Scheduler(_limits(slots=4, max_queue=4, step_tokens=10))
     first, second, third = Seq(list(range(14))), Seq(list(range(7))), Seq([1, 2])
     sched.add(first)
     plan = sched.schedule()
@@ -72,7 +79,7 @@ def test_prompts_already_in_slots_go_before_new_admissions_and_admissions_stop_w
 
 
 def test_without_chunks_a_prompt_comes_whole_even_over_the_budget_one_admission_per_spent_budget():
-    sched = Scheduler(slots=3, max_queue=4, step_tokens=4, chunked=False)
+    sched = Scheduler(_limits(slots=3, max_queue=4, step_tokens=4), chunked=False)
     a, b = Seq(list(range(9))), Seq([1, 2])
     sched.add(a)
     sched.add(b)
@@ -83,7 +90,7 @@ def test_without_chunks_a_prompt_comes_whole_even_over_the_budget_one_admission_
 
 
 def test_the_queue_refuses_beyond_the_slots_and_its_length_and_takes_again_once_one_leaves():
-    sched = Scheduler(slots=1, max_queue=1, step_tokens=4)
+    sched = Scheduler(_limits(slots=1, max_queue=1, step_tokens=4))
     a, b = Seq([1]), Seq([2])
     sched.add(a)
     sched.add(b)
@@ -95,7 +102,7 @@ def test_the_queue_refuses_beyond_the_slots_and_its_length_and_takes_again_once_
 
 
 def test_cancellation_at_every_state():
-    sched = Scheduler(slots=2, max_queue=4, step_tokens=4)
+    sched = Scheduler(_limits(slots=2, max_queue=4, step_tokens=4))
     prefilling, decoding, waiting = Seq(list(range(10))), Seq([1]), Seq([2])
     sched.add(decoding)
     _ran(sched, sched.schedule())
@@ -115,7 +122,7 @@ def test_cancellation_at_every_state():
 
 
 def test_abort_all_empties_the_queue_now_and_the_slots_at_the_next_plan():
-    sched = Scheduler(slots=1, max_queue=2, step_tokens=4)
+    sched = Scheduler(_limits(slots=1, max_queue=2, step_tokens=4))
     running, queued = Seq([1, 2]), Seq([3])
     sched.add(running)
     sched.add(queued)
@@ -125,8 +132,8 @@ def test_abort_all_empties_the_queue_now_and_the_slots_at_the_next_plan():
 
 
 def test_a_budget_below_one_decode_token_per_slot_is_refused():
-    with pytest.raises(ValueError, match="at least 4"):
-        Scheduler(slots=4, max_queue=0, step_tokens=3)
+    with pytest.raises(InputError, match="at least 4"):
+        BatcherLimits(slots=4, max_queue=0, step_tokens=3)
 
 
 def test_an_admitted_prompt_starts_from_its_longest_cached_prefix_and_computes_at_least_its_last_token():
@@ -135,7 +142,7 @@ def test_an_admitted_prompt_starts_from_its_longest_cached_prefix_and_computes_a
     names = cache.names(system)
     for i, name in enumerate(names):
         cache.put(name, names[i - 1] if i else None, f"kv{i}", 10)
-    sched = Scheduler(slots=3, max_queue=4, step_tokens=64, prefix=cache)
+    sched = Scheduler(_limits(slots=3, max_queue=4, step_tokens=64), prefix=cache)
     turn, same, logprobs = Seq(system + [7, 8]), Seq(system), Seq(system + [9], reuse=False)
     for seq in (turn, same, logprobs):
         sched.add(seq)
@@ -171,7 +178,7 @@ def test_the_least_recently_used_chain_end_goes_first_and_a_cached_blocks_parent
 
 
 def test_a_step_where_nobody_decodes_takes_the_idle_budget():
-    sched = Scheduler(slots=2, max_queue=2, step_tokens=4, idle_tokens=16)
+    sched = Scheduler(_limits(slots=2, max_queue=2, step_tokens=4, idle_tokens=16))
     a, b = Seq(list(range(20))), Seq([1, 2])
     sched.add(a)
     plan = sched.schedule()
@@ -181,13 +188,14 @@ def test_a_step_where_nobody_decodes_takes_the_idle_budget():
     assert _chunks(plan) == [(0, 16, 20)]
     _ran(sched, plan)
     sched.add(b)
-    assert _chunks(sched.schedule()) == [(1, 0, 2)] and Scheduler(2, 0, 4, idle_tokens=1).idle_tokens == 4
+    assert _chunks(sched.schedule()) == [(1, 0, 2)]
+    assert Scheduler(_limits(slots=2, max_queue=0, step_tokens=4, idle_tokens=1)).idle_tokens == 4
 
 
 def test_a_prompt_waits_for_the_one_prefilling_its_first_block_then_takes_what_it_cached():
     cache = PrefixCache("m", block=4)
     system = list(range(100, 112))
-    sched = Scheduler(slots=3, max_queue=4, step_tokens=8, prefix=cache)
+    sched = Scheduler(_limits(slots=3, max_queue=4, step_tokens=8), prefix=cache)
     first, second, other = Seq(system + [1, 2]), Seq(system + [3]), Seq([7] * 6)
     for seq in (first, second, other):
         sched.add(seq)
@@ -199,14 +207,14 @@ def test_a_prompt_waits_for_the_one_prefilling_its_first_block_then_takes_what_i
         cache.put(name, names[i - 1] if i else None, f"kv{i}", 1)
     plan = sched.schedule()  # the first block is cached now: second takes what is there
     assert plan.admitted == [second] and second.reused == 8 and _chunks(plan) == [(0, 8, 14), (1, 8, 10)]
-    no_cache = Scheduler(slots=3, max_queue=4, step_tokens=64)
+    no_cache = Scheduler(_limits(slots=3, max_queue=4, step_tokens=64))
     for seq in (Seq(system + [1]), Seq(system + [2])):
         no_cache.add(seq)
     assert len(no_cache.schedule().admitted) == 2  # without a prefix cache nothing is worth waiting for
 
 
 def test_the_default_budget_gives_each_prompt_coming_in_a_chunk_of_prompt_oldest_first():
-    sched = Scheduler(slots=4, max_queue=4, chunk_tokens=4)
+    sched = Scheduler(_limits(slots=4, max_queue=4, chunk_tokens=4))
     running = Seq([1])
     sched.add(running)
     _ran(sched, sched.schedule())

@@ -21,6 +21,7 @@ from click.testing import CliRunner
 
 from tk.models.spec.manifest import Manifest
 from tk.runtimes.decoding.sampling import SamplingConfig
+from tk.runtimes.serving.scheduler import BatcherLimits
 from tk.toolkit.backends import BackendOptions, open_runtime
 from tk.toolkit.cli.main import main
 from tk.toolkit.textgen import Tokenizer, generate_text
@@ -33,11 +34,12 @@ WORDS = "the cat sat on a mat and then it ran far away into the dark wood where 
 
 @pytest.fixture(scope="module")
 def server(serve_artifact):
-    from tk.toolkit.serving.openai.server import ServeOptions, open_server
+    from tk.toolkit.serving.openai.process import ServeOptions, in_thread, open_server
 
-    srv, sock = open_server(serve_artifact, "ort", BackendOptions(), ServeOptions(port=0, slots=4, model_name="tiny", drain_s=1.0))
+    srv, sock = open_server(serve_artifact, "ort", BackendOptions(),
+                            ServeOptions(port=0, limits=BatcherLimits(slots=4), model_name="tiny", drain_s=1.0))
     sock.close()  # in_thread binds its own
-    with srv.in_thread() as url:
+    with in_thread(srv) as url:
         yield srv, url
     srv.batcher.close()
 
@@ -219,11 +221,13 @@ def test_two_hundred_requests_with_hangups_and_garbage_leak_no_slot(server, solo
 
 
 def test_a_full_queue_gets_429(serve_artifact):
-    from tk.toolkit.serving.openai.server import ServeOptions, open_server
+    from tk.toolkit.serving.openai.process import ServeOptions, in_thread, open_server
 
-    srv, sock = open_server(serve_artifact, "ort", BackendOptions(), ServeOptions(port=0, slots=1, max_queue=0, model_name="tiny", drain_s=0.0))
+    srv, sock = open_server(serve_artifact, "ort", BackendOptions(),
+                            ServeOptions(port=0, limits=BatcherLimits(slots=1, max_queue=0), model_name="tiny",
+                                         drain_s=0.0))
     sock.close()
-    with srv.in_thread() as url:
+    with in_thread(srv) as url:
         host, port = url.removeprefix("http://").split(":")
         for _ in range(5):  # the first request must still be decoding when the second arrives
             conn = http.client.HTTPConnection(host, int(port), timeout=30)

@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 
 from tk.models.spec.manifest import Manifest
-from tk.runtimes.decoding.sampling import SamplingConfig
+from tk.runtimes.serving.scheduler import BatcherLimits
 from tk.toolkit.backends import BackendOptions, open_runtime
 from tk.toolkit.serving.frontend import Params
-from tk.toolkit.textgen import Tokenizer, generate_text
+from tk.toolkit.serving.openai.process import ServeOptions, in_thread, open_server
+from tk.toolkit.textgen import generate_text
 
 pytest.importorskip("fastapi", reason="the serving stack: pip install -e '.[serve]'")
 pytest.importorskip("llguidance", reason="structured outputs need llguidance: pip install -e '.[serve]'")
@@ -29,10 +30,9 @@ TEXTS = ["the cat sat on the mat", "Numbers: 1 2 3 4 5 6", "def f(x): return x *
 
 
 def _serve(artifact, backend: str, **options):
-    from tk.toolkit.serving.openai.server import ServeOptions, open_server
-
     srv, sock = open_server(artifact, backend, BackendOptions(),
-                            ServeOptions(port=0, slots=8, max_queue=128, model_name="tiny", drain_s=1.0, **options))
+                            ServeOptions(port=0, limits=BatcherLimits(slots=8, max_queue=128), model_name="tiny",
+                                         drain_s=1.0, **options))
     sock.close()  # in_thread binds its own
     return srv
 
@@ -40,7 +40,7 @@ def _serve(artifact, backend: str, **options):
 @pytest.fixture(scope="module")
 def server(serve_artifact):
     srv = _serve(serve_artifact, "ort", api_key=KEY, max_body=64 * 1024)
-    with srv.in_thread() as url:
+    with in_thread(srv) as url:
         yield srv, url
     srv.batcher.close()
 
@@ -62,7 +62,7 @@ def reference(serve_artifact):
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(Manifest.read(serve_artifact).source["path"], dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(Manifest.read(serve_artifact).source.path, dtype=torch.float32)
 
     def log_softmax(ids: list[int]) -> np.ndarray:
         with torch.inference_mode():
@@ -217,7 +217,7 @@ def test_structured_outputs_under_continuous_batching(serve_artifact, backend):
     m = Manifest.read(serve_artifact)
     runtime = open_runtime(serve_artifact, "ort", BackendOptions(static_cache=True))
     try:
-        with srv.in_thread() as url:
+        with in_thread(srv) as url:
             def constrained(i):
                 fmt = {"type": "json_schema", "json_schema": {"name": f"p{i}", "schema": _schema(i), "strict": True}}
                 common = {"max_tokens": 100, "temperature": 0.8 if i % 2 else 0, "seed": i, "response_format": fmt}

@@ -12,7 +12,7 @@ from tk.models.spec.manifest import Manifest
 from tk.runtimes.base import InputError
 from tk.runtimes.cache_layouts import StaticLayout
 from tk.runtimes.decoding.generate import generate
-from tk.runtimes.backends.ort import open_ort
+from tk.runtimes.backends.ort import OrtRuntime
 from tk.toolkit.cli.main import main
 from tk.toolkit.pipeline.export import export_artifact
 from tk.toolkit.verify.compare import parity
@@ -30,7 +30,7 @@ def static_llama(checkpoints, tmp_path_factory):
 def test_static_graph_follows_its_contract(static_llama):
     manifest = Manifest.read(static_llama)
     assert manifest.variant.cache == "static" and manifest.dims.kv_capacity == 64
-    assert manifest.validation["passed"] and manifest.trt_lint["ok"]
+    assert manifest.validation.passed and manifest.trt_lint["ok"]
     model = onnx.load(str(static_llama / "decode.onnx"), load_external_data=False)
     assert [i.name for i in model.graph.input][:4] == ["input_ids", "attention_mask", "position_ids", "write_indices"]
     assert next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx")) == 24
@@ -40,19 +40,19 @@ def test_static_graph_follows_its_contract(static_llama):
 
 def test_static_tokens_equal_dynamic_and_transformers(checkpoints, artifacts, static_llama):
     prompts = [[5, 17, 99, 3, 8], [42, 8, 300, 12, 77, 150, 9, 61, 33]]
-    with open_ort(static_llama) as st, open_ort(artifacts("llama")) as dyn:
+    with OrtRuntime(static_llama) as st, OrtRuntime(artifacts("llama")) as dyn:
         assert isinstance(st.layout, StaticLayout) and st.dims.kv_capacity == 64  # dims: the graph it runs
         a = [r.tokens for r in generate(st, prompts, 24, ignore_eos=True).rows]
         b = [r.tokens for r in generate(dyn, prompts, 24, ignore_eos=True).rows]
     assert a == b
     assert a[1] == hf_greedy(checkpoints("llama"), prompts[1], 24)
-    with open_ort(static_llama) as st:  # a row that stops leaves the static buffers; the other goes on alone
+    with OrtRuntime(static_llama) as st:  # a row that stops leaves the static buffers; the other goes on alone
         cut = generate(st, prompts, 24, ignore_eos=True, stop=lambda row, toks: row == 0 and len(toks) == 5).rows
     assert cut[0].tokens == a[0][:5] and cut[1].tokens == a[1]
 
 
 def test_static_cache_is_updated_in_place_and_guards_capacity(static_llama):
-    with open_ort(static_llama) as rt:
+    with OrtRuntime(static_llama) as rt:
         _, session = rt.start(np.array([[5, 6, 7]]), np.ones((1, 3), np.int64))
         buffer = session.cache[0]
         assert buffer.shape == (1, 2, 64, 16) and not buffer[:, :, 3].any()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import shutil
 import socket
 import subprocess
@@ -53,6 +54,78 @@ def test_every_config_is_valid_for_triton_and_limits_are_recorded(serve_artifact
     again = CliRunner().invoke(main, ["triton", str(serve_artifact), "-o", str(repo)])
     assert again.exit_code == 2 and "--force" in again.output
     assert not list(tmp_path.glob(".tk-triton-*"))  # nothing half-written left behind
+
+
+def _slots(repo: Path) -> str:
+    return re.search(r'key: "slots" value: \{ string_value: "(\d+)" \}', (repo / "tiny" / "config.pbtxt").read_text())[1]
+
+
+def test_force_replaces_a_repository_whole_or_not_at_all(serve_artifact, tmp_path, monkeypatch):
+    from tk.toolkit.serving.triton import repo as triton_repo
+
+    repo = _write(serve_artifact, tmp_path / "repo", "--model-name", "tiny", "--slots", "3")
+    (repo / "tiny" / "stale.txt").write_text("from the old repository")
+    _write(serve_artifact, repo, "--model-name", "tiny", "--slots", "2", "--force")
+    assert _slots(repo) == "2" and not (repo / "tiny" / "stale.txt").exists()
+    monkeypatch.setattr(triton_repo, "python_config", lambda *a: 1 / 0)  # a failure half way through writing
+    failed = CliRunner().invoke(main, ["triton", str(serve_artifact), "-o", str(repo), "--model-name", "tiny",
+                                       "--slots", "4", "--force"])
+    assert isinstance(failed.exception, ZeroDivisionError)
+    assert _slots(repo) == "2" and (repo / "tiny" / "1" / "model.py").is_file()  # the old one, whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["repo"]  # no temporary or set-aside folder left
+
+
+class _Sender:
+    def __init__(self):
+        self.sent = []
+
+    def send(self, response, flags=0):
+        self.sent.append((response.error, flags))
+
+
+class _Request(dict):
+    """A Triton request: its inputs by name (numpy arrays) and its response sender."""
+
+    def __init__(self, **inputs):
+        super().__init__(inputs)
+        self.sender = _Sender()
+
+    def get_response_sender(self):
+        return self.sender
+
+
+def _model(tokenizer):
+    """The Triton model's request handling, without a runtime: a pb of its own, no batcher reached."""
+    from types import SimpleNamespace
+
+    from tk.toolkit.serving.triton.backend import TkModel
+
+    tensor = lambda array: SimpleNamespace(as_numpy=lambda: array)  # noqa: E731
+    pb = SimpleNamespace(InferenceResponse=lambda error=None, output_tensors=None: SimpleNamespace(error=error),
+                         TritonError=str, TRITONSERVER_RESPONSE_COMPLETE_FINAL=1,
+                         get_input_tensor_by_name=lambda request, name: (tensor(request[name]) if name in request
+                                                                         else None))
+    model = TkModel.__new__(TkModel)
+    model.pb, model.tokenizer, model.metrics = pb, tokenizer, SimpleNamespace(update=lambda: None)
+    return model
+
+
+def test_a_clients_mistake_gets_an_error_response_and_a_bug_stays_a_bug():
+    from types import SimpleNamespace
+
+    text = np.array([b"the cat"], dtype=object)
+    for request, words in [(_Request(), "give one of the inputs text_input or prompt_ids"),
+                           (_Request(text_input=text), "this artifact has no tokenizer; send prompt_ids"),
+                           (_Request(text_input=np.array([b"\xff"], dtype=object)), "can't decode byte 0xff"),
+                           (_Request(prompt_ids=np.array([1]), max_tokens=np.array([4, 5])), "takes one value")]:
+        _model(None).execute([request])
+        [(error, flags)] = request.sender.sent
+        assert words in error and flags == 1
+    broken = SimpleNamespace(encode=lambda text: int(text))  # a plain ValueError inside tk is a bug, not a 4xx
+    request = _Request(text_input=text)
+    with pytest.raises(ValueError, match="invalid literal"):
+        _model(broken).execute([request])
+    assert request.sender.sent == []
 
 
 def test_a_dynamic_cache_artifact_is_refused(tiny_artifact, tmp_path):

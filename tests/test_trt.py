@@ -3,8 +3,10 @@ missing-TensorRT messages), and, where TensorRT and a GPU exist, a real build an
 
 from __future__ import annotations
 
-import copy
+import dataclasses
+import hashlib
 import json
+import os
 import shutil
 
 import onnx
@@ -16,7 +18,8 @@ from tk.exporters.trt_build import Limits, compute_profiles
 from tk.exporters.trt_lint import lint_graphs, lint_model
 from tk.models.spec import contract
 from tk.models.spec.manifest import Manifest, sha256_file
-from tk.models.spec.errors import UsageProblem
+from tk.models.spec.engine import EngineMeta, Gpu
+from tk.models.spec.errors import FilesystemProblem, UsageProblem
 from tk.runtimes.backends.trt import engine_problems, profile_problem
 from tk.toolkit.cli.main import main
 
@@ -59,7 +62,7 @@ def test_impossible_profiles_are_rejected(limits, message):
 
 def test_profile_problem_advice():
     p = compute_profiles(DIMS, Limits(2, 64, 2048), max_context=4096)
-    limits = {"max_batch": 2, "max_input_len": 64, "max_seq_len": 2048}
+    limits = Limits(2, 64, 2048)
     past = {n: (1, 2, 2050, 16) for n in contract.past_names(2)}
     shapes = {"input_ids": (1, 1), "attention_mask": (1, 2051), "position_ids": (1, 1), **past}
     assert profile_problem("decode", p["decode"], shapes, limits) == (
@@ -76,6 +79,15 @@ def test_profile_problem_advice():
 # --- engine.json ---------------------------------------------------------------------------------
 
 ENV = {"tensorrt_version": "10.15.1", "gpu_name": "NVIDIA H100", "compute_capability": "9.0"}
+ENGINE = {contract.PREFILL: b"prefill engine", contract.DECODE: b"decode engine"}  # what the fake TensorRT builds
+
+
+def _meta(art) -> EngineMeta:
+    """engine.json as tk build-engine writes it for the fake engines."""
+    return EngineMeta(tensorrt_version="10.15.1", gpu=Gpu("NVIDIA H100", "9.0"), precision="float32",
+                      strongly_typed=False, limits=Limits(1, 8, 16), profiles=compute_profiles(DIMS, Limits(1, 8, 16), 1024),
+                      onnx_sha256={g: sha256_file(art / contract.GRAPH_FILES[g]) for g in contract.GRAPHS},
+                      engine_sha256={g: hashlib.sha256(b).hexdigest() for g, b in ENGINE.items()})
 
 
 @pytest.fixture
@@ -83,15 +95,10 @@ def built(tiny_artifact, tmp_path):
     """A copy of the tiny artifact with an engine.json as tk build-engine writes it (fake engine bytes)."""
     art = tmp_path / "art"
     shutil.copytree(tiny_artifact, art)
-    meta = {"contract_version": contract.CONTRACT_VERSION, "tensorrt_version": "10.15.1",
-            "gpu": {"name": "NVIDIA H100", "compute_capability": "9.0"}, "precision": "float32",
-            "strongly_typed": False, "limits": {"max_batch": 1, "max_input_len": 8, "max_seq_len": 16},
-            "profiles": compute_profiles(DIMS, Limits(1, 8, 16), 1024),
-            "onnx_sha256": {g: sha256_file(art / contract.GRAPH_FILES[g]) for g in contract.GRAPHS},
-            "engines": dict(contract.ENGINE_FILES)}
-    (art / contract.ENGINE_META).write_text(json.dumps(meta))
-    for f in contract.ENGINE_FILES.values():
-        (art / f).write_bytes(b"engine")
+    meta = _meta(art)
+    (art / contract.ENGINE_META).write_text(json.dumps(meta.to_dict()))
+    for g, blob in ENGINE.items():
+        (art / contract.ENGINE_FILES[g]).write_bytes(blob)
     return art, meta
 
 
@@ -101,12 +108,15 @@ def test_engine_meta_round_trip_has_no_problems(built):
     art, meta = built
     assert read_engine_meta(art) == meta
     assert engine_problems(read_engine_meta(art), art, ENV) == []
+    old = {k: v for k, v in meta.to_dict().items() if k != "engine_sha256"}  # written before engine hashes
+    (art / contract.ENGINE_META).write_text(json.dumps(old))
+    assert read_engine_meta(art).engine_sha256 is None and engine_problems(read_engine_meta(art), art, ENV) == []
 
 
 def test_every_engine_mismatch_has_an_actionable_message(built):
     art, meta = built
     rebuild = f"rebuild them here with: tk build-engine {art} --force"
-    old = dict(meta, contract_version=0)
+    old = dataclasses.replace(meta, contract_version=0)
     assert engine_problems(old, art, ENV) == [
         f"the engines follow graph contract version 0 and this tk reads version 4; re-export and {rebuild}"]
     assert engine_problems(meta, art, dict(ENV, tensorrt_version="10.16.0")) == [
@@ -115,12 +125,48 @@ def test_every_engine_mismatch_has_an_actionable_message(built):
     assert engine_problems(meta, art, dict(ENV, gpu_name="NVIDIA A10", compute_capability="8.6")) == [
         "the engines were built for NVIDIA H100 (compute capability 9.0) and this GPU is NVIDIA A10 (compute "
         f"capability 8.6); {rebuild}"]
-    stale = copy.deepcopy(meta)
-    stale["onnx_sha256"]["decode"] = "0" * 64
+    stale = dataclasses.replace(meta, onnx_sha256={**meta.onnx_sha256, "decode": "0" * 64})
     assert engine_problems(stale, art, ENV) == [
         f"decode.engine was built from a different decode.onnx (the graph was re-exported since); {rebuild}"]
+    (art / "decode.engine").write_bytes(b"another build's decode engine")  # a pair not built together
+    assert engine_problems(meta, art, ENV) == [
+        f"decode.engine is not the engine engine.json was written with (a rebuild did not finish, or it was "
+        f"replaced); {rebuild}"]
     (art / "prefill.engine").unlink()
-    assert engine_problems(meta, art, ENV) == [f"prefill.engine is missing; {rebuild}"]
+    assert engine_problems(meta, art, ENV)[0] == f"prefill.engine is missing; {rebuild}"
+
+
+def test_build_engine_force_never_leaves_a_loadable_mixed_pair(built, monkeypatch):
+    """--force takes engine.json away before the first engine is replaced: a rebuild that stops half way
+    leaves no engine.json (tk says to build the engines), and one that finishes records the new engines."""
+    from tk.runtimes.backends import trt as trt_runtime
+    from tk.toolkit.pipeline import build_engine
+
+    art, meta = built
+    rebuilt = {g: b"rebuilt " + blob for g, blob in ENGINE.items()}
+    new_meta = dataclasses.replace(meta, engine_sha256={g: hashlib.sha256(b).hexdigest() for g, b in rebuilt.items()})
+    monkeypatch.setattr(trt_runtime, "trt_environment", lambda: ENV)
+    monkeypatch.setattr(build_engine, "build_engines", lambda *a, **k: (new_meta, rebuilt))
+    flags = dict(precision=None, max_batch=1, max_input_len=8, max_seq_len=16, timing_cache=None, workspace=1.0,
+                 progress=lambda m: None)
+    with pytest.raises(FilesystemProblem, match="already has engines; pass --force"):
+        build_engine.build(art, force=False, **flags)
+    real_replace = os.replace
+
+    def crash_after_prefill(src, dst):
+        real_replace(src, dst)
+        if str(dst).endswith(contract.ENGINE_FILES[contract.PREFILL]):
+            raise OSError("disk full")
+
+    monkeypatch.setattr(build_engine.os, "replace", crash_after_prefill)
+    with pytest.raises(OSError):
+        build_engine.build(art, force=True, **flags)
+    assert not (art / contract.ENGINE_META).exists()
+    with pytest.raises(trt_runtime.EnginesMissing, match="build them with: tk build-engine"):
+        trt_runtime.read_engine_meta(art)
+    monkeypatch.setattr(build_engine.os, "replace", real_replace)
+    assert build_engine.build(art, force=True, **flags) == new_meta
+    assert trt_runtime.read_engine_meta(art) == new_meta and engine_problems(new_meta, art, ENV) == []
 
 
 # --- the lint --------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from tk.models.spec import contract
+from tk.models.spec.engine import EngineMeta, Gpu, Limits
 from tk.runtimes.backends import trt as trt_runtime
 from tk.runtimes.decoding.generate import generate
 from tk.toolkit.verify.metrics import run_trace
@@ -97,8 +98,9 @@ def fake_trt(request, tiny_artifact, tmp_path, monkeypatch):
     the fake engines never read the graphs."""
     art = tmp_path / "art"
     shutil.copytree(tiny_artifact, art)
-    meta = {"limits": {"max_batch": 4, "max_input_len": 32, "max_seq_len": 64}, "profiles": {"prefill": {}, "decode": {}}}
-    (art / contract.ENGINE_META).write_text(json.dumps(meta))
+    meta = EngineMeta(tensorrt_version="10.15.1", gpu=Gpu("fake", "9.0"), precision="float32", strongly_typed=False,
+                      limits=Limits(4, 32, 64), profiles={"prefill": {}, "decode": {}}, onnx_sha256={})
+    (art / contract.ENGINE_META).write_text(json.dumps(meta.to_dict()))
     for f in contract.ENGINE_FILES.values():
         (art / f).write_bytes(b"engine")
     if request.param == "static":
@@ -141,14 +143,14 @@ def test_sessions_give_back_every_device_buffer(fake_trt):
 @pytest.mark.parametrize("fake_trt", ["static"], indirect=True)  # slots live in a static cache
 def test_serving_slots_copy_inside_their_buffers_and_give_them_back(fake_trt):
     from tk.runtimes.base import InputError
-    from tk.runtimes.serving.batching import Batcher, Request, wait_all
+    from tk.runtimes.serving.batching import Batcher, BatcherLimits, Request, wait_all
 
     art, device = fake_trt
     with pytest.raises(InputError, match="--slots 4"):
-        Batcher(trt_runtime.TrtRuntime(art), slots=5).start()
+        Batcher(trt_runtime.TrtRuntime(art), limits=BatcherLimits(slots=5)).start()
     assert device.live == {}
     rt = trt_runtime.TrtRuntime(art)
-    with Batcher(rt, slots=3) as batcher:
+    with Batcher(rt, limits=BatcherLimits(slots=3)) as batcher:
         with pytest.raises(InputError, match="longer than the trt backend's 32"):
             batcher.submit(Request(list(range(1, 34)), 2))
         requests = [batcher.submit(Request(list(range(1, 2 + i * 5)), 3 + i, ignore_eos=True)) for i in range(5)]
@@ -163,6 +165,6 @@ def test_deactivation_puts_back_what_activation_set(fake_trt):
     art, device = fake_trt
     rt = trt_runtime.TrtRuntime(art)
     loaded = unchanged_by_activation(rt)
-    assert loaded["engines"] and loaded["stream"] is not None and device.live == {}
+    assert loaded["engines"] and loaded["buffers.stream"] is not None and device.live == {}
     with rt:  # and it runs again
         assert len(generate(rt, [[1, 2, 3]], 3, ignore_eos=True).rows[0].tokens) == 3

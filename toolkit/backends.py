@@ -53,11 +53,11 @@ def reference_runtime(artifact: str | Path, manifest: Manifest | None = None, dt
     checkpoint recorded in its manifest (tk does not copy the weights a second time). For a quantized
     artifact, the quantized reference, unless `quantized` is False (the full-precision one)."""
     manifest = manifest or Manifest.read(artifact)
-    source = Path(manifest.source["path"])
+    source = Path(manifest.source.path)
     if not (source / "config.json").is_file():
         raise ArtifactError(f"the torch backend loads the source checkpoint {source} recorded in the manifest, "
                             "and it is gone; restore it or re-export from its new place")
-    if sha256_file(source / "config.json") != manifest.source["config_sha256"]:
+    if sha256_file(source / "config.json") != manifest.source.config_sha256:
         raise ArtifactError(f"the checkpoint at {source} changed since export (config.json differs); re-export")
     quantized = manifest.precision if manifest.precision.quantized and quantized else None
     calibration = None
@@ -65,11 +65,11 @@ def reference_runtime(artifact: str | Path, manifest: Manifest | None = None, dt
         from tk.models.quant.calibration import load
 
         calibration = load(Path(artifact))
-    return torch_reference(source, manifest.dims, manifest.max_context, dtype, device, debug, quantized, static_cache,
-                           calibration)
+    return torch_reference(source, manifest.dims, manifest.max_context, dtype=dtype, device=device, debug=debug,
+                           quantized=quantized, static_cache=static_cache, calibration=calibration)
 
 
-def torch_reference(source: Path, dims, max_context: int, dtype: str = "float32", device: str = "cpu",
+def torch_reference(source: Path, dims, max_context: int, *, dtype: str = "float32", device: str = "cpu",
                     debug: bool = False, quantized=None, static_cache: bool = False, calibration=None):
     """The reference decoder of the checkpoint at `source` for graphs of `dims`, loaded on activation;
     with `quantized` (a quantized Precision), the quantized reference: its linear weights are what
@@ -82,9 +82,11 @@ def torch_reference(source: Path, dims, max_context: int, dtype: str = "float32"
         model = load_decoder(source, dtype)
         return quantize_weights_(model, quantized, calibration) if quantized is not None else model
 
-    # the reference runs the plain graphs' math: no static buffer, every position's logits
+    # the reference runs the plain graphs' math: no static buffer (unless kept), every position's
+    # logits, no debug outputs (the decoder returns its hidden states itself)
+    variant = dataclasses.replace(dims.variant, prefill_logits="all", debug_outputs=False)
     dims = dataclasses.replace(dims, kv_dtype=dtype, kv_capacity=dims.kv_capacity if static_cache else None,
-                               ring=dims.ring if static_cache else None, hidden_size=None, prefill_logits="all")
+                               ring=dims.ring if static_cache else None, variant=variant)
     return TorchRuntime(loader=load, device=device, debug=debug, dims=dims, max_context=max_context)
 
 
@@ -96,14 +98,14 @@ def _open_torch(artifact: Path, manifest: Manifest, options: BackendOptions):
 def _open_ort(artifact: Path, manifest: Manifest, options: BackendOptions):
     from tk.runtimes.backends.ort import OrtRuntime
 
-    return OrtRuntime(artifact, threads=options.threads, provider=options.provider, prepack=options.prepack,
-                      quant_compute=options.quant_compute)
+    return OrtRuntime(artifact, manifest, threads=options.threads, provider=options.provider,
+                      prepack=options.prepack, quant_compute=options.quant_compute)
 
 
 def _open_trt(artifact: Path, manifest: Manifest, options: BackendOptions):
     from tk.runtimes.backends.trt import TrtRuntime
 
-    return TrtRuntime(artifact)
+    return TrtRuntime(artifact, manifest)
 
 
 register(Backend("torch", _open_torch, "the PyTorch reference decoder (the checkpoint the artifact came from)"))

@@ -22,10 +22,13 @@ from safetensors import SafetensorError, safe_open
 
 from tk.models.spec.config import DecoderConfig, UnsupportedModelError
 from tk.models.checkpoint.families import FAMILIES, config_from_hf
+from tk.models.checkpoint.prequantized import METHODS as PREQUANTIZED
+from tk.models.checkpoint.prequantized import quantized_shapes, read_prequantized, unpack
 from tk.models.spec.dtypes import canonical_dtype
 from tk.models.spec.errors import CheckpointError, TkError  # noqa: F401  (CheckpointError: callers import it from here too)
 from tk.models.reference.decoder import Decoder
 from tk.models.reference.positions import rope_inv_freq
+from tk.models.quant.quantize import QTensor, dequantize, quant_plan, quantize, quantized_layers
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -182,9 +185,6 @@ class CheckpointReader:
     the Hugging Face tensors that make one of ours (nothing else stays in memory)."""
 
     def __init__(self, folder: Path, cfg: DecoderConfig):
-        from tk.models.checkpoint.prequantized import quantized_shapes, read_prequantized
-        from tk.models.quant.quantize import quantized_layers
-
         self.folder, self.cfg = Path(folder), cfg
         files = _weight_files(self.folder)
         expected = hf_shapes(cfg)
@@ -265,9 +265,6 @@ class CheckpointReader:
     def quantized(self, ours: str):
         """A GPTQ/AWQ projection's integers as tk stores them (models/quant/quantize.py QTensor, [K, N]),
         its parts concatenated along N."""
-        from tk.models.checkpoint.prequantized import unpack
-        from tk.models.quant.quantize import QTensor
-
         parts = []
         for name, rows in self.map[ours]:
             base = name.removesuffix(".weight")
@@ -287,8 +284,6 @@ class CheckpointReader:
         along dim 0 where we fuse) read straight into their rows; into `out` when given (a buffer
         the caller reuses). A GPTQ/AWQ projection is its integers, dequantized."""
         if ours in self.packed:
-            from tk.models.quant.quantize import dequantize
-
             w = torch.from_numpy(dequantize(self.quantized(ours), self.prequantized.group)).T.to(dtype)
             return w if out is None else out.copy_(w)
         shape = self.shape(ours)
@@ -339,9 +334,6 @@ def quantize_weights_(model: Decoder, precision, calibration=None) -> Decoder:
     weighted by its importance, models/quant/calibration.py; scales rounded to the activations' dtype as
     the artifact stores them), so that eager PyTorch computes what the graphs compute. A quantized
     embedding is its own table's, or when tied the LM head's, dequantized."""
-    from tk.models.checkpoint.prequantized import METHODS as PREQUANTIZED
-    from tk.models.quant.quantize import dequantize, quant_plan, quantize
-
     if precision.method in PREQUANTIZED:
         return model  # loaded from its integers, dequantized (CheckpointReader.tensor)
     scale_dtype = torch_dtype(precision.activations)

@@ -11,10 +11,11 @@ Any change to names, order, dtypes or dims bumps CONTRACT_VERSION.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 from tk.models.spec.dtypes import DTYPES
 from tk.models.spec.errors import TkError
+from tk.models.spec.variant import PrefillLogits, Variant
 
 # 2: the static-capacity decode variant (write_indices, fixed-capacity cache); 3: a sliding layer's static
 # cache may be a ring of fewer positions (GraphDims.ring); 4: a static decode graph's attention_mask may be
@@ -90,7 +91,7 @@ def _layer_kv(num_layers: int, prefix: str, sizes) -> list[TensorSpec]:
 
 def inputs(graph: str, num_layers: int, capacity: int | None = None, decode_prefills: bool = False,
            ring: tuple[int | None, ...] | None = None, narrow_mask: bool = False) -> list[TensorSpec]:
-    """Graph inputs, in order (the contract table in DESIGN.md).
+    """Graph inputs, in order.
 
     With `capacity` the decode graph has a static-capacity cache: past and present are
     [batch, kv_heads, capacity, head_dim] buffers updated in place at `write_indices` (one cache
@@ -157,27 +158,49 @@ def outputs(graph: str, num_layers: int, capacity: int | None = None, prefill_la
 
 @dataclass(frozen=True)
 class GraphDims:
-    """The sizes an artifact fixes: enough to resolve every spec above."""
+    """The sizes an artifact fixes, and the variant its graphs were exported as: enough to resolve
+    every spec above. The variant's flags are read from `variant`, never copied here."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     vocab_size: int
     kv_dtype: str  # "float32", "float16" or "bfloat16"
+    _: KW_ONLY
     kv_capacity: int | None = None  # set: the decode graph has a static-capacity cache of this many positions
-    hidden_size: int | None = None  # set: the graphs also output hidden.{i} after the contract's outputs (debug)
-    prefill_logits: str = "all"  # "last": prefill returns the last position's logits only (B, 1, V)
-    decode_prefills: bool = False  # the static decode graph takes S >= 1 new tokens per row (see inputs)
     ring: tuple[int | None, ...] | None = None  # per layer, its static cache's ring slots (ring_sizes) or None
-    narrow_mask: bool = False  # the static decode graph attends over its attention_mask's width (see inputs)
+    hidden_size: int | None = None  # the width of the debug outputs hidden.{i} (variant.debug_outputs)
+    variant: Variant = Variant()
+
+    @classmethod
+    def of(cls, config, precision, variant: Variant) -> "GraphDims":
+        """The contract's sizes for graphs of `config` (a DecoderConfig) in `precision` (its kv dtype),
+        exported as `variant`: with a static cache, a sliding layer whose window (plus the decode step's
+        run) is shorter than the capacity keeps a ring (ring_sizes)."""
+        c, v = config, variant
+        ring = None
+        if v.capacity is not None:
+            ring = ring_sizes(c.windows, v.capacity, RING_RUN if v.decode_prefills else 1)
+        return cls(c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size, precision.kv, kv_capacity=v.capacity,
+                   ring=ring, hidden_size=c.hidden_size, variant=v)
+
+    @property
+    def narrow_mask(self) -> bool:
+        """The static decode graph attends over its attention_mask's width (see inputs): the variant's
+        choice, which a cache with rings does not take (a ring's mask reads positions by index)."""
+        return self.variant.narrow_mask and self.ring is None
 
     @property
     def max_run(self) -> int | None:
         """The most new tokens per row one static decode step takes (None: any number; prompts longer
         than this go through the decode graph in runs of it)."""
-        if not self.decode_prefills:
+        if not self.variant.decode_prefills:
             return 1
         return RING_RUN if self.ring is not None else None
+
+    def opset(self, graph: str) -> int:
+        """The opset `graph` is written in (Variant.decode_opset for the decode graph)."""
+        return self.variant.decode_opset(self.ring is not None) if graph == DECODE else self.variant.opset
 
     def capacities(self) -> list[int]:
         """Each layer's static cache positions (its ring's slots or kv_capacity)."""
@@ -202,18 +225,25 @@ class GraphDims:
 @functools.lru_cache(maxsize=64)
 def _resolved_inputs(dims: GraphDims, graph: str) -> tuple[TensorSpec, ...]:
     return tuple(s.resolve(dims.kv_dtype, dims.num_kv_heads, dims.head_dim, dims.vocab_size)
-                 for s in inputs(graph, dims.num_layers, dims.kv_capacity, dims.decode_prefills, dims.ring,
+                 for s in inputs(graph, dims.num_layers, dims.kv_capacity, dims.variant.decode_prefills, dims.ring,
                                  dims.narrow_mask))
 
 
 @functools.lru_cache(maxsize=64)
 def _resolved_outputs(dims: GraphDims, graph: str) -> tuple[TensorSpec, ...]:
+    last = dims.variant.prefill_logits is PrefillLogits.LAST
     specs = [s.resolve(dims.kv_dtype, dims.num_kv_heads, dims.head_dim, dims.vocab_size)
-             for s in outputs(graph, dims.num_layers, dims.kv_capacity, dims.prefill_logits == "last", dims.ring)]
-    if dims.hidden_size is not None:
+             for s in outputs(graph, dims.num_layers, dims.kv_capacity, last, dims.ring)]
+    if dims.variant.debug_outputs:
         seq = SEQ if graph == PREFILL else 1
         specs += [TensorSpec(n, "float32", (BATCH, seq, dims.hidden_size)) for n in hidden_names(dims.num_layers)]
     return tuple(specs)
+
+
+def shape(spec: TensorSpec, sizes: dict[str, int]) -> tuple[int, ...]:
+    """A resolved spec's shape with its symbolic dims given `sizes` ({BATCH: b, SEQ: s, PAST: p, TOTAL: t}):
+    the exporter's example inputs and the TensorRT profiles are both read off the contract this way."""
+    return tuple(sizes[d] if isinstance(d, str) else d for d in spec.dims)
 
 
 # Manifest file names shared by exporter and runtimes.

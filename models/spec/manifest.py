@@ -1,10 +1,10 @@
 """What an artifact folder holds, as typed data: read by the exporter, the runtimes and the toolkit.
 
-Owns the export `Variant` (target, cache layout, prefill logits, debug outputs, opset), the
-`Precision` (weights, activations and KV cache as separate dtypes, so a quantized weight dtype is a
-precision, not a code path), the graphs' contract sizes (`graph_dims`) and the `Manifest`
-(manifest.json) with its file checks. tk export's flags and profiles are models/spec/options.py. Standard
-library only, so runtimes and the CLI may import it without pulling in torch.
+Owns the `Precision` (weights, activations and KV cache as separate dtypes, so a quantized weight dtype
+is a precision, not a code path) and the `Manifest` (manifest.json) with its records (`Source`,
+`ValidationRecord`, `CalibrationRecord`, `WeightEntry`) and file checks. The export `Variant` is
+models/spec/variant.py's, tk export's flags and profiles models/spec/options.py's. Standard library only,
+so runtimes and the CLI may import it without pulling in torch.
 """
 
 from __future__ import annotations
@@ -13,12 +13,14 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
+from typing import NamedTuple
 
 from tk.models.spec import contract
+from tk.models.spec.config import DecoderConfig
 from tk.models.spec.dtypes import canonical_dtype
 from tk.models.spec.errors import TkError
+from tk.models.spec.variant import DEFAULT_OPSET, Variant
 
 
 class ArtifactError(TkError):
@@ -28,31 +30,23 @@ class ArtifactError(TkError):
 # --- what an export is -----------------------------------------------------------------------
 
 
-class Target(str, Enum):
-    PORTABLE = "portable"  # standard ONNX: ONNX Runtime and TensorRT
-    ORT = "ort"  # ONNX Runtime's fused contrib kernels, ONNX Runtime only
-
-
-class CacheLayout(str, Enum):
-    DYNAMIC = "dynamic"  # past in, a present one position longer out
-    STATIC = "static"  # a fixed-capacity buffer written in place at per-row write indices
-
-
-class PrefillLogits(str, Enum):
-    ALL = "all"
-    LAST = "last"  # the last position only: what generation needs
-
-
-MIN_OPSET, DEFAULT_OPSET, MAX_OPSET = 18, 23, 23
-STATIC_OPSET = 24  # TensorScatter
-
-
 QUANTIZED = ("int4", "int8")  # weight-only, blockwise (models/quant/quantize.py)
 BLOCK_SIZES = (16, 32, 64, 128, 256)  # what ONNX Runtime's MatMulNBits takes
 METHODS = ("rtn", "search")  # how scales are chosen (models/quant/quantize.py)
 MIXED = ("none", "lm-head", "sensitive")  # --mixed-precision: which weights are kept in int8
 DEFAULT_METHOD = "search"  # models/quant/quantize.py; README "Quantized weights" has the measurements
 DEFAULT_BLOCK = 32  # onnxruntime-genai's int4 CPU default; TensorRT takes 64 or 128 (tk build-engine says so)
+
+
+@dataclass(frozen=True)
+class CalibrationRecord:
+    """What --calibration measured (toolkit/pipeline/calibrate.py): the text file's name and sha256, its
+    tokens, and how many weights got channel scales."""
+
+    file: str
+    sha256: str
+    tokens: int
+    scaled_weights: int
 
 
 @dataclass(frozen=True)
@@ -73,7 +67,7 @@ class Precision:
     zero_points: bool = False
     mixed: str = "none"
     quantized_embedding: bool = False
-    calibration: dict | None = None  # {"file", "sha256", "tokens", "scaled_weights"} of --calibration
+    calibration: CalibrationRecord | None = None  # what --calibration measured
     head_block: int | None = None  # the LM head's (and embedding's) own block size, when it differs
 
     @classmethod
@@ -94,49 +88,10 @@ class Precision:
         extras += [f"int8 {self.mixed} layers"] if self.mixed != "none" else []
         extras += [f"LM head in blocks of {self.head_block}"] if self.head_block else []
         if self.calibration:
-            scaled = self.calibration.get("scaled_weights")
-            extras += [f"calibrated on {self.calibration['tokens']:,} tokens"
+            scaled = self.calibration.scaled_weights
+            extras += [f"calibrated on {self.calibration.tokens:,} tokens"
                        + (f", {scaled} weights channel-scaled" if scaled else "")]
         return f"{self.weights} weights (block {self.block_size}, {', '.join(extras)}), {self.activations} activations"
-
-
-@dataclass(frozen=True)
-class Variant:
-    """What changes the graphs but not the contract's tensor names."""
-
-    target: Target = Target.PORTABLE
-    cache: CacheLayout = CacheLayout.DYNAMIC
-    capacity: int | None = None  # the static cache's positions
-    prefill_logits: PrefillLogits = PrefillLogits.ALL
-    debug_outputs: bool = False  # each layer's hidden state as an extra output (hidden.{i})
-    opset: int = DEFAULT_OPSET
-    # the static decode graph also prefills (S >= 1 new tokens per row, contract.inputs): set for
-    # --target ort --kv-cache static --prefill-logits last, where ONNX Runtime then runs one session
-    decode_prefills: bool = False
-    # the static decode graph attends over its attention_mask's width, not the whole cache (contract.inputs):
-    # set for the portable target's static cache without rings (a ring's mask reads positions by index)
-    narrow_mask: bool = False
-
-    def __post_init__(self):  # accept the plain strings of the CLI and of manifest.json
-        object.__setattr__(self, "target", Target(self.target))
-        object.__setattr__(self, "cache", CacheLayout(self.cache))
-        object.__setattr__(self, "prefill_logits", PrefillLogits(self.prefill_logits))
-
-    def to_dict(self) -> dict:
-        return {k: v.value if isinstance(v, Enum) else v for k, v in dataclasses.asdict(self).items()}
-
-
-def graph_dims(config, precision: Precision, variant: Variant) -> contract.GraphDims:
-    """The contract's sizes for graphs of `config` (a DecoderConfig) exported as `variant`: with a
-    static cache, a sliding layer whose window (plus the decode step's run) is shorter than the
-    capacity keeps a ring (contract.ring_sizes)."""
-    c, v = config, variant
-    ring = None
-    if v.capacity is not None:
-        ring = contract.ring_sizes(c.windows, v.capacity, contract.RING_RUN if v.decode_prefills else 1)
-    return contract.GraphDims(c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size, precision.kv, v.capacity,
-                              c.hidden_size if v.debug_outputs else None, v.prefill_logits.value, v.decode_prefills,
-                              ring, v.narrow_mask and ring is None)
 
 
 # --- the manifest ----------------------------------------------------------------------------
@@ -161,32 +116,74 @@ class GraphFile:
     export_s: float = 0.0
 
 
+@dataclass(frozen=True)
+class Source:
+    """The checkpoint an artifact was exported from: the torch backend reloads it from there."""
+
+    path: str
+    config_sha256: str
+
+
+class WeightEntry(NamedTuple):
+    """One tensor of the weights file, as the manifest records it."""
+
+    offset: int
+    length: int
+    dtype: str
+    shape: list[int]
+    graphs: list[str]  # the graphs whose initializers include it
+
+
 @dataclass
+class ValidationRecord:
+    """What export validation found (toolkit/pipeline/validate.py): ORT against the torch reference."""
+
+    passed: bool
+    reference: str  # which reference: "torch float32", with quantized weights where the artifact's are
+    steps: int
+    tolerance: dict  # the Tolerance's fields
+    comparisons: list[dict]  # per case, its steps' metrics (toolkit/verify/report.py case_dict)
+    first_divergence: dict | None = None  # None too in records written before tk kept it
+    fused_matmulnbits: dict | None = None  # quantized: MatMulNBits per graph (toolkit/verify/quant.py)
+    quantization: dict | None = None  # quantized: the error against full precision (toolkit/verify/quant.py)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        return {k: v for k, v in d.items() if v is not None or k not in ("fused_matmulnbits", "quantization")}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ValidationRecord | None":
+        """None where validation was skipped ({"skipped": true})."""
+        if d.get("skipped"):
+            return None
+        known = {f.name for f in dataclasses.fields(cls)}  # an older tk's extra keys are not read
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+@dataclass(kw_only=True)
 class Manifest:
     """manifest.json: what was exported from where, how, and whether it validated."""
 
-    config: dict  # DecoderConfig.to_dict(); models/ reads it back, runtimes need only a few sizes
+    config: DecoderConfig  # models/ reads all of it, runtimes a few sizes
     precision: Precision
     variant: Variant
     graphs: dict[str, GraphFile]
-    source: dict  # {"path": checkpoint folder, "config_sha256": ...}
+    source: Source
     created: str = ""
     tokenizer_files: list[str] = field(default_factory=list)
     versions: dict = field(default_factory=dict)
     trt_lint: dict = field(default_factory=dict)
-    validation: dict = field(default_factory=lambda: {"skipped": True})
+    validation: ValidationRecord | None = None  # None: skipped (tk export --no-validate)
     contract_version: int = contract.CONTRACT_VERSION
-    # the weights file's tensors: name -> [offset, length, dtype, shape]; runtimes map them once for
-    # both graphs (empty for artifacts written before tk recorded it)
-    weights: dict = field(default_factory=dict)
+    # the weights file's tensors; runtimes map them once for both graphs (empty for artifacts written
+    # before tk recorded it)
+    weights: dict[str, WeightEntry] = field(default_factory=dict)
     profile: str | None = None  # tk export --for NAME (None: explicit flags, or written before profiles)
 
     @property
     def dims(self) -> contract.GraphDims:
         """The sizes and variant of the graphs' I/O (the contract resolves every spec from them)."""
-        from tk.models.spec.config import DecoderConfig  # standard library only, as this module
-
-        dims = graph_dims(DecoderConfig.from_dict(self.config), self.precision, self.variant)
+        dims = contract.GraphDims.of(self.config, self.precision, self.variant)
         return dims if self.contract_version != 2 else dataclasses.replace(dims, ring=None)  # before rings
 
     @property
@@ -196,32 +193,38 @@ class Manifest:
 
     @property
     def max_context(self) -> int:
-        return self.config["max_position_embeddings"]
+        return self.config.max_position_embeddings
 
     @property
     def eos_token_ids(self) -> list[int]:
-        return list(self.config.get("eos_token_ids", []))
+        return list(self.config.eos_token_ids)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
+        d["config"] = self.config.to_dict()
         d["variant"] = self.variant.to_dict()
+        d["validation"] = {"skipped": True} if self.validation is None else self.validation.to_dict()
         return {"contract_version": d.pop("contract_version"), **d}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Manifest":
         if "variant" in d:
-            variant, precision = Variant(**d["variant"]), Precision(**d["precision"])
+            p = d["precision"]
+            variant = Variant(**d["variant"])
+            precision = Precision(**{**p, "calibration": p.get("calibration") and CalibrationRecord(**p["calibration"])})
         else:  # written by tk before the typed manifest: one dtype, the variant spread over dims
             dims = d["dims"]
-            variant = Variant(d.get("target", "portable"), d.get("kv_cache", "dynamic"), dims.get("kv_capacity"),
-                              dims.get("prefill_logits", "all"), dims.get("hidden_size") is not None,
-                              d.get("opset", DEFAULT_OPSET))
+            variant = Variant(target=d.get("target", "portable"), cache=d.get("kv_cache", "dynamic"),
+                              capacity=dims.get("kv_capacity"), prefill_logits=dims.get("prefill_logits", "all"),
+                              debug_outputs=dims.get("hidden_size") is not None, opset=d.get("opset", DEFAULT_OPSET))
             precision = Precision.of(d["dtype"])
-        graphs = {g: GraphFile(**entry) for g, entry in d["graphs"].items()}
-        return cls(d["config"], precision, variant, graphs, d["source"], d.get("created", ""),
-                   d.get("tokenizer_files", []), d.get("versions", {}), d.get("trt_lint", {}),
-                   d.get("validation", {"skipped": True}), d.get("contract_version"), d.get("weights", {}),
-                   d.get("profile"))
+        return cls(config=DecoderConfig.from_dict(d["config"]), precision=precision, variant=variant,
+                   graphs={g: GraphFile(**entry) for g, entry in d["graphs"].items()}, source=Source(**d["source"]),
+                   created=d.get("created", ""), tokenizer_files=d.get("tokenizer_files", []),
+                   versions=d.get("versions", {}), trt_lint=d.get("trt_lint", {}),
+                   validation=ValidationRecord.from_dict(d.get("validation", {"skipped": True})),
+                   contract_version=d.get("contract_version"),
+                   weights={n: WeightEntry(*e) for n, e in d.get("weights", {}).items()}, profile=d.get("profile"))
 
     @classmethod
     def read(cls, artifact: str | Path) -> "Manifest":

@@ -1,17 +1,18 @@
 """`tk export`'s options, checked before any weight is read: the export profiles (`--for NAME`: the
 variant one deployment takes, `PROFILES`) and `ExportOptions`, built from the flags (`from_flags`),
 completed from the model (`for_model`) and checked against it (`check`). What they produce, the
-`Precision` and `Variant`, is models/spec/manifest.py's. Standard library only.
+`Precision` and `Variant`, are models/spec/manifest.py's and variant.py's. Standard library only.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
-from tk.models.spec.manifest import (BLOCK_SIZES, DEFAULT_BLOCK, DEFAULT_METHOD, METHODS, MIXED, DEFAULT_OPSET, MAX_OPSET, MIN_OPSET, QUANTIZED, CacheLayout,
-                                Precision, PrefillLogits, Target, Variant)
+from tk.models.spec.manifest import BLOCK_SIZES, DEFAULT_BLOCK, DEFAULT_METHOD, METHODS, MIXED, QUANTIZED, Precision
+from tk.models.spec.variant import DEFAULT_OPSET, MAX_OPSET, MIN_OPSET, CacheLayout, PrefillLogits, Target, Variant
 from tk.models.spec import contract
 from tk.models.spec.dtypes import canonical_dtype
 from tk.models.spec.config import fused_unsupported, layer_ks
@@ -64,13 +65,14 @@ PROFILES: dict[str, Profile] = {
 }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ExportOptions:
     precision: Precision = Precision()
     variant: Variant = Variant()
     validate: bool = True
     force: bool = False
     profile: str | None = None  # tk export --for: capacity and block size may wait for the model (for_model)
+    calibration: Path | None = None  # --calibration: the text whose statistics weight the search (Precision records them)
 
     @classmethod
     def from_flags(cls, *, profile: str | None = None, dtype: str | None = None, opset: int = DEFAULT_OPSET,
@@ -129,19 +131,21 @@ class ExportOptions:
         # prefill and cached prefixes continue a prompt through it; the fused one where it prefills too
         prefills = kv_cache == "static" and (target != Target.ORT.value or prefill_logits == "last")
         narrow = kv_cache == "static" and target != Target.ORT.value  # (GroupQueryAttention reads each row's length)
-        variant = Variant(target, kv_cache, max_seq_len, prefill_logits, debug_outputs, opset, prefills, narrow)
+        variant = Variant(target=target, cache=kv_cache, capacity=max_seq_len, prefill_logits=prefill_logits,
+                          debug_outputs=debug_outputs, opset=opset, decode_prefills=prefills, narrow_mask=narrow)
         precision = Precision.of(dtype or "fp32")
         if weights is not None:
             precision = dataclasses.replace(precision, weights=weights, block_size=block_size,
                                             quantized_lm_head=quantize_lm_head, head_block=lm_head_block_size,
                                             **cls._quant_choices(prof, quantize_lm_head, quant_method, zero_points,
-                                                                 mixed_precision, quantize_embedding, calibration,
+                                                                 mixed_precision, quantize_embedding,
                                                                  lm_head_block_size))
-        return cls(precision, variant, validate, force, profile)
+        return cls(precision=precision, variant=variant, validate=validate, force=force, profile=profile,
+                   calibration=None if calibration is None else Path(calibration))
 
     @staticmethod
     def _quant_choices(prof: Profile | None, lm_head: bool, method: str | None, zero_points: bool | None,
-                       mixed: str | None, embedding: bool | None, calibration, head: int | None) -> dict:
+                       mixed: str | None, embedding: bool | None, head: int | None) -> dict:
         """The quantization flags with their defaults (a profile's symmetric blocks, else zero
         points; the search; a tied embedding quantized with the LM head, an untied one kept: for_model),
         checked together."""
@@ -159,8 +163,7 @@ class ExportOptions:
             raise UsageProblem("--lm-head-block-size sets the quantized LM head's block; drop --no-quantize-lm-head")
         if mixed != "none" and not lm_head:
             raise UsageProblem(f"--mixed-precision {mixed} keeps the LM head in int8; drop --no-quantize-lm-head")
-        return {"method": method, "zero_points": zero_points, "mixed": mixed, "quantized_embedding": embedding,
-                "calibration": None if calibration is None else {"file": str(calibration)}}  # measured at export
+        return {"method": method, "zero_points": zero_points, "mixed": mixed, "quantized_embedding": embedding}
 
     @staticmethod
     def _check_profile(name: str, prof: Profile, given: dict, debug_outputs: bool) -> None:

@@ -3,7 +3,7 @@
 Construction is cheap: pass the decoder, or a loader that returns it (Polygraphy's
 runner-takes-a-callable idiom) with the dims it will have; the loader runs on activation.
 device "auto" takes CUDA when torch sees a GPU, else the CPU; "cuda" insists on a GPU. The cache
-is the decoder's own tensors and stays on the device between steps.
+is the decoder's own tensors and stays on the device between steps (`TorchBuffers`).
 """
 
 from __future__ import annotations
@@ -13,12 +13,43 @@ from typing import Callable
 import numpy as np
 
 from tk.models.spec import contract
-from tk.runtimes.base import BackendUnavailable, Runtime, StepOutput, rows_of
+from tk.models.spec.manifest import Precision
+from tk.models.spec.variant import Variant
+from tk.runtimes.base import BackendUnavailable, CacheBuffers, Runtime, StepOutput
+from tk.runtimes.buffers import rows_of
 
 
-def dims_of(config, kv_dtype: str) -> contract.GraphDims:
-    c = config
-    return contract.GraphDims(c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size, kv_dtype)
+def resolve_device(device: str) -> str:
+    """The device a torch runtime asked for `device` runs on: "auto" is CUDA where torch sees a GPU."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class TorchBuffers(CacheBuffers):
+    """A cache as torch tensors on the runtime's device (the numpy defaults would copy every step);
+    `torch` and `device` are set while the runtime is loaded."""
+
+    def __init__(self):
+        self.torch = self.device = None
+
+    def alloc(self, shape, dtype):
+        return self.torch.zeros(shape, dtype=getattr(self.torch, dtype), device=self.device)
+
+    def copy_positions(self, dst, src, count, dst_row=None, src_row=None, src_at=0, dst_at=0):
+        dst[rows_of(dst_row), :, dst_at:dst_at + count].copy_(src[rows_of(src_row), :, src_at:src_at + count])
+
+    def read_positions(self, buf, row, start, end):
+        return buf[row:row + 1, :, start:end].clone()  # stays on the device
+
+    def to_numpy(self, buf) -> np.ndarray:
+        return buf.float().cpu().numpy()
+
+    def take(self, buffers, rows):
+        index = self.torch.as_tensor(rows, device=self.device)
+        return [b.index_select(0, index) for b in buffers]
 
 
 class TorchRuntime(Runtime):
@@ -32,19 +63,19 @@ class TorchRuntime(Runtime):
         self.model, self._loader = model, loader
         if model is not None:
             kv_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-            dims, max_context = dims_of(model.config, kv_dtype), model.config.max_position_embeddings
-        super().__init__(dims, max_context)
+            dims = contract.GraphDims.of(model.config, Precision(kv=kv_dtype), Variant())  # the plain graphs'
+            max_context = model.config.max_position_embeddings
+        super().__init__(dims, max_context, TorchBuffers())  # its torch and device: set by _load
         self.device, self.debug = device, debug  # "auto" | "cpu" | "cuda..."; debug: per-layer hidden states
-        self._torch = self._device = None  # set by _load: torch, and the device it runs on
 
     def _load(self) -> None:
         import torch
 
-        device = ("cuda" if torch.cuda.is_available() else "cpu") if self.device == "auto" else self.device
+        device = resolve_device(self.device)
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise BackendUnavailable("the torch backend was asked for CUDA but torch sees no CUDA device; "
                                      "use --device cpu or install a CUDA build of torch on a GPU machine")
-        self._torch, self._device = torch, device
+        self.buffers.torch, self.buffers.device = torch, device
         if self.model is None:
             self.model = self._loader()
         self.model.to(device).eval()  # in place: a module's .to() returns itself
@@ -53,14 +84,14 @@ class TorchRuntime(Runtime):
         if self._loader is not None:
             self.model = None  # loads again on the next activation
             _return_freed_memory()
-        self._torch = self._device = None
+        self.buffers.torch = self.buffers.device = None
 
-    def _run(self, graph, feeds, past, session, in_place=False):
-        t = self._torch
-        ids, mask, pos = (t.from_numpy(np.ascontiguousarray(feeds[k])).to(self._device)
+    def run(self, graph, feeds, past, session, in_place=False):
+        t, device = self.buffers.torch, self.buffers.device
+        ids, mask, pos = (t.from_numpy(np.ascontiguousarray(feeds[k])).to(device)
                           for k in ("input_ids", "attention_mask", "position_ids"))
         write = feeds.get("write_indices")  # a static-capacity cache (dims.kv_capacity)
-        write = None if write is None else t.from_numpy(np.ascontiguousarray(write)).to(self._device)
+        write = None if write is None else t.from_numpy(np.ascontiguousarray(write)).to(device)
         pairs = None if past is None else list(zip(past[0::2], past[1::2]))
         with t.inference_mode():
             out = self.model(ids, mask, pos, pairs, write, output_hidden=self.debug)
@@ -71,23 +102,6 @@ class TorchRuntime(Runtime):
                 present = past
         hidden = [h.cpu().numpy() for h in out[2]] if self.debug else None
         return StepOutput(out[0].float().cpu().numpy(), hidden), present
-
-    # A static cache's buffers are tensors on the device (the numpy defaults would copy every step).
-    def _alloc_cache(self, shape, dtype):
-        return self._torch.zeros(shape, dtype=getattr(self._torch, dtype), device=self._device)
-
-    def _copy_positions(self, dst, src, count, dst_row=None, src_row=None, src_at=0, dst_at=0):
-        dst[rows_of(dst_row), :, dst_at:dst_at + count].copy_(src[rows_of(src_row), :, src_at:src_at + count])
-
-    def _read_positions(self, buf, row, start, end):
-        return buf[row:row + 1, :, start:end].clone()  # stays on the device
-
-    def _to_numpy(self, buf) -> np.ndarray:
-        return buf.float().cpu().numpy()
-
-    def _take(self, buffers, rows):
-        index = self._torch.as_tensor(rows, device=self._device)
-        return [b.index_select(0, index) for b in buffers]
 
 
 def _return_freed_memory() -> None:

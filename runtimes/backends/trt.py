@@ -21,58 +21,65 @@ from pathlib import Path
 import numpy as np
 
 from tk.models.spec import contract
+from tk.models.spec.engine import EngineMeta, Limits
 from tk.models.spec.manifest import ArtifactError, Manifest, sha256_file
 from tk.models.spec.dtypes import DTYPES
 from tk.models.spec.errors import TRT_MISSING
-from tk.runtimes.base import BackendUnavailable, artifact_identity, InputError, Runtime, StepOutput
+from tk.runtimes.base import ArtifactRuntime, BackendUnavailable, CacheBuffers, InputError, StepOutput
 
 
 class EnginesMissing(ArtifactError, BackendUnavailable):
     """The artifact has no engines yet: the trt backend cannot run until tk build-engine has."""
 
 
-def read_engine_meta(artifact: Path) -> dict:
+def read_engine_meta(artifact: Path) -> EngineMeta:
     path = Path(artifact) / contract.ENGINE_META
     if not path.is_file():
         raise EnginesMissing(f"{artifact} has no TensorRT engines; build them with: tk build-engine {artifact}")
     try:
-        return json.loads(path.read_text())
+        return EngineMeta.from_dict(json.loads(path.read_text()))
     except json.JSONDecodeError as e:
         raise ArtifactError(f"{path} is not valid JSON ({e}); rebuild with tk build-engine") from None
+    except (KeyError, TypeError) as e:
+        raise ArtifactError(f"{path} is not an engine.json this tk can read ({type(e).__name__}: {e}); rebuild "
+                            "with tk build-engine") from None
 
 
-def engine_problems(meta: dict, artifact: Path, env: dict) -> list[str]:
+def engine_problems(meta: EngineMeta, artifact: Path, env: dict) -> list[str]:
     """Every reason the engines cannot be used here, each a sentence a user can act on."""
     rebuild = f"rebuild them here with: tk build-engine {artifact} --force"
     problems = []
-    if meta.get("contract_version") not in contract.READS:
-        problems.append(f"the engines follow graph contract version {meta.get('contract_version')} and this tk reads "
+    if meta.contract_version not in contract.READS:
+        problems.append(f"the engines follow graph contract version {meta.contract_version} and this tk reads "
                         f"version {contract.CONTRACT_VERSION}; re-export and {rebuild}")
-    if meta.get("tensorrt_version") != env["tensorrt_version"]:
-        problems.append(f"the engines were built with TensorRT {meta.get('tensorrt_version')} and this machine has "
+    if meta.tensorrt_version != env["tensorrt_version"]:
+        problems.append(f"the engines were built with TensorRT {meta.tensorrt_version} and this machine has "
                         f"TensorRT {env['tensorrt_version']}; an engine loads only in the version that built it: "
                         f"{rebuild}")
-    gpu = meta.get("gpu", {})
-    if gpu.get("compute_capability") != env["compute_capability"]:
-        problems.append(f"the engines were built for {gpu.get('name')} (compute capability "
-                        f"{gpu.get('compute_capability')}) and this GPU is {env['gpu_name']} (compute capability "
+    if meta.gpu.compute_capability != env["compute_capability"]:
+        problems.append(f"the engines were built for {meta.gpu.name} (compute capability "
+                        f"{meta.gpu.compute_capability}) and this GPU is {env['gpu_name']} (compute capability "
                         f"{env['compute_capability']}); {rebuild}")
     for graph in contract.GRAPHS:
         onnx_path = Path(artifact) / contract.GRAPH_FILES[graph]
-        if onnx_path.is_file() and meta.get("onnx_sha256", {}).get(graph) != sha256_file(onnx_path):
-            problems.append(f"{contract.ENGINE_FILES[graph]} was built from a different {onnx_path.name} "
+        engine = Path(artifact) / contract.ENGINE_FILES[graph]
+        if onnx_path.is_file() and meta.onnx_sha256.get(graph) != sha256_file(onnx_path):
+            problems.append(f"{engine.name} was built from a different {onnx_path.name} "
                             f"(the graph was re-exported since); {rebuild}")
-        if not (Path(artifact) / contract.ENGINE_FILES[graph]).is_file():
-            problems.append(f"{contract.ENGINE_FILES[graph]} is missing; {rebuild}")
+        if not engine.is_file():
+            problems.append(f"{engine.name} is missing; {rebuild}")
+        elif meta.engine_sha256 is not None and meta.engine_sha256.get(graph) != sha256_file(engine):
+            problems.append(f"{engine.name} is not the engine {contract.ENGINE_META} was written with (a rebuild "
+                            f"did not finish, or it was replaced); {rebuild}")
     return problems
 
 
-def profile_problem(graph: str, profile: dict, shapes: dict[str, tuple], limits: dict) -> str | None:
+def profile_problem(graph: str, profile: dict, shapes: dict[str, tuple], limits: Limits) -> str | None:
     """The first input shape outside the engine's optimization profile, as advice; None if all fit."""
     if graph == contract.DECODE and "attention_mask" in shapes:
         past = shapes["attention_mask"][1] - 1
-        if past > limits["max_seq_len"] - 1:
-            return (f"decode: past length {past} is beyond the engine's maximum {limits['max_seq_len'] - 1}; "
+        if past > limits.max_seq_len - 1:
+            return (f"decode: past length {past} is beyond the engine's maximum {limits.max_seq_len - 1}; "
                     "rebuild with a larger --max-seq-len")
     for name, shape in shapes.items():
         lo, _, hi = profile[name]
@@ -118,41 +125,94 @@ def _gpu() -> tuple[str, str]:
 
 
 class _Buffer:
-    """A device buffer and the dense (B, H, S, D) tensor it holds now; it has room for `room`
-    positions per row (what it was allocated for)."""
+    """A device buffer and the dense (B, H, S, D) tensor of `dtype` it holds now; it has room for
+    `room` positions per row (what it was allocated for)."""
 
-    def __init__(self, array, shape: tuple, room: int):
-        self.array, self.shape, self.room = array, shape, room
+    def __init__(self, array, shape: tuple, room: int, dtype: str):
+        self.array, self.shape, self.room, self.dtype = array, shape, room, dtype
 
     @property
     def ptr(self) -> int:
         return self.array.ptr
 
+    @property
+    def item(self) -> int:
+        return int(DTYPES[self.dtype].bytes)
 
-class TrtRuntime(Runtime):
+
+class TrtBuffers(CacheBuffers):
+    """A cache in device memory (`_Buffer`s), copied on the device. Polygraphy's DeviceArray has no
+    finalizer: every buffer is freed here explicitly. `cuda` (Polygraphy's CUDA wrappers), `dt` (its
+    DataType) and `stream` (what every copy runs on) are set while the runtime is loaded."""
+
     row_slices = False  # its buffers view their leading rows only
+
+    def __init__(self):
+        self.cuda = self.dt = self.stream = None
+
+    def alloc(self, shape, dtype, room: int | None = None):
+        room = shape[2] if room is None else room
+        nbytes = shape[0] * shape[1] * room * shape[3] * int(DTYPES[dtype].bytes)
+        return _Buffer(self.cuda.DeviceArray.raw((nbytes,)), tuple(shape), room, dtype)
+
+    def release(self, buffers) -> None:
+        for buf in buffers or []:
+            buf.array.free()
+
+    def copy_positions(self, dst: _Buffer, src: _Buffer, count: int, dst_row: int | None = None,
+                       src_row: int | None = None, src_at: int = 0, dst_at: int = 0) -> None:
+        """`count` positions of `src` (laid out with src.shape's stride) from src_at into `dst` from dst_at,
+        on the device: every row, or src's row src_row into dst's row dst_row."""
+        d = src.shape[3] * src.item  # bytes per position
+        heads = src.shape[1]
+        rows = range(src.shape[0]) if src_row is None else [src_row]
+        copy, kind = self.cuda.wrapper().memcpy, self.cuda.MemcpyKind.DeviceToDevice
+        for i, r in enumerate(rows):
+            to = i if dst_row is None else dst_row
+            for h in range(heads):
+                copy(dst.ptr + ((to * heads + h) * dst.shape[2] + dst_at) * d,
+                     src.ptr + ((r * heads + h) * src.shape[2] + src_at) * d, count * d, kind, self.stream.ptr)
+
+    def leading(self, buf: _Buffer, n: int) -> _Buffer:
+        """A view of the first n rows (same device memory; never released on its own)."""
+        return _Buffer(buf.array, (n,) + tuple(buf.shape[1:]), buf.room, buf.dtype)
+
+    def to_numpy(self, buf: _Buffer) -> np.ndarray:
+        raw = np.empty(int(np.prod(buf.shape)) * buf.item, dtype=np.uint8)
+        buf.array.view(shape=(raw.size,), dtype=self.dt.UINT8).copy_to(raw, self.stream)
+        self.stream.synchronize()
+        return _to_float32(raw, buf.dtype).reshape(buf.shape)
+
+    def take(self, buffers, rows):
+        """Rows of a session's cache, copied on the device into new buffers; the old ones are freed."""
+        out = []
+        copy, kind = self.cuda.wrapper().memcpy, self.cuda.MemcpyKind.DeviceToDevice
+        for buf in buffers:
+            per_row = int(np.prod(buf.shape[1:])) * buf.item
+            new = self.alloc((len(rows),) + buf.shape[1:], buf.dtype, buf.room)
+            for i, r in enumerate(rows):
+                copy(new.ptr + i * per_row, buf.ptr + int(r) * per_row, per_row, kind, self.stream.ptr)
+            out.append(new)
+        self.release(buffers)
+        return out
+
+
+class TrtRuntime(ArtifactRuntime):
     name = "trt"
 
-    def __init__(self, artifact: str | Path):
-        self.artifact = Path(artifact)
-        self.manifest = Manifest.read(self.artifact)
-        has_engines = (self.artifact / contract.ENGINE_META).is_file()
-        self.meta = read_engine_meta(self.artifact) if has_engines else None
-        max_context = self.meta["limits"]["max_seq_len"] if self.meta else self.manifest.max_context
-        super().__init__(self.manifest.dims, max_context)
+    def __init__(self, artifact: str | Path, manifest: Manifest | None = None):
+        has_engines = (Path(artifact) / contract.ENGINE_META).is_file()
+        self.meta = read_engine_meta(artifact) if has_engines else None
+        max_context = self.meta.limits.max_seq_len if self.meta else None  # None: the manifest's
+        super().__init__(artifact, manifest, max_context=max_context, buffers=TrtBuffers())
         if self.meta:  # the limits the engines were built for bound what serving's slots may run
-            self.max_batch = self.meta["limits"]["max_batch"]
-            self.max_prompt = self.meta["limits"]["max_input_len"]
-        self._at_rest()
-
-    @property
-    def identity(self) -> str:
-        return artifact_identity(self.name, self.artifact)
+            self.max_batch = self.meta.limits.max_batch
+            self.max_prompt = self.meta.limits.max_input_len
 
     def _at_rest(self) -> None:
-        """What `_load` sets, as it is before loading and after unloading."""
-        self._cuda = self._dt = self._logger = self.stream = self.logits = None
+        self._logger = self.logits = None
         self.engines, self.contexts, self.inputs = {}, {}, {}
+        self.buffers.cuda = self.buffers.dt = self.buffers.stream = None
 
     def _load(self) -> None:
         env = trt_environment()  # first: on a machine without TensorRT, that is what the user must fix
@@ -167,7 +227,7 @@ class TrtRuntime(Runtime):
         from polygraphy import cuda
         from polygraphy.datatype import DataType
 
-        self._cuda, self._dt = cuda, DataType
+        self.buffers.cuda, self.buffers.dt = cuda, DataType
         self._logger = trt.Logger(trt.Logger.WARNING)
         runtime = trt.Runtime(self._logger)
         for graph in contract.GRAPHS:
@@ -176,7 +236,7 @@ class TrtRuntime(Runtime):
                 raise ArtifactError(f"TensorRT could not load {contract.ENGINE_FILES[graph]}; rebuild with "
                                     f"tk build-engine {self.artifact} --force")
             self.engines[graph], self.contexts[graph] = engine, engine.create_execution_context()
-        self.stream = cuda.Stream()
+        self.buffers.stream = cuda.Stream()
         self.inputs = {g: cuda.DeviceArray.raw((0,))
                        for g in ("input_ids", "attention_mask", "position_ids", "write_indices")}
         self.logits = cuda.DeviceArray.raw((0,))
@@ -185,72 +245,22 @@ class TrtRuntime(Runtime):
         for buf in [*self.inputs.values(), self.logits]:
             if buf is not None:
                 buf.free()
-        if self.stream is not None:
-            self.stream.free()
+        if self.buffers.stream is not None:
+            self.buffers.stream.free()
         self._at_rest()
-
-    # --- device buffers (the layouts' hooks) ---
-
-    def _alloc_cache(self, shape, dtype, room: int | None = None):
-        room = shape[2] if room is None else room
-        nbytes = shape[0] * shape[1] * room * shape[3] * int(DTYPES[dtype].bytes)
-        return _Buffer(self._cuda.DeviceArray.raw((nbytes,)), tuple(shape), room)
 
     def _seq_buffers(self, batch: int) -> list[_Buffer]:
         """A set of cache buffers a dynamic-layout session grows into (the engine's longest sequence)."""
         d = self.dims
-        shape, room = (batch, d.num_kv_heads, 0, d.head_dim), self.meta["limits"]["max_seq_len"]
-        return [self._alloc_cache(shape, d.kv_dtype, room) for _ in range(2 * d.num_layers)]
+        shape, room = (batch, d.num_kv_heads, 0, d.head_dim), self.meta.limits.max_seq_len
+        return [self.buffers.alloc(shape, d.kv_dtype, room) for _ in range(2 * d.num_layers)]
 
-    def _release(self, buffers) -> None:
-        for buf in buffers or []:
-            buf.array.free()
-
-    def _copy_positions(self, dst: _Buffer, src: _Buffer, count: int, dst_row: int | None = None,
-                        src_row: int | None = None, src_at: int = 0, dst_at: int = 0) -> None:
-        """`count` positions of `src` (laid out with src.shape's stride) from src_at into `dst` from dst_at,
-        on the device: every row, or src's row src_row into dst's row dst_row."""
-        d = self.dims.head_dim * int(DTYPES[self.dims.kv_dtype].bytes)  # bytes per position
-        heads = src.shape[1]
-        rows = range(src.shape[0]) if src_row is None else [src_row]
-        copy, kind = self._cuda.wrapper().memcpy, self._cuda.MemcpyKind.DeviceToDevice
-        for i, r in enumerate(rows):
-            to = i if dst_row is None else dst_row
-            for h in range(heads):
-                copy(dst.ptr + ((to * heads + h) * dst.shape[2] + dst_at) * d,
-                     src.ptr + ((r * heads + h) * src.shape[2] + src_at) * d, count * d, kind, self.stream.ptr)
-
-    def _leading(self, buf: _Buffer, n: int) -> _Buffer:
-        """A view of the first n rows (same device memory; never released on its own)."""
-        return _Buffer(buf.array, (n,) + tuple(buf.shape[1:]), buf.room)
-
-    def _to_numpy(self, buf: _Buffer) -> np.ndarray:
-        dtype = self.dims.kv_dtype
-        raw = np.empty(int(np.prod(buf.shape)) * int(DTYPES[dtype].bytes), dtype=np.uint8)
-        buf.array.view(shape=(raw.size,), dtype=self._dt.UINT8).copy_to(raw, self.stream)
-        self.stream.synchronize()
-        return _to_float32(raw, dtype).reshape(buf.shape)
-
-    def _take(self, buffers, rows):
-        """Rows of a session's cache, copied on the device into new buffers; the old ones are freed."""
-        item = int(DTYPES[self.dims.kv_dtype].bytes)
-        out = []
-        copy, kind = self._cuda.wrapper().memcpy, self._cuda.MemcpyKind.DeviceToDevice
-        for buf in buffers:
-            per_row = int(np.prod(buf.shape[1:])) * item
-            new = self._alloc_cache((len(rows),) + buf.shape[1:], self.dims.kv_dtype, buf.room)
-            for i, r in enumerate(rows):
-                copy(new.ptr + i * per_row, buf.ptr + int(r) * per_row, per_row, kind, self.stream.ptr)
-            out.append(new)
-        self._release(buffers)
-        return out
-
-    def _release_session(self, session) -> None:
-        self._release(session.backend)  # the spare set of a dynamic session's ping-pong (Session.backend)
+    def release_session_state(self, session) -> None:
+        self.buffers.release(session.backend)  # the spare set of a dynamic session's ping-pong (Session.backend)
 
     # --- running an engine ---
 
-    def _run(self, graph, feeds, past, session, in_place=False):
+    def run(self, graph, feeds, past, session, in_place=False):
         B = feeds["input_ids"].shape[0]
         if graph == contract.PREFILL:
             present = self._seq_buffers(B)
@@ -264,7 +274,7 @@ class TrtRuntime(Runtime):
             logits = self._execute(graph, feeds, past, present, past_len)
         except BaseException:
             if present is not past:
-                self._release(present)
+                self.buffers.release(present)
             raise
         if not in_place:  # what the engine wrote: dense (B, H, T, D)
             T = feeds["input_ids"].shape[1] if past_len is None else past_len + 1
@@ -283,31 +293,31 @@ class TrtRuntime(Runtime):
         if past is not None:
             shapes.update({n: (B, self.dims.num_kv_heads, past_len if past_len is not None else buf.shape[2],
                                self.dims.head_dim) for n, buf in zip(self.past_names, past)})
-        problem = profile_problem(graph, self.meta["profiles"][graph], shapes, self.meta["limits"])
+        problem = profile_problem(graph, self.meta.profiles[graph], shapes, self.meta.limits)
         if problem:
             raise InputError(problem)
-        ctx = self.contexts[graph]
+        ctx, stream = self.contexts[graph], self.buffers.stream
         for name, array in arrays.items():
             buf = self.inputs[name].resize((array.nbytes,))
-            buf.copy_from(np.ascontiguousarray(array).view(np.uint8).reshape(-1), self.stream)
+            buf.copy_from(np.ascontiguousarray(array).view(np.uint8).reshape(-1), stream)
             ctx.set_input_shape(name, array.shape)
             ctx.set_tensor_address(name, buf.ptr)
         for name, buf in zip(self.past_names, past or []):
             ctx.set_input_shape(name, shapes[name])
             ctx.set_tensor_address(name, buf.ptr)
         S = arrays["input_ids"].shape[1]
-        if graph == contract.PREFILL and self.dims.prefill_logits == "last":
+        if graph == contract.PREFILL and self.dims.variant.prefill_logits == "last":
             S = 1
         logits_shape = (B, S, self.dims.vocab_size)
         self.logits.resize((int(np.prod(logits_shape)) * 4,))
         ctx.set_tensor_address("logits", self.logits.ptr)
         for name, buf in zip(self.present_names, present):
             ctx.set_tensor_address(name, buf.ptr)
-        if not ctx.execute_async_v3(self.stream.ptr):
+        if not ctx.execute_async_v3(stream.ptr):
             raise InputError(f"{graph}: TensorRT failed to run the engine for inputs {shapes}")
         host = np.empty(logits_shape, dtype=np.float32)
-        self.logits.view(shape=logits_shape, dtype=self._dt.FLOAT32).copy_to(host, self.stream)
-        self.stream.synchronize()
+        self.logits.view(shape=logits_shape, dtype=self.buffers.dt.FLOAT32).copy_to(host, stream)
+        stream.synchronize()
         return host
 
 

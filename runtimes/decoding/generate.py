@@ -49,12 +49,12 @@ class GenerationResult:
                 "tokens_per_s": self.tokens_per_s, "decode_steps": len(self.decode_s)}
 
 
-def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """-> (input_ids, attention_mask), both (B, max_len) int64, padding on the left."""
+def left_pad(prompts: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """-> (input_ids, attention_mask), both (B, max_len) int64, padding (id 0, mask 0) on the left."""
     if not prompts:
         raise InputError("no prompts: give at least one")
     width = max(len(p) for p in prompts)
-    ids = np.full((len(prompts), width), pad_id, dtype=np.int64)
+    ids = np.zeros((len(prompts), width), dtype=np.int64)
     mask = np.zeros((len(prompts), width), dtype=np.int64)
     for i, p in enumerate(prompts):
         ids[i, width - len(p):] = p

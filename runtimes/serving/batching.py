@@ -1,28 +1,23 @@
 """Continuous batching over a static-capacity cache's slots, written once for every backend.
 
-`Batcher` runs a loop on a thread of its own: each step the scheduler (runtimes/serving/scheduler.py,
-pure) plans which requests leave, which take a free slot (the lowest: a step computes only up to
-the last busy slot), one decode token for every running request and, within the step's token
-budget (`step_tokens`), prefill chunks of the prompts coming in; the loop runs the plan on the
-slots (runtimes/serving/slots.py) and tells the scheduler what happened. So a long prompt comes in a
-chunk per step while the others keep decoding, never stalling them for its whole prefill. Each
-request samples with a `Sampler` of its own (its seed, temperature, top-k/p, repetition penalty),
-so its tokens do not depend on what else shares its steps, and ends by the same `RowPolicy` as
-its solo run (runtimes/decoding/rows.py: EOS, its token budget, its front end's stop); or it is cancelled,
-or fails alone. Either way it leaves at once and frees its slot.
+`Batcher` runs a loop on a thread of its own: each step the scheduler (pure, under the batcher's
+`BatcherLimits`) plans which requests leave, which take a free slot (the lowest: a step computes
+only up to the last busy slot), one decode token for every running request and, within the step's
+token budget, prefill chunks of the prompts coming in; the loop runs the plan on the `Slots` and
+tells the scheduler what happened. So a long prompt comes in a chunk per step while the others keep
+decoding, never stalling them for its whole prefill. Each request in its slot samples by itself
+(`Running`: its own sampler, processors and log-probabilities) and ends by the same `RowPolicy` as
+its solo run (EOS, its token budget, its front end's stop); or it is cancelled, or fails alone.
+Either way it leaves at once and frees its slot. With prefix caching (`PrefixStore` decides what
+a slot's cache leaves in the `PrefixCache`), a prompt that starts with cached blocks gets them
+copied into its slot and prefills only the rest; one that asks for its prompt's log-probabilities
+computes its whole prompt.
 
-Prefix caching (runtimes/serving/prefix_cache.py): the whole blocks of each prompt, and at its end of the
-tokens it generated, are copied out of its slot into a cache of host copies (least recently used
-out beyond `prefix_cache_bytes`; 0 turns it off), keyed by the runtime's identity; a prompt that
-starts with cached blocks gets them copied into its slot and prefills only the rest. A request
-that asks for its prompt's log-probabilities computes its whole prompt.
-
-Front ends (toolkit/serving/frontend.py, under the HTTP server and the Triton model) submit
-`Request`s and hear of each token through the request's `on_event`, called on the batcher's
-thread, never under its lock: keep it short (hand the event to another thread or an event loop).
-Stop strings belong to the front end, which has the text: its `stop(tokens)` is asked after each
-token. Limits: `slots` requests run at once and `max_queue` wait; beyond that `submit` raises
-`QueueFull`, never drops a request. Imports nothing heavy.
+Front ends (the HTTP server and the Triton model) submit `Request`s and hear of each token through
+the request's `on_event`, called on the batcher's thread, never under its lock: keep it short (hand
+the event to another thread or an event loop). Stop strings belong to the front end, which has the
+text: its `stop(tokens)` is asked after each token. Limits: `slots` requests run at once and
+`max_queue` wait; beyond that `submit` raises `QueueFull`, never drops a request. Imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -31,33 +26,24 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
 
 from tk.runtimes.base import InputError, Runtime, RuntimeProblem, check_token_ids
-from tk.runtimes.decoding.logits import Processor, TokenLogprob, token_logprobs
+from tk.runtimes.decoding.logits import Processor, TokenLogprob
+from tk.runtimes.decoding.rows import FinishReason, RowPolicy, TokenEvent
+from tk.runtimes.decoding.sampling import SamplingConfig
 from tk.runtimes.serving.prefix_cache import PrefixCache
-from tk.runtimes.decoding.rows import FinishReason, RowPolicy, TokenEvent, seen_matrix
-from tk.runtimes.decoding.sampling import Sampler, SamplingConfig
-from tk.runtimes.serving.scheduler import Chunk, QueueFull, Scheduler, Seq, State, StepPlan, limits_problem
+from tk.runtimes.serving.prefix_store import PrefixStore
+from tk.runtimes.serving.running import Running
+from tk.runtimes.serving.scheduler import BatcherLimits, Chunk, QueueFull, Scheduler, Seq, State, StepPlan
 from tk.runtimes.serving.slots import Slots
 
 log = logging.getLogger("tk.batcher")
 
-__all__ = ["Batcher", "BatcherClosed", "QueueFull", "Request", "wait_all"]
-
-# A step's budget is one decode token for each running request, then prefill chunks. Its runs are one
-# decode run and one run per chunk (the graphs take no ragged batch), so while a prompt comes in, a
-# stream waits its decode step plus a chunk: on CPUs the decode step costs about what reading the
-# weights does, whatever the rows, and a chunk that plus its tokens' compute. On 2 cores and a 135M
-# model, 8 rows' decode step costs about what a 16-token chunk does (examples/bench_serve.py
-# --workload long-prompt measures the gaps). So by default a step takes its decode tokens plus
-# CHUNK_TOKENS of prompt, and a step in which nobody decodes (nobody waits) IDLE_TOKENS.
-CHUNK_TOKENS = 16
-IDLE_TOKENS = 512
-DEFAULT_PREFIX_CACHE_BYTES = 1 << 30
+__all__ = ["Batcher", "BatcherClosed", "BatcherLimits", "QueueFull", "Request", "wait_all"]
 
 
 class BatcherClosed(RuntimeProblem):
@@ -74,6 +60,7 @@ class Request:
     prompt: Sequence[int]
     max_new_tokens: int
     sampling: SamplingConfig = SamplingConfig()
+    _: KW_ONLY
     ignore_eos: bool = False
     on_event: Callable[[TokenEvent], None] | None = None
     stop: Callable[[list[int]], bool] | None = None
@@ -88,48 +75,25 @@ class Request:
     done: threading.Event = field(default_factory=threading.Event)
 
 
-class _Running:
-    """A request in its slot: its sampler and its row's policy (whose tokens are the request's), its
-    prompt's ids, its prompt positions' logits so far (where it asked for their log-probabilities)
-    and how many of its blocks the prefix cache holds."""
-
-    __slots__ = ("request", "seq", "sampler", "policy", "ids", "prompt_logits", "stored")
-
-    def __init__(self, seq: Seq, eos_ids: frozenset, vocab_size: int):
-        request = seq.request
-        self.request, self.seq, self.sampler = request, seq, Sampler(request.sampling)
-        self.policy = RowPolicy(request.prompt, request.max_new_tokens, eos_ids, request.ignore_eos,
-                                seen_matrix(request.sampling, vocab_size, 1), request.stop)
-        request.tokens = self.policy.tokens
-        self.ids: np.ndarray | None = None
-        self.prompt_logits: list[np.ndarray] = []
-        self.stored = 0
-
-
 class Batcher:
     """Start it (or use `with`), `submit` requests, `cancel` them, `close` it. Counters for
     metrics: `running`, `waiting`, `finished[reason]`, `steps`, `prefill_tokens` (computed, not
     reused), and `prefix` (the PrefixCache, None where off: its hit rate and reused tokens)."""
 
-    def __init__(self, runtime: Runtime, slots: int = 8, max_queue: int = 64, eos_ids: Sequence[int] = (),
-                 step_tokens: int | None = None, prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES):
-        if problem := limits_problem(slots, max_queue, step_tokens):
-            raise InputError(problem)
-        self.runtime, self.slots, self.max_queue, self.step_tokens = runtime, slots, max_queue, step_tokens
-        self.prefix_cache_bytes = prefix_cache_bytes
-        self.eos = frozenset(eos_ids)
+    def __init__(self, runtime: Runtime, *, limits: BatcherLimits = BatcherLimits(), eos_ids: Sequence[int] = ()):
+        self.runtime, self.limits, self.eos = runtime, limits, frozenset(eos_ids)
         self._cv = threading.Condition()
         self._sched: Scheduler | None = None  # made at start: what the runtime can do is known once it is loaded
         self._seqs: dict[Request, Seq] = {}  # every request submitted and not finished
-        self._running: dict[int, _Running] = {}  # slot -> its request (the loop thread's)
+        self._running: dict[int, Running] = {}  # slot -> its request (the loop thread's)
         self._closing = False
         self._abort = False
-        self._last = np.zeros(slots, dtype=np.int64)  # each slot's last token: the next step's input
+        self._last = np.zeros(limits.slots, dtype=np.int64)  # each slot's last token: the next step's input
         self._ids = itertools.count()
         self._rows: Slots | None = None  # the runtime's slots, open while the batcher runs
         self._thread: threading.Thread | None = None
+        self._store: PrefixStore | None = None
         self.prefix: PrefixCache | None = None
-        self._block_bytes = 0  # what one of its blocks holds
         self.chunked = False  # prompts come in chunks (False: whole, where the backend cannot continue one)
         self.finished = {reason: 0 for reason in FinishReason}
         self.steps = 0
@@ -154,7 +118,7 @@ class Batcher:
             raise RuntimeError("a batcher starts once")
         self.runtime.activate()
         try:
-            self._rows = Slots(self.runtime, self.slots)
+            self._rows = Slots(self.runtime, self.limits.slots)
         except BaseException:
             self.runtime.deactivate()  # what it loaded (device buffers, sessions) goes back
             raise
@@ -162,11 +126,10 @@ class Batcher:
         self.chunked = problem is None
         if problem:
             log.info("prompts are prefilled whole, not in chunks, and no prefix is cached: %s", problem)
-        if self.chunked and self.prefix_cache_bytes > 0 and self.runtime.layout.ring_free:
-            self.prefix = PrefixCache(self.runtime.identity, max_bytes=self.prefix_cache_bytes)
-        self._sched = Scheduler(self.slots, self.max_queue, self.step_tokens, self.chunked, self.prefix, IDLE_TOKENS,
-                                CHUNK_TOKENS)
-        self._block_bytes = self.runtime.dims.kv_bytes_per_token() * (self.prefix.block if self.prefix is not None else 0)
+        if self.chunked and self.limits.prefix_cache_bytes > 0 and self.runtime.layout.ring_free:
+            self._store = PrefixStore(self.runtime, self._rows, self.limits.prefix_cache_bytes)
+            self.prefix = self._store.cache
+        self._sched = Scheduler(self.limits, chunked=self.chunked, prefix=self.prefix)
         self._thread = threading.Thread(target=self._loop, name="tk-batcher", daemon=True)
         self._thread.start()
         return self
@@ -260,12 +223,11 @@ class Batcher:
         """A request takes its slot: its sampler and policy, its cached prefix copied in."""
         cached, seq.cached = seq.cached, []
         try:
-            running = _Running(seq, self.eos, self.runtime.dims.vocab_size)
+            running = Running(seq, self.eos, self.runtime.dims.vocab_size)
             self._running[seq.slot] = running
             running.ids = self._rows.begin(seq.slot, seq.request.prompt)
             if cached:
-                self._rows.load(seq.slot, cached)
-                running.stored = len(cached)
+                self._store.enter(running, cached)
         except Exception as e:  # noqa: BLE001: this request fails; the batcher and the others go on
             self._fail([seq], e)
 
@@ -282,67 +244,44 @@ class Batcher:
     def _prefill(self, chunk: Chunk) -> None:
         seq = chunk.seq
         r = self._running[seq.slot]
-        request = r.request
-        every = request.prompt_logprobs is not None
+        every = r.request.prompt_logprobs is not None
         try:
             out = self._rows.prefill(seq.slot, r.ids, chunk.start, chunk.end, every)
             with self._cv:
                 self._sched.advance(chunk)
             self.prefill_tokens += chunk.end - chunk.start
-            self._store(r, request.prompt, chunk.end)
-            if every:  # position i's logits score prompt token i + 1
-                r.prompt_logits.append(out.logits[0])
-                if chunk.last:
-                    logits = np.concatenate(r.prompt_logits)
-                    request.prompt_scores = [None, *token_logprobs(logits[:-1], request.prompt[1:],
-                                                                   request.prompt_logprobs)]
+            if self._store is not None:
+                self._store.prompt(r, chunk.end)
+            if every:
+                r.score_prompt(out.logits[0], chunk.last)
         except Exception as e:  # noqa: BLE001
             return self._fail([seq], e)
         if chunk.last:
             self._next(seq.slot, out.logits[:, -1])
 
-    def _store(self, r: _Running, tokens: Sequence[int], upto: int) -> None:
-        """Keep the whole blocks of `tokens` whose positions (below `upto`) are in the slot's cache."""
-        if self.prefix is None:
-            return
-        names, block = self.prefix.names(tokens, upto // self.prefix.block), self.prefix.block
-        for i in range(r.stored, len(names)):
-            parent = names[i - 1] if i else None
-            part = None if names[i] in self.prefix else self._rows.read(r.seq.slot, i * block, (i + 1) * block)
-            if not self.prefix.put(names[i], parent, part, self._block_bytes):
-                break
-            r.stored = i + 1
-
     def _next(self, slot: int, logits: np.ndarray) -> None:
         try:
-            self._sample(slot, logits)
+            self._take(self._running[slot], logits)
         except Exception as e:  # noqa: BLE001: its sampler or its front end's stop failed: this request only
             if slot in self._running:
                 self._fail([self._running[slot].seq], e)
 
-    def _sample(self, slot: int, logits: np.ndarray) -> None:
-        """Sample the slot's next token from its logits (1, V); tell the front end; maybe leave."""
-        r = self._running[slot]
-        policy, request, raw = r.policy, r.request, logits
-        for process in request.processors:
-            logits = process(logits, policy.tokens)
-        token = int(r.sampler(logits, policy.seen, [0], 1)[0])
-        scored = None if request.logprobs is None else token_logprobs(raw, [token], request.logprobs)[0]
+    def _take(self, r: Running, logits: np.ndarray) -> None:
+        """The request's next token from its logits (1, V): told to the front end; maybe it leaves."""
+        token, scored = r.sample(logits)
+        policy = r.policy
         if not policy.add(token):  # EOS: not kept, but its log-probability is told with the finish (lm-eval reads it)
             return self._leave(r.seq, policy.finish_reason, scored)
-        self._last[slot] = token
-        self._tell(request, TokenEvent(0, token, None, scored))
+        self._last[r.seq.slot] = token
+        self._tell(r.request, TokenEvent(0, token, None, scored))
         if policy.finished():
             self._leave(r.seq, policy.finish_reason)
 
     def _leave(self, seq: Seq, reason: FinishReason, scored: TokenLogprob | None = None) -> None:
         """The request leaves its slot (a completed one's generated blocks kept for the next turn)."""
         r = self._running.pop(seq.slot, None)
-        if r is not None and reason.completed and self.prefix is not None:
-            try:  # the positions in the cache: the prompt's and every fed-back token's
-                self._store(r, [*seq.prompt, *r.policy.tokens], int(self._rows.session.static.write[seq.slot]))
-            except Exception:  # noqa: BLE001: a cache that could not keep it is no reason to fail the request
-                log.exception("the prefix cache could not keep a finished request's blocks")
+        if r is not None and reason.completed and self._store is not None:
+            self._store.leave(r)
         self._rows.free(seq.slot)
         with self._cv:
             self._sched.finish(seq)

@@ -3,20 +3,20 @@ thread, no clock (tests/test_scheduler.py drives it alone, as vLLM's tests/v1/co
 drives vLLM's).
 
 A request (`Seq`) waits in a queue, takes a free slot (the lowest), prefills its prompt, decodes,
-and ends; or it is aborted at any of those. Each `schedule()` returns a `StepPlan` under a budget
-of `step_tokens` tokens (None: the decode tokens plus `chunk_tokens` for each prompt coming in):
-first one token for every decoding request (decode first, as
+and ends; or it is aborted at any of those. Each `schedule()` returns a `StepPlan` within its
+`BatcherLimits`: a budget of `step_tokens` tokens (None: the decode tokens plus `chunk_tokens` for
+each prompt coming in), first one token for every decoding request (decode first, as
 onnxruntime-genai's AllocateDecodeFirstTokenBudget and vLLM's scheduler do), then prefill chunks
-of the prompts already in slots, oldest first, then new admissions while slots and budget last. So a
-long prompt is prefilled a chunk per step while the running requests keep decoding. A step in which
-no request decodes has nobody to keep waiting: its budget is `idle_tokens` (at least `step_tokens`). `chunked`
-False (a backend that cannot continue a prompt part way: runtimes/slots.Slots.chunk_problem)
-prefills each prompt whole in the step that admits it, over budget if it must. With a
-`PrefixCache`, an admitted prompt first takes the longest cached prefix of its own tokens
-(`Seq.cached`, for the loop to copy into its slot) and prefills only the rest; a prompt whose first
-block is not cached yet but is that of a prompt still prefilling waits for it (and the queue behind
-it), to take what that one computes rather than compute it again beside it (a burst of requests
-that share a system prompt).
+of the prompts already in slots, oldest first, then new admissions while slots and budget last.
+So a long prompt is prefilled a chunk per step while the running requests keep decoding. A step
+in which no request decodes has nobody to keep waiting: its budget is `idle_tokens` (at least
+`step_tokens`). `chunked` False (a backend that cannot continue a prompt part way:
+Slots.chunk_problem) prefills each prompt whole in the step that admits it, over budget if it
+must. With a `PrefixCache`, an admitted prompt first takes the longest cached prefix of its own
+tokens (`Seq.cached`, for the loop to copy into its slot) and prefills only the rest; a prompt
+whose first block is not cached yet but is that of a prompt still prefilling waits for it (and the
+queue behind it), to take what that one computes rather than compute it again beside it (a burst
+of requests that share a system prompt).
 
 The loop (runtimes/serving/batching.py) runs the plan, then tells the scheduler what happened:
 `advance(chunk)` after a chunk ran (its last one makes the request decode) and `finish(seq)` when
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Sequence
 
-from tk.runtimes.errors import RuntimeProblem
+from tk.runtimes.errors import InputError, RuntimeProblem
 from tk.runtimes.serving.prefix_cache import PrefixCache
 
 
@@ -89,26 +89,48 @@ class StepPlan:
         return len(self.decode) + sum(c.end - c.start for c in self.prefill)
 
 
-def limits_problem(slots: int, max_queue: int, step_tokens: int | None) -> str | None:
-    """Why a scheduler cannot run with these limits (None: it can)."""
-    if slots < 1 or max_queue < 0:
-        return f"slots must be >= 1 and the queue >= 0, got {slots} and {max_queue}"
-    if step_tokens is not None and step_tokens < slots:
-        return (f"a step's budget of {step_tokens} tokens is less than one decode token for each of the {slots} "
-                f"slots; give at least {slots}")
-    return None
+# A step's budget is one decode token for each running request, then prefill chunks. Its runs are one
+# decode run and one run per chunk (the graphs take no ragged batch), so while a prompt comes in, a
+# stream waits its decode step plus a chunk: on CPUs the decode step costs about what reading the
+# weights does, whatever the rows, and a chunk that plus its tokens' compute. On 2 cores and a 135M
+# model, 8 rows' decode step costs about what a 16-token chunk does (examples/bench_serve.py
+# --workload long-prompt measures the gaps). So by default a step takes its decode tokens plus
+# CHUNK_TOKENS of prompt, and a step in which nobody decodes (nobody waits) IDLE_TOKENS.
+CHUNK_TOKENS = 16
+IDLE_TOKENS = 512
+DEFAULT_PREFIX_CACHE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class BatcherLimits:
+    """Serving's limits, checked once here (InputError, one line): `slots` requests run at once and
+    `max_queue` wait; a step computes `step_tokens` (None: its decode tokens plus `chunk_tokens` for
+    each prompt coming in), or `idle_tokens` where nobody decodes; `prefix_cache_bytes` of cached
+    prefixes (0: none)."""
+
+    slots: int = 8
+    max_queue: int = 64
+    step_tokens: int | None = None
+    chunk_tokens: int = CHUNK_TOKENS
+    idle_tokens: int = IDLE_TOKENS
+    prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES
+
+    def __post_init__(self):
+        if self.slots < 1 or self.max_queue < 0:
+            raise InputError(f"slots must be >= 1 and the queue >= 0, got {self.slots} and {self.max_queue}")
+        if self.step_tokens is not None and self.step_tokens < self.slots:
+            raise InputError(f"a step's budget of {self.step_tokens} tokens is less than one decode token for each "
+                             f"of the {self.slots} slots; give at least {self.slots}")
+        if self.chunk_tokens < 1 or self.idle_tokens < 0 or self.prefix_cache_bytes < 0:
+            raise InputError(f"a chunk takes >= 1 token and the idle budget and prefix cache >= 0, got "
+                             f"{self.chunk_tokens}, {self.idle_tokens} and {self.prefix_cache_bytes}")
 
 
 class Scheduler:
-    def __init__(self, slots: int, max_queue: int, step_tokens: int | None = None, chunked: bool = True,
-                 prefix: PrefixCache | None = None, idle_tokens: int = 0, chunk_tokens: int = 16):
-        """`step_tokens` None: a step takes its decode tokens plus `chunk_tokens` of prompt for each
-        prompt coming in (in slots, or waiting with a slot free), oldest first."""
-        if problem := limits_problem(slots, max_queue, step_tokens):
-            raise ValueError(problem)
-        self.slots, self.max_queue, self.step_tokens, self.chunked = slots, max_queue, step_tokens, chunked
-        self.chunk_tokens = max(1, chunk_tokens)
-        self.idle_tokens = max(step_tokens or self.chunk_tokens, idle_tokens)
+    def __init__(self, limits: BatcherLimits, *, chunked: bool = True, prefix: PrefixCache | None = None):
+        """`chunked` False: each prompt is prefilled whole, in the step that admits it."""
+        self.limits, self.chunked = limits, chunked
+        self.idle_tokens = max(limits.step_tokens or limits.chunk_tokens, limits.idle_tokens)
         self.prefix = prefix if chunked else None  # a cached prefix is useless where a prompt cannot continue
         self.waiting: deque[Seq] = deque()
         self.running: dict[int, Seq] = {}  # slot -> its request (prefilling or decoding)
@@ -119,8 +141,9 @@ class Scheduler:
         return bool(self.running or self.waiting)
 
     def add(self, seq: Seq) -> None:
-        if len(self.running) + len(self.waiting) >= self.slots + self.max_queue:
-            raise QueueFull(f"all {self.slots} slots are busy and the queue of {self.max_queue} is full; retry later")
+        slots, max_queue = self.limits.slots, self.limits.max_queue
+        if len(self.running) + len(self.waiting) >= slots + max_queue:
+            raise QueueFull(f"all {slots} slots are busy and the queue of {max_queue} is full; retry later")
         seq.state = State.WAITING
         self.waiting.append(seq)
 
@@ -171,12 +194,12 @@ class Scheduler:
         if not plan.decode:
             budget = self.idle_tokens
         else:
-            coming = len(self._prefilling) + min(len(self.waiting), self.slots - len(self.running))
-            budget = (self.chunk_tokens * max(1, coming) if self.step_tokens is None
-                      else self.step_tokens - len(plan.decode))
+            coming = len(self._prefilling) + min(len(self.waiting), self.limits.slots - len(self.running))
+            budget = (self.limits.chunk_tokens * max(1, coming) if self.limits.step_tokens is None
+                      else self.limits.step_tokens - len(plan.decode))
         for seq in self._prefilling:
             budget -= self._chunk(plan, seq, budget)
-        free = sorted(set(range(self.slots)) - set(self.running))
+        free = sorted(set(range(self.limits.slots)) - set(self.running))
         while self.waiting and free and budget > 0 and not self._shares_a_pending_prefix(self.waiting[0]):
             seq = self.waiting.popleft()
             seq.slot, seq.state = free.pop(0), State.PREFILL

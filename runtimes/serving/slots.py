@@ -9,9 +9,10 @@ at the row's write index (`chunk_problem` says where a backend cannot). `step(to
 decodes the busy rows together, each at its own length and write index, and computes only up to
 the last busy one where the backend views a buffer's leading rows (`Runtime.row_views`; ORT on
 CUDA runs every row); `free(slot)` empties a row, which keeps one visible position (0) and
-rewrites it: its throwaway row computes no NaN and touches no live row. The rows' mechanics are the
-static layout's (runtimes/cache_layouts.StaticLayout); which request sits where, and what each step
-computes, is the scheduler's and the batcher's (runtimes/serving/scheduler.py, runtimes/serving/batching.py).
+rewrites it: its throwaway row computes no NaN and touches no live row. `Slots` holds its runtime
+and its one session, and drives the static layout's primitives (`StaticLayout.allocate`,
+`write_present`, `prefill_row`, `decode`) and the runtime's `CacheBuffers`; which request sits
+where, and what each step computes, is the scheduler's and the batcher's.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from typing import Sequence
 import numpy as np
 
 from tk.runtimes.base import Runtime, StepOutput, check_token_ids
-from tk.runtimes.cache_layouts import slots_problem
+from tk.runtimes.cache_layouts import prefill, slots_problem
 from tk.runtimes.errors import InputError
+from tk.runtimes.session import Session, StaticState
 
 
 class Slots:
@@ -36,8 +38,15 @@ class Slots:
         if runtime.max_batch is not None and count > runtime.max_batch:
             raise InputError(f"the {runtime.name} backend runs batches of at most {runtime.max_batch}: use --slots "
                              f"{runtime.max_batch}, or rebuild with tk build-engine --max-batch {count}")
-        self.runtime, self.layout = runtime, runtime.layout
-        self.session = self.layout.open_slots(runtime, count)
+        self.runtime, self.layout, self.buffers = runtime, runtime.layout, runtime.buffers
+        # one session of `count` rows of the capacity buffers (its `length` means nothing here: each
+        # row's is its write index)
+        mask = np.zeros((count, self.layout.capacity), dtype=np.int64)
+        positions, write = np.zeros((count, 1), dtype=np.int64), np.zeros((count,), dtype=np.int64)
+        self.session = Session(runtime, self.layout.allocate(count), mask, positions, 0,
+                               StaticState.over(mask, positions, write))
+        for slot in range(count):
+            self.free(slot)
 
     @property
     def count(self) -> int:
@@ -62,41 +71,84 @@ class Slots:
     def admit(self, slot: int, prompt: Sequence[int], every: bool = False) -> StepOutput:
         """Prefill `prompt` alone into `slot` (which must be free), in one go -> its logits: the last
         position's, or with `every` each position's (1, T, V), even where the artifact's prefill
-        returns the last only (StaticLayout.prefill_slot)."""
+        returns the last only (`prefill`)."""
         ids = self.begin(slot, prompt)
         return self.prefill(slot, ids, 0, ids.shape[1], every)
 
     def begin(self, slot: int, prompt: Sequence[int]) -> np.ndarray:
-        """A prompt takes the free `slot`, to come in by `load` and `prefill` -> its ids (1, T)."""
+        """A prompt takes the free `slot`, to come in by `load` and `prefill` -> its ids (1, T). Its
+        mask covers the prompt (a chunk's queries see only what is written before them: the causal
+        mask), and until the prompt is in, a decode step the row sits out writes its throwaway
+        position at the next chunk's start (`write`), which that chunk writes again (in a ring too)."""
         ids = np.asarray(prompt, dtype=np.int64).reshape(1, -1)
         check_token_ids(ids, self.runtime.dims.vocab_size)
-        self.layout.begin(self.session, slot, ids.shape[1])
+        self.layout.check_prompt(ids.shape[1])
+        s = self.session
+        s.mask[slot] = 0
+        s.mask[slot, :ids.shape[1]] = 1
+        s.positions[slot] = 0
+        s.static.write[slot] = 0
         return ids
 
     def prefill(self, slot: int, ids: np.ndarray, start: int, end: int, every: bool = False) -> StepOutput:
-        """Prompt positions start .. end - 1 into `slot` (0 .. start - 1 are in) -> the last one's logits
-        (or each one's, with `every`); the prompt's last chunk leaves the slot ready to decode."""
-        return self.layout.prefill_slot(self.runtime, self.session, slot, ids, start, end, every)
+        """Prompt positions start .. end - 1 into `slot` (`ids`: the whole prompt, (1, T); 0 .. start - 1
+        are in) -> the last one's logits, or with `every` each one's (1, end - start, V); the prompt's
+        last chunk leaves the slot ready to decode. A prompt's first chunk runs through the prefill
+        graph where the runtime prefills so (the prompt alone: what `tk generate` of it computes), the
+        rest through the decode graph (`StaticLayout.prefill_row`, which needs a row of a buffer:
+        Runtime.row_slices), one token per run where `every` needs each position's logits and the
+        prefill graph cannot give them."""
+        rt, s = self.runtime, self.session
+        if start == 0 and rt.prefill_via == "prefill" and (rt.all_prefill_logits or not every):
+            out, present = prefill(rt, ids[:, :end], np.ones((1, end), dtype=np.int64))
+            try:
+                self.layout.write_present(s.cache, present, end, row=slot)
+            finally:
+                self.buffers.release(present)
+        else:
+            out = self.layout.prefill_row(s, slot, ids[:, start:end], every, at=start)
+        s.static.write[slot] = end
+        if end == ids.shape[1]:  # the prompt is in: the row decodes from its last position
+            s.positions[slot] = end - 1
+        return out
 
     def read(self, slot: int, start: int, end: int) -> list:
-        """A copy of the slot's cache positions start .. end - 1 (one array per cache tensor)."""
-        return self.layout.read_slot(self.runtime, self.session, slot, start, end)
+        """A copy of the slot's cache positions start .. end - 1: one (1, H, n, D) array per cache
+        tensor, in the backend's own kind of array, that `load` takes back."""
+        return [self.buffers.read_positions(b, slot, start, end) for b in self.session.cache]
 
     def load(self, slot: int, parts: list[list]) -> int:
-        """`read` copies into the slot from position 0, one after another -> the positions written."""
-        return self.layout.load_slot(self.runtime, self.session, slot, parts)
+        """`read` copies into the slot from position 0, one after another (a prompt's cached prefix)
+        -> the positions written."""
+        at = 0
+        for part in parts:
+            n = part[0].shape[2]
+            for buf, src in zip(self.session.cache, part):
+                self.buffers.copy_positions(buf, src, n, dst_row=slot, src_row=0, dst_at=at)
+            at += n
+        self.session.static.write[slot] = at
+        return at
 
     def free(self, slot: int) -> None:
-        self.layout.free(self.session, slot)
+        """An empty slot: one visible position (0), so that its throwaway row computes no NaN."""
+        s = self.session
+        s.mask[slot] = 0
+        s.mask[slot, 0] = 1
+        s.positions[slot] = 0
+        s.static.write[slot] = 0
 
     def step(self, tokens, active: list[int]) -> StepOutput:
-        """One decode step of the `active` slots; `tokens` (max(active) + 1,) holds each active
-        slot's last token (the others' are ignored) -> logits (max(active) + 1 rows, or every
-        slot's where the backend cannot view leading rows, 1, V)."""
+        """One decode step of the `active` slots, each at its own length; `tokens` (max(active) + 1,)
+        holds each active slot's last token (the others' are ignored) -> logits (max(active) + 1 rows,
+        or every slot's where the backend cannot view leading rows, 1, V): the rows past the last
+        active one are not computed where it can."""
         n = max(active) + 1 if self.runtime.row_views else self.session.batch
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1, 1)
         check_token_ids(tokens, self.runtime.dims.vocab_size)
-        return self.layout.step_slots(self.runtime, self.session, tokens, active, n)
+        rows = np.asarray(active, dtype=np.int64)
+        if self.session.static.write[rows].max() >= self.layout.capacity:
+            raise InputError(f"decode: a slot's static cache of {self.layout.capacity} positions is full")
+        return self.layout.decode(self.session, tokens, rows, n)
 
     def close(self) -> None:
         self.session.close()
@@ -106,3 +158,7 @@ class Slots:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def written(self, slot: int) -> int:
+        """The positions in the slot's cache (its write index): its prompt's and every fed-back token's."""
+        return int(self.session.static.write[slot])

@@ -10,13 +10,12 @@ import click
 
 from tk.models.spec.errors import CheckFailed
 from tk.toolkit.backends import BackendOptions
-from tk.toolkit.cli.options import BackendList, BackendName, backend_options
+from tk.toolkit.cli.options import BackendName, backend_options, backends_option
 
 
 @click.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--backends", default="torch,ort", show_default=True, type=BackendList(),
-              help="Comma-separated: torch, ort, trt.")
+@backends_option("torch,ort")
 @click.option("--steps", default=16, show_default=True, type=click.IntRange(min=1), help="Decode steps after the prefill.")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
@@ -33,7 +32,7 @@ from tk.toolkit.cli.options import BackendList, BackendName, backend_options
 @backend_options
 def parity(artifact: Path, backends: list[str], steps: int, seed: int, prompts_file: Path | None, report: Path | None,
            plot: Path | None, required: tuple[str, ...], junit: Path | None, atol: float | None, rtol: float | None,
-           min_top1: float | None, threads: int | None, device: str, provider: str, prepack: bool) -> None:
+           min_top1: float | None, options: BackendOptions) -> None:
     """Compare every backend with the float32 PyTorch reference, step by step; exit 3 on drift.
 
     A tensor that went through d layers may differ by atol + rtol * d * its own magnitude (the
@@ -45,9 +44,8 @@ def parity(artifact: Path, backends: list[str], steps: int, seed: int, prompts_f
             import matplotlib  # noqa: F401
         except ImportError:
             raise click.ClickException("--plot needs matplotlib: pip install 'tk[plot]'") from None
-    result = compare.parity(artifact, backends, steps, seed, prompts_file,
-                            {"atol": atol, "rtol": rtol, "min_top1": min_top1},
-                            BackendOptions(threads, device, provider, prepack))
+    result = compare.parity(artifact, backends, steps=steps, seed=seed, prompts_file=prompts_file, options=options,
+                            atol=atol, rtol=rtol, min_top1=min_top1)
     click.echo(parity_report.summary(result), err=True)
     if report is not None:
         report.write_text(json.dumps(parity_report.to_dict(result), indent=2))

@@ -6,10 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
-from tk.models.spec.manifest import DEFAULT_BLOCK, DEFAULT_METHOD, METHODS, MIXED, QUANTIZED, CacheLayout, PrefillLogits, Target
+from tk.models.spec.manifest import DEFAULT_BLOCK, DEFAULT_METHOD, METHODS, MIXED, QUANTIZED
+from tk.models.spec.variant import CacheLayout, PrefillLogits, Target
 
 from tk.models.spec.options import PROFILE_CAPACITY, PROFILES
+from tk.models.spec import contract
 from tk.models.spec.dtypes import DTYPE_CHOICES
 from tk.toolkit.cli.options import choices, progress
 
@@ -82,9 +85,13 @@ def export(model_dir: Path, out: Path, profile: str | None, dtype: str | None, o
 
     click.echo(f"tk export {model_dir} -> {out}", err=True)
     manifest = export_artifact(model_dir, out, options, progress)
+    decode_opset = manifest.graphs[contract.DECODE].opset
+    if click.get_current_context().get_parameter_source("opset") is ParameterSource.COMMANDLINE and decode_opset != opset:
+        click.echo(f"  note: decode.onnx is opset {decode_opset}, not --opset {opset}: its static cache is written "
+                   "with TensorScatter", err=True)
     v = manifest.validation
-    if not v.get("skipped"):
-        steps = [s for c in v["comparisons"] for s in c["steps"]]
+    if v is not None:
+        steps = [s for c in v.comparisons for s in c["steps"]]
         click.echo(f"  validation passed: max |logit diff| {max(s['max_abs'] for s in steps):.3g}, at most "
                    f"{max(s['error_ratio'] for s in steps):.2g} of its bound; KV cache at most "
                    f"{max(s['present_ratio'] for s in steps):.2g} of its bound", err=True)
@@ -106,5 +113,6 @@ def build_engine(artifact: Path, precision: str | None, max_batch: int, max_inpu
     """Build TensorRT engines for an exported ARTIFACT (needs TensorRT and an NVIDIA GPU)."""
     from tk.toolkit.pipeline.build_engine import build
 
-    build(artifact, precision, max_batch, max_input_len, max_seq_len, timing_cache, workspace, force, progress)
+    build(artifact, precision=precision, max_batch=max_batch, max_input_len=max_input_len, max_seq_len=max_seq_len,
+          timing_cache=timing_cache, workspace=workspace, force=force, progress=progress)
     click.echo(str(artifact))

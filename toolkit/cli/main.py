@@ -2,7 +2,7 @@
 
 Commands live in one module per group (export, run, check, serve: tk.toolkit.cli.*); they parse
 options, call library functions and format results, nothing else. Library code raises `TkError`s
-(tk/models/errors.py), each carrying its exit code (1 error, 2 usage, 3 a check ran and failed);
+(models/spec/errors.py), each carrying its exit code (1 error, 2 usage, 3 a check ran and failed);
 `TkGroup` prints their first line, once, here. Option values come from the typed tables (dtypes,
 export variants and profiles, the backend registry), so a bad one is a usage error at parse
 time. `--debug` shows tracebacks. Only the standard library, click and tk's stdlib-only modules
@@ -12,12 +12,12 @@ are imported here: `tk --help` and `tk generate --backend ort` never pay for tor
 from __future__ import annotations
 
 import sys
-from importlib import metadata
 
 import click
 
 from tk.models.spec.errors import CheckFailed, TkError
 from tk.toolkit.cli import check, export, run, serve
+from tk.toolkit.versions import package_version
 
 
 class TkGroup(click.Group):
@@ -36,15 +36,8 @@ class TkGroup(click.Group):
             ctx.exit(exc.exit_code)
 
 
-def _version() -> str:
-    try:
-        return metadata.version("tk")
-    except metadata.PackageNotFoundError:
-        return "0+unknown"
-
-
 @click.group(cls=TkGroup)
-@click.version_option(_version(), prog_name="tk")
+@click.version_option(package_version("tk") or "0+unknown", prog_name="tk")
 @click.option("--debug", is_flag=True, help="Show Python tracebacks for errors.")
 @click.pass_context
 def main(ctx: click.Context, debug: bool) -> None:

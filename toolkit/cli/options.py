@@ -1,11 +1,15 @@
 """What several `tk` commands share: typed option values (a registered backend, a list of them, an
-enum's values) and the backend options. Standard library, click and tk's stdlib-only modules only."""
+enum's values), the --backends option and the backend options. Standard library, click and tk's
+stdlib-only modules only."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import click
 
-from tk.toolkit.backends import BACKENDS, PROVIDERS
+from tk.toolkit.backends import BACKENDS, PROVIDERS, BackendOptions
+
 
 class BackendName(click.ParamType):
     """A registered backend (toolkit/backends.py); read at parse time, so a registered one counts."""
@@ -41,18 +45,35 @@ def progress(msg: str) -> None:
     click.echo(f"  {msg}", err=True)
 
 
+def backends_option(default: str):
+    """--backends: a comma-separated list of registered backends; the help lists the registry's."""
+    return click.option("--backends", default=default, show_default=True, type=BackendList(),
+                        help=f"Comma-separated: {', '.join(BACKENDS)}.")
+
+
+def _set_option(ctx: click.Context, param: click.Parameter, value):
+    """One flag's value, set on the command's `options` (BackendOptions), which click passes in place
+    of the four flags. Click calls this for each of them, given or not."""
+    ctx.params["options"] = dataclasses.replace(ctx.params.get("options", BackendOptions()), **{param.name: value})
+    return value
+
+
 def backend_options(f=None, *, prepack: bool = False):
-    """--threads, --device, --provider, --prepack: how a backend runs (BackendOptions). Serving
-    prepacks by default: batched MatMuls on unpacked weights repack them every step."""
+    """--threads, --device, --provider, --prepack: how a backend runs, passed to the command as one
+    `options` (BackendOptions). Serving prepacks by default: batched MatMuls on unpacked weights
+    repack them every step."""
     def add(f):
+        into_options = dict(expose_value=False, callback=_set_option)
         f = click.option("--prepack/--no-prepack", default=prepack, show_default=True,
                          help="ONNX Runtime: repack the weights for the CPU's kernels in each session (faster decode, "
                               "much faster batched decode; a private copy of the weights per session; without it: "
-                              "one memory-mapped copy).")(f)
+                              "one memory-mapped copy).", **into_options)(f)
         f = click.option("--provider", default="auto", show_default=True, type=click.Choice(PROVIDERS),
-                         help="ONNX Runtime execution provider (auto: CUDA when onnxruntime-gpu sees a GPU).")(f)
+                         help="ONNX Runtime execution provider (auto: CUDA when onnxruntime-gpu sees a GPU).",
+                         **into_options)(f)
         f = click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]),
-                         help="Device of the torch backend (auto: CUDA when present).")(f)
-        return click.option("--threads", type=click.IntRange(min=1), help="ONNX Runtime intra-op threads.")(f)
+                         help="Device of the torch backend (auto: CUDA when present).", **into_options)(f)
+        return click.option("--threads", type=click.IntRange(min=1), help="ONNX Runtime intra-op threads.",
+                            **into_options)(f)
 
     return add if f is None else add(f)

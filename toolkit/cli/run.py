@@ -9,7 +9,7 @@ import click
 
 from tk.models.fixtures.presets import PRESETS
 from tk.toolkit.backends import BackendOptions
-from tk.toolkit.cli.options import BackendList, BackendName, backend_options
+from tk.toolkit.cli.options import BackendName, backend_options, backends_option
 
 
 @click.command()
@@ -19,7 +19,7 @@ from tk.toolkit.cli.options import BackendList, BackendName, backend_options
 @click.option("--prompt-ids", "prompt_ids", multiple=True, help="Comma-separated token ids (repeat for a batch).")
 @click.option("--chat", help="A user message, rendered with the checkpoint's chat template; prints the reply.")
 @click.option("--system", help="A system message before --chat.")
-@click.option("--max-new-tokens", default=32, show_default=True, type=int)
+@click.option("--max-new-tokens", default=32, show_default=True, type=click.IntRange(min=1))
 @click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
 @click.option("--top-k", default=0, show_default=True, type=int)
 @click.option("--top-p", default=1.0, show_default=True, type=float)
@@ -32,7 +32,7 @@ from tk.toolkit.cli.options import BackendList, BackendName, backend_options
 def generate(artifact: Path, backend: str, prompts: tuple[str, ...], prompt_ids: tuple[str, ...],
              chat: str | None, system: str | None, max_new_tokens: int, temperature: float, top_k: int,
              top_p: float, repetition_penalty: float, seed: int, stops: tuple[str, ...], ignore_eos: bool,
-             threads: int | None, device: str, provider: str, prepack: bool, as_json: bool) -> None:
+             options: BackendOptions, as_json: bool) -> None:
     """Generate text from an exported ARTIFACT on one backend."""
     from tk.models.spec.manifest import Manifest
     from tk.runtimes.decoding.sampling import SamplingConfig
@@ -44,7 +44,7 @@ def generate(artifact: Path, backend: str, prompts: tuple[str, ...], prompt_ids:
     if system is not None and chat is None:
         raise click.UsageError("--system goes with --chat")
     manifest = Manifest.read(artifact)
-    runtime = open_runtime(artifact, backend, BackendOptions(threads, device, provider, prepack))
+    runtime = open_runtime(artifact, backend, options)
     tokenizer = Tokenizer(artifact) if prompts or chat is not None else Tokenizer.find(artifact)
     if chat is not None:
         ids = [tokenizer.chat(chat, system)]
@@ -75,8 +75,7 @@ def generate(artifact: Path, backend: str, prompts: tuple[str, ...], prompt_ids:
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.option("--text", "text_file", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="A UTF-8 text file: its perplexity is computed, teacher-forced.")
-@click.option("--backends", default="torch,ort", show_default=True, type=BackendList(),
-              help="Comma-separated: torch, ort, trt.")
+@backends_option("torch,ort")
 @click.option("--window", type=click.IntRange(min=2), help="Tokens per window (default: min(1024, the context)).")
 @click.option("--baseline/--no-baseline", default=True, show_default=True,
               help="With quantized weights (or fp16/bf16), also the full-precision float32 reference: the row "
@@ -84,20 +83,18 @@ def generate(artifact: Path, backend: str, prompts: tuple[str, ...], prompt_ids:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @backend_options
 def eval_(artifact: Path, text_file: Path, backends: list[str], window: int | None, baseline: bool, as_json: bool,
-          threads: int | None, device: str, provider: str, prepack: bool) -> None:
+          options: BackendOptions) -> None:
     """Perplexity of a text on each backend of ARTIFACT, and each backend's KL divergence and top-1
     agreement with the full-precision model (what quantization costs, on your text)."""
     from tk.toolkit.verify.perplexity import evaluate, format_eval
 
-    result = evaluate(artifact, text_file.read_text(encoding="utf-8"), backends, window,
-                      BackendOptions(threads, device, provider, prepack), baseline)
+    result = evaluate(artifact, text_file.read_text(encoding="utf-8"), backends, window, options, baseline)
     click.echo(json.dumps(result, indent=2) if as_json else format_eval(result))
 
 
 @click.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--backends", default="torch,ort", show_default=True, type=BackendList(),
-              help="Comma-separated: torch, ort, trt.")
+@backends_option("torch,ort")
 @click.option("--prompt-len", default=128, show_default=True, type=int)
 @click.option("--new-tokens", default=128, show_default=True, type=int)
 @click.option("--batch", default=1, show_default=True, type=int)
@@ -106,17 +103,15 @@ def eval_(artifact: Path, text_file: Path, backends: list[str], window: int | No
 @click.option("--report", type=click.Path(dir_okay=False, path_type=Path), help="Write the JSON report here.")
 @click.option("--profile", is_flag=True, help="Also split an ORT decode step into Python, executor and kernel time.")
 def bench(artifact: Path, backends: list[str], prompt_len: int, new_tokens: int, batch: int, repeats: int,
-          threads: int | None, device: str, provider: str, prepack: bool, report: Path | None,
-          profile: bool) -> None:
+          options: BackendOptions, report: Path | None, profile: bool) -> None:
     """Time to first token, decode speed and memory of each backend, side by side in one run."""
     from tk.toolkit.tools.bench import bench as run_bench
     from tk.toolkit.tools.bench import format_bench, format_profile, profile_decode
 
-    result = run_bench(artifact, backends, prompt_len, new_tokens, batch, repeats,
-                       BackendOptions(threads, device, provider, prepack))
+    result = run_bench(artifact, backends, prompt_len, new_tokens, batch, repeats, options)
     click.echo(format_bench(result))
     if profile:
-        result["decode_profile"] = profile_decode(artifact, prompt_len, new_tokens, threads)
+        result["decode_profile"] = profile_decode(artifact, prompt_len, new_tokens, options.threads)
         click.echo(format_profile(result["decode_profile"]))
     if report is not None:
         report.write_text(json.dumps(result, indent=2))

@@ -1,5 +1,5 @@
-"""`tk serve` and `tk triton`: the serving commands (registered on tk.toolkit.cli.main's group, which
-imports this module last). Option parsing only; toolkit/serving/openai/server.py and toolkit/serving/triton/repo.py do the work."""
+"""`tk serve` and `tk triton`: the serving commands (tk.toolkit.cli.main adds them to its group).
+Option parsing only; the OpenAI server's process module and the Triton repository writer do the work."""
 
 from __future__ import annotations
 
@@ -43,24 +43,28 @@ def batcher_options(f):
 @backend_options(prepack=True)
 def serve(artifact: Path, backend: str, host: str, port: int, slots: int, max_queue: int, model_name: str | None,
           drain: float, api_key: str | None, max_body_bytes: int, step_tokens: int | None, prefix_cache_mib: int,
-          no_prefix_cache: bool, threads: int | None, device: str, provider: str, prepack: bool) -> None:
+          no_prefix_cache: bool, options: BackendOptions) -> None:
     """Serve an ARTIFACT (static cache) over the OpenAI API, with continuous batching."""
-    from tk.runtimes.serving.scheduler import limits_problem
-    from tk.toolkit.serving.openai.server import ServeOptions, open_server
+    from tk.runtimes.errors import InputError
+    from tk.runtimes.serving.scheduler import BatcherLimits
+    from tk.toolkit.serving.openai.process import ServeOptions, open_server, run
 
-    if problem := limits_problem(slots, max_queue, step_tokens):  # (--slots and --max-queue are checked by click)
-        raise click.BadParameter(problem, param_hint="--step-tokens")
+    try:
+        limits = BatcherLimits(slots=slots, max_queue=max_queue, step_tokens=step_tokens,
+                               prefix_cache_bytes=0 if no_prefix_cache else prefix_cache_mib * 2**20)
+    except InputError as e:  # (--slots and --max-queue are checked by click)
+        raise click.BadParameter(str(e), param_hint="--step-tokens") from None
 
     if host not in LOOPBACK:
         click.echo(f"tk serve: warning: --host {host} is reachable from other machines"
                    f"{'' if api_key else ' and no --api-key is set: anyone who reaches it can use it'}; "
                    "--host 127.0.0.1 keeps it on this one", err=True)
-    options = ServeOptions(host, port, slots, max_queue, model_name, drain, api_key, max_body_bytes, step_tokens,
-                           0 if no_prefix_cache else prefix_cache_mib * 2**20)
-    server, sock = open_server(artifact, backend, BackendOptions(threads, device, provider, prepack), options)
+    serving = ServeOptions(host=host, port=port, limits=limits, model_name=model_name, drain_s=drain, api_key=api_key,
+                           max_body=max_body_bytes)
+    server, sock = open_server(artifact, backend, options, serving)
     url = f"http://{host}:{sock.getsockname()[1]}"
     click.echo(f"tk serve: {server.model_name} on {url}/v1 ({backend}, {slots} slots); Ctrl-C stops", err=True)
-    server.run(sock)
+    run(server, sock)
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -85,7 +89,10 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 def triton(artifact: Path, out: Path, model_name: str | None, backend: str, slots: int, max_queue: int,
            threads: int | None, prepack: bool, copy_artifact: bool, native: bool, sys_path: bool, force: bool) -> None:
     """Write a Triton model repository that serves ARTIFACT (static cache) with tk's batcher."""
+    from tk.runtimes.serving.scheduler import BatcherLimits
     from tk.toolkit.serving.triton.repo import write_repository
 
-    click.echo(str(write_repository(artifact, out, model_name, backend, slots, max_queue, threads, prepack,
-                                    copy_artifact, native, sys_path, force)))
+    click.echo(str(write_repository(artifact, out, name=model_name, backend=backend,
+                                    limits=BatcherLimits(slots=slots, max_queue=max_queue), threads=threads,
+                                    prepack=prepack, copy_artifact=copy_artifact, native=native, sys_path=sys_path,
+                                    force=force)))

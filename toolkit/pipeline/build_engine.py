@@ -9,14 +9,17 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from tk.exporters.trt_build import Limits, build_engines, compute_profiles
+from tk.exporters.trt_build import build_engines, compute_profiles
 from tk.models.spec import contract
-from tk.models.spec.manifest import ArtifactError, Manifest, Target
+from tk.models.spec.engine import EngineMeta, Limits
+from tk.models.spec.manifest import ArtifactError, Manifest
+from tk.models.spec.variant import Target
 from tk.models.spec.errors import UsageProblem, FilesystemProblem
 
 
-def build(artifact: Path, precision: str | None, max_batch: int, max_input_len: int | None, max_seq_len: int | None,
-          timing_cache: Path | None, workspace: float, force: bool, progress: Callable[[str], None]) -> dict:
+def build(artifact: Path, *, precision: str | None, max_batch: int, max_input_len: int | None,
+          max_seq_len: int | None, timing_cache: Path | None, workspace: float, force: bool,
+          progress: Callable[[str], None]) -> EngineMeta:
     """Unset lengths default to the model's context (at most 2048) and half of it for prompts."""
     manifest = Manifest.read(artifact)
     if manifest.variant.target is not Target.PORTABLE:
@@ -29,22 +32,27 @@ def build(artifact: Path, precision: str | None, max_batch: int, max_input_len: 
     max_seq_len = max_seq_len or manifest.variant.capacity or min(manifest.max_context, 2048)
     limits = Limits(max_batch, max_input_len or max(1, max_seq_len // 2), max_seq_len)
     compute_profiles(manifest.dims, limits, manifest.max_context)  # the flags are checked first
-    if (artifact / contract.ENGINE_META).exists() and not force:
+    meta_path = artifact / contract.ENGINE_META
+    if meta_path.exists() and not force:
         raise FilesystemProblem(f"{artifact} already has engines; pass --force to rebuild them")
     from tk.runtimes.backends.trt import trt_environment
 
     env = trt_environment()  # says what is missing (TensorRT, a GPU) before any work
-    meta, engines = build_engines(artifact, manifest, env, precision, limits, workspace, timing_cache, progress)
+    meta, engines = build_engines(artifact, manifest, env, precision, limits, workspace_gib=workspace,
+                                  timing_cache=timing_cache, progress=progress)
+    # engine.json goes first and comes back last: while the engines are replaced, none of them loads,
+    # and each engine's sha256 in it refuses a pair that was not built together
+    meta_path.unlink(missing_ok=True)
     written = []
-    try:  # each file lands whole (temp + rename); engine.json last, so a half build is never loadable
+    try:  # each file lands whole (temp + rename)
         for graph, blob in engines.items():
             fd, tmp = tempfile.mkstemp(dir=artifact, prefix=".engine-")
             with os.fdopen(fd, "wb") as f:
                 f.write(blob)
             written.append(tmp)
             os.replace(tmp, artifact / contract.ENGINE_FILES[graph])
-        (artifact / f".{contract.ENGINE_META}.tmp").write_text(json.dumps(meta, indent=2))
-        os.replace(artifact / f".{contract.ENGINE_META}.tmp", artifact / contract.ENGINE_META)
+        (artifact / f".{contract.ENGINE_META}.tmp").write_text(json.dumps(meta.to_dict(), indent=2))
+        os.replace(artifact / f".{contract.ENGINE_META}.tmp", meta_path)
     finally:
         for tmp in written:
             Path(tmp).unlink(missing_ok=True)

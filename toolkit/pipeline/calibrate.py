@@ -19,16 +19,16 @@ import numpy as np
 
 from tk.models.quant.calibration import Calibration, channel_scales
 from tk.models.spec.errors import UsageProblem
+from tk.models.spec.manifest import CalibrationRecord, sha256_file
 
 MAX_TOKENS = 16384
 WINDOW = 512
 
 
-def calibrate(model_dir: Path, config, precision, text_file: Path) -> tuple[Calibration, dict]:
+def calibrate(model_dir: Path, config, precision, text_file: Path) -> tuple[Calibration, CalibrationRecord]:
     """-> (the statistics and channel scales, the manifest's record)."""
     import torch
 
-    from tk.models.spec.manifest import sha256_file
     from tk.models.checkpoint.loading import load_decoder
     from tk.models.quant.quantize import quant_plan
     from tk.toolkit.textgen import Tokenizer
@@ -64,5 +64,5 @@ def calibrate(model_dir: Path, config, precision, text_file: Path) -> tuple[Cali
             h.remove()
     importance = {name: (s / len(ids)).numpy().astype(np.float32) for name, s in sums.items()}
     scales = channel_scales(model, quant_plan(config, precision), importance)
-    return Calibration(importance, scales), {"file": Path(text_file).name, "sha256": sha256_file(Path(text_file)),
-                                             "tokens": len(ids), "scaled_weights": len(scales)}
+    return Calibration(importance, scales), CalibrationRecord(Path(text_file).name, sha256_file(Path(text_file)),
+                                                              len(ids), len(scales))

@@ -17,18 +17,20 @@ import shutil
 import tempfile
 import threading
 import time
-from importlib import metadata
 from pathlib import Path
 from typing import Callable
 
 import onnx
 
 from tk.exporters.contract_check import check_graph_file
+from tk.exporters.onnx_util import opset_of
 from tk.exporters.onnx_export import CONTRIB_OPS, finish_graph, trace_graph
 from tk.exporters.trt_lint import lint_graphs
 from tk.exporters.weights import WEIGHTS_FILE, export_view, quant_table, weights_record, write_weights
 from tk.models.spec import contract
-from tk.models.spec.manifest import GraphFile, Manifest, Target, graph_dims, sha256_file
+from tk.models.spec.contract import GraphDims
+from tk.models.spec.manifest import GraphFile, Manifest, Source, sha256_file
+from tk.models.spec.variant import Target
 from tk.models.quant.calibration import Calibration, save as save_calibration
 from tk.models.spec.options import PROFILES, ExportOptions
 from tk.models.checkpoint.prequantized import read_prequantized
@@ -38,6 +40,7 @@ from tk.models.checkpoint.loading import CheckpointReader, read_config, torch_dt
 from tk.toolkit.pipeline.background import Background
 from tk.toolkit.pipeline.calibrate import calibrate
 from tk.toolkit.pipeline.validate import reference_run, run_validation
+from tk.toolkit.versions import package_version
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
@@ -47,10 +50,8 @@ REFERENCE_ENV = {"OMP_NUM_THREADS": "1"}  # the child shares the cores with trac
 def versions() -> dict[str, str]:
     out = {"python": platform.python_version()}
     for pkg in ("tk", "torch", "onnx", "onnxscript", "onnxruntime", "transformers"):
-        try:
-            out[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            pass
+        if (version := package_version(pkg)) is not None:
+            out[pkg] = version
     return out
 
 
@@ -105,9 +106,9 @@ def _export_graphs(model_dir: Path, tmp: Path, config, options: ExportOptions, p
     stop = threading.Event()
     writer = Background.thread(write_weights, CheckpointReader(model_dir, config), view, tmp / WEIGHTS_FILE, dtype,
                                stop=stop, precision=options.precision, calibration=calibration)
-    dims = graph_dims(config, options.precision, options.variant)
+    dims = GraphDims.of(config, options.precision, options.variant)
     try:
-        traced = {g: trace_graph(view, g, dims, options.variant) for g in contract.GRAPHS}
+        traced = {g: trace_graph(view, g, dims) for g in contract.GRAPHS}
         table = writer.result()
     finally:
         stop.set()  # a failed trace stops the writer at its next tensor
@@ -119,7 +120,7 @@ def _export_graphs(model_dir: Path, tmp: Path, config, options: ExportOptions, p
     for graph in contract.GRAPHS:
         path = tmp / contract.GRAPH_FILES[graph]
         seconds[graph], how = finish_graph(traced[graph], view, path, table, quant_table(view, options.precision))
-        opsets[graph] = onnx_opset(check_graph_file(path, graph, dims, CONTRIB_OPS[options.variant.target]))
+        opsets[graph] = opset_of(check_graph_file(path, graph, dims, CONTRIB_OPS[options.variant.target]))
         cache = f", static cache of {dims.kv_capacity}" if graph == contract.DECODE and dims.kv_capacity else ""
         fused = ", ONNX Runtime fused kernels" if options.variant.target is Target.ORT else ""
         progress(f"export {graph}{cache}{fused} ({how}): {seconds[graph]:.1f} s, contract ok")
@@ -143,12 +144,12 @@ def export_artifact(model_dir: str | Path, out: str | Path, options: ExportOptio
     if options.profile is not None:
         progress(f"--for {options.profile}: {PROFILES[options.profile].why}; that is {recipe(options)}")
     calibration = None
-    if options.precision.calibration is not None:
+    if options.calibration is not None:
         start = time.perf_counter()
-        calibration, record = calibrate(model_dir, config, options.precision, Path(options.precision.calibration["file"]))
+        calibration, record = calibrate(model_dir, config, options.precision, options.calibration)
         options = dataclasses.replace(options, precision=dataclasses.replace(options.precision, calibration=record))
-        progress(f"calibration: activation statistics of {len(calibration.importance)} weights on {record['tokens']:,} "
-                 f"tokens of {record['file']}, channel scales for {record['scaled_weights']} of them: "
+        progress(f"calibration: activation statistics of {len(calibration.importance)} weights on {record.tokens:,} "
+                 f"tokens of {record.file}, channel scales for {record.scaled_weights} of them: "
                  f"{time.perf_counter() - start:.1f} s")
     tmp, created = _prepare_out(out, options.force)
     # the float32 reference needs only the checkpoint: a child process runs it while this one
@@ -166,11 +167,11 @@ def export_artifact(model_dir: str | Path, out: str | Path, options: ExportOptio
         copied = [f for f in TOKENIZER_FILES if (model_dir / f).is_file()]
         for f in copied:
             shutil.copy2(model_dir / f, tmp / f)
-        manifest = Manifest(config.to_dict(), options.precision, options.variant, graphs,
-                            {"path": str(model_dir.resolve()), "config_sha256": sha256_file(model_dir / "config.json")},
-                            dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), copied, versions(),
-                            lint.to_dict(), profile=options.profile)
-        manifest.weights = weights_record(graphs_table, {g: tmp / contract.GRAPH_FILES[g] for g in contract.GRAPHS})
+        manifest = Manifest(config=config, precision=options.precision, variant=options.variant, graphs=graphs,
+                            source=Source(str(model_dir.resolve()), sha256_file(model_dir / "config.json")),
+                            created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                            tokenizer_files=copied, versions=versions(), trt_lint=lint.to_dict(), profile=options.profile,
+                            weights=weights_record(graphs_table, {g: tmp / contract.GRAPH_FILES[g] for g in contract.GRAPHS}))
         manifest.write(tmp)
         if reference is not None:
             run_validation(tmp, manifest, reference, progress)
@@ -192,7 +193,3 @@ def recipe(options: ExportOptions) -> str:
     flags += [f"--prefill-logits {v.prefill_logits.value}", f"--dtype {DTYPES[p.activations].short}"]
     flags += [f"--weights {p.weights} --block-size {p.block_size}"] if p.quantized else []
     return " ".join(flags)
-
-
-def onnx_opset(model: onnx.ModelProto) -> int:
-    return next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))

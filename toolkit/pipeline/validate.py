@@ -12,21 +12,24 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from tk.models.spec.manifest import Manifest, graph_dims
+from tk.models.spec.contract import GraphDims
+from tk.models.spec.manifest import Manifest, ValidationRecord
+from tk.models.spec.variant import Target
 
 from tk.models.spec.options import ExportOptions
 from tk.models.spec.errors import CheckFailed
 from tk.toolkit.backends import reference_runtime, torch_reference
 from tk.toolkit.pipeline.background import Background
 from tk.toolkit.verify.compare import ParityReport, ReferenceRun, compare_backends, run_reference
-from tk.toolkit.verify.metrics import random_cases, tolerance_for
+from tk.toolkit.verify.metrics import random_cases
+from tk.toolkit.verify.tolerance import tolerance_for
 from tk.toolkit.verify.report import case_dict, describe_divergence, divergence_dict, format_table
 
 VALIDATION_STEPS = 8
 
 
 def validate(artifact: Path, manifest: Manifest, steps: int = VALIDATION_STEPS,
-             reference: tuple[ReferenceRun, ReferenceRun | None] | None = None) -> tuple[dict, str, str | None]:
+             reference: tuple[ReferenceRun, ReferenceRun | None] | None = None) -> tuple[ValidationRecord, str, str | None]:
     """Export validation: ORT on the artifact vs the float32 PyTorch reference, through the parity
     engine without its probes. A quantized artifact is judged against the quantized reference with
     the same float tolerances, ORT multiplying in float ("float" compute); its fused MatMuls and its
@@ -46,8 +49,8 @@ def validate(artifact: Path, manifest: Manifest, steps: int = VALIDATION_STEPS,
     # ORT runs them through decode.onnx, TensorRT and prefill_via="prefill" through prefill.onnx
     # ("ort/pre" in the table); a portable export's ORT runs prefill.onnx, and serving continues
     # prompts through decode.onnx ("ort/dec"). Both ways are judged.
-    other = {"ort": ("ort/pre", "prefill"), "portable": ("ort/dec", "decode")}[manifest.variant.target.value]
-    runs = {"ort": None, **(dict([other]) if manifest.dims.decode_prefills else {})}
+    other = {Target.ORT: ("ort/pre", "prefill"), Target.PORTABLE: ("ort/dec", "decode")}[manifest.variant.target]
+    runs = {"ort": None, **(dict([other]) if manifest.variant.decode_prefills else {})}
     reports: list[ParityReport] = []
     for label, prefill_via in runs.items():  # one runtime, so one mapping of the weights, at a time
         with OrtRuntime(artifact, swap_sessions=True, quant_compute="float", prefill_via=prefill_via) as ort:
@@ -60,15 +63,15 @@ def validate(artifact: Path, manifest: Manifest, steps: int = VALIDATION_STEPS,
     where = describe_divergence(failing.name, first) if failing else None
     cases_run = [c for b in judged for c in b.cases]
     quantized = manifest.precision.quantized
-    record = {"passed": passed, "reference": "torch float32" + (", quantized weights" if quantized else ""),
-              "steps": steps, "tolerance": dataclasses.asdict(tol), "comparisons": [case_dict(c) for c in cases_run],
-              "first_divergence": divergence_dict(first)}
+    record = ValidationRecord(passed=passed, reference="torch float32" + (", quantized weights" if quantized else ""),
+                              steps=steps, tolerance=dataclasses.asdict(tol),
+                              comparisons=[case_dict(c) for c in cases_run], first_divergence=divergence_dict(first))
     table = format_table([c.comparison for c in cases_run])
     if quantized and passed:
         from tk.toolkit.verify.quant import check_fused, quantization_error
 
-        record["fused_matmulnbits"] = check_fused(artifact, manifest)
-        record["quantization"], q_table = quantization_error(artifact, manifest, full_ref, cases, steps)
+        record.fused_matmulnbits = check_fused(artifact, manifest)
+        record.quantization, q_table = quantization_error(artifact, manifest, full_ref, cases, steps)
         table += "\n" + q_table
     return record, table, where
 
@@ -88,8 +91,8 @@ def reference_run(model_dir: Path, config, options: ExportOptions, calibration=N
     validation cases (a debug export localizes to the layer outputs; quantized weights: also the
     quantized reference, with its `calibration`). Needs no artifact, so export runs
     it in a child process while it writes and traces."""
-    dims = graph_dims(config, options.precision, options.variant)
-    tol = tolerance_for(options.precision.activations, config.to_dict())
+    dims = GraphDims.of(config, options.precision, options.variant)
+    tol = tolerance_for(options.precision.activations, config)
     p = options.precision
     return _reference_runs(lambda quantized: torch_reference(
         model_dir, dims, config.max_position_embeddings, debug=options.variant.debug_outputs,
@@ -104,17 +107,18 @@ def run_validation(tmp: Path, manifest: Manifest, reference: "Background", progr
     t = time.perf_counter()
     manifest.validation, table, where = validate(tmp, manifest, reference=ref)
     manifest.write(tmp)
-    verdict = "passed" if manifest.validation["passed"] else "FAILED"
+    v = manifest.validation
+    verdict = "passed" if v.passed else "FAILED"
     progress(f"validate ORT vs torch float32 ({VALIDATION_STEPS} decode steps): {verdict}, "
              f"{time.perf_counter() - t:.1f} s")
-    q = manifest.validation.get("quantization")
+    q = v.quantization
     if q is not None:
-        fused = manifest.validation["fused_matmulnbits"]
+        fused = v.fused_matmulnbits
         progress(f"quantized MatMuls fused into MatMulNBits: {fused['prefill']} and {fused['decode']}, all; "
                  f"quantization error vs full precision: top-1 {q['top1_mean']:.3f}, top-5 {q['top5_mean']:.3f}, "
                  f"KL {q['kl_max_mean']:.3g}" + ("" if q["within_table"] else
                                                  " -- MORE than the table expects: measure it on your text "
                                                  "with tk eval before you deploy"))
-    if not manifest.validation["passed"]:
+    if not v.passed:
         raise CheckFailed(f"export validation failed: {where or 'ort failed its ' + manifest.dtype + ' tolerance'}",
                           table)

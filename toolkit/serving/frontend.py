@@ -1,6 +1,6 @@
 """What both serving front ends do alike, written once: a client's generation parameters made a
 batcher `Request`, its text as the tokens arrive, when it stops, and what is counted under which
-metric names. toolkit/serving/openai/server.py (HTTP) and triton_backend.py (inside Triton) keep
+metric names. The OpenAI server (HTTP) and the Triton model (inside Triton) keep
 only their transport: how a request arrives, how each piece of text leaves, and the metrics
 library they count with.
 
@@ -127,7 +127,7 @@ class Job(ABC):
     event)` hands out each event with the new text it makes safe to show (the rest of the text
     on a completed finish), and `listening()` may say the client is gone (the job then cancels)."""
 
-    def __init__(self, batcher: Batcher, prompt: Sequence[int], params: Params, tokenizer: Tokenizer | None,
+    def __init__(self, batcher: Batcher, prompt: Sequence[int], params: Params, *, tokenizer: Tokenizer | None,
                  metrics: Metrics, choice: int = 0):
         if params.stop and tokenizer is None:
             raise InputError("stop needs the artifact's tokenizer")
@@ -136,8 +136,9 @@ class Job(ABC):
         self.last = time.perf_counter()  # the last token's time (at first: submission)
         self.grammar = params.constraint.start() if params.constraint is not None else None
         processors = params.processors(batcher.runtime.dims.vocab_size, sorted(batcher.eos), self.grammar)
-        self.request = Request(self.prompt, params.max_tokens, params.sampling(choice), params.ignore_eos,
-                               self._on_event, self._stopped, processors, params.logprobs, params.prompt_logprobs)
+        self.request = Request(self.prompt, params.max_tokens, params.sampling(choice), ignore_eos=params.ignore_eos,
+                               on_event=self._on_event, stop=self._stopped, processors=processors,
+                               logprobs=params.logprobs, prompt_logprobs=params.prompt_logprobs)
 
     def submit(self) -> Request:
         """Hand the request to the batcher (QueueFull, BatcherClosed, InputError as it raises them)."""

@@ -21,7 +21,6 @@ from pathlib import Path
 import numpy as np
 
 from tk.models.spec.manifest import Manifest
-from tk.models.spec.config import DecoderConfig
 from tk.models.spec.contract import DECODE
 from tk.models.spec.errors import UsageProblem
 from tk.runtimes.base import BackendUnavailable
@@ -98,7 +97,7 @@ def bench(artifact: Path, backends: list[str], prompt_len: int = 128, new_tokens
 def _bench(artifact, runtimes, skipped, loaded, prompt_len, new_tokens, batch, repeats, options, seed) -> dict:
     first = next(iter(runtimes.values()))
     manifest = Manifest.read(artifact)
-    cfg = DecoderConfig.from_dict(manifest.config)
+    cfg = manifest.config
     if prompt_len + new_tokens > first.max_context:
         raise UsageProblem(f"--prompt-len {prompt_len} + --new-tokens {new_tokens} exceeds the model's context of "
                            f"{first.max_context}")

@@ -19,7 +19,7 @@ from tk.runtimes.decoding.generate import left_pad
 from tk.runtimes.decoding.sampling import SamplingConfig
 from tk.toolkit.backends import open_runtime, reference_runtime
 from tk.toolkit.pipeline.export import export_artifact
-from tk.toolkit.verify.metrics import tolerance_for
+from tk.toolkit.verify.tolerance import tolerance_for
 from tk.toolkit.verify.compare import compare_backends
 from tk.toolkit.textgen import Tokenizer, generate_text
 
@@ -51,7 +51,7 @@ def run_demo(preset: str, prompt: str, max_new_tokens: int, echo: Callable[[str]
             report = compare_backends(ref, {"ort": ort}, {"demo": (pids, mask)}, tol, max_new_tokens - 1,
                                       probes=False, free_running=False)
         steps = report.backends["ort"].cases[0].comparison.steps
-        worst = max(s.max_abs for s in steps)
+        worst = max(s.metrics.max_abs for s in steps)
         echo(f"4. tokens identical on torch and ORT: {'yes' if same else 'NO'}; "
              f"largest logit difference over {len(steps)} steps: {worst:.3g} "
              f"({max(s.error_ratio for s in steps):.2g} of its bound)")

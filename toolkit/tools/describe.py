@@ -7,7 +7,8 @@ import math
 from pathlib import Path
 
 from tk.models.spec import contract
-from tk.models.spec.manifest import Manifest, Precision, Variant
+from tk.models.spec.manifest import Manifest, Precision
+from tk.models.spec.variant import Variant
 from tk.models.spec.options import PROFILES
 from tk.models.spec.config import DecoderConfig
 from tk.models.spec.dtypes import DTYPES
@@ -34,7 +35,7 @@ def memory_plan(cfg: DecoderConfig, precision: Precision, batch: int, seq_len: i
     KV = 2 * layers * batch * seq * kv_heads * head_dim * bytes; a static one (an artifact's `dims`)
     holds each layer's capacity, a sliding layer's ring only its slots. Weights: `weights_bytes` (an
     artifact's, counted from its graphs), else the checkpoint's parameters in the weights' dtype."""
-    dims = dims or contract.GraphDims(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size, precision.kv)
+    dims = dims or contract.GraphDims.of(cfg, precision, Variant())
     weights = weights_bytes if weights_bytes is not None else int(parameter_count(cfg) * DTYPES[precision.weights].bytes)
     static = dims.kv_capacity is not None
     kv = dims.static_cache_bytes(batch) if static else dims.kv_bytes_per_token(batch) * seq_len
@@ -53,7 +54,7 @@ def weight_bytes_by_dtype(artifact: Path, manifest) -> dict[str, int]:
     """Bytes of the weights file by data type, from the manifest's table (a 4-bit table's bytes
     counted once, as its 4-bit type, not again as the uint8 view an embedding's Gather reads)."""
     by_offset: dict[int, tuple[int, str]] = {}
-    for offset, length, dtype, *_ in sorted(manifest.weights.values(), key=lambda e: e[2] not in ("int4", "uint4")):
+    for offset, length, dtype, *_ in sorted(manifest.weights.values(), key=lambda e: e.dtype not in ("int4", "uint4")):
         by_offset.setdefault(offset, (length, dtype))
     out: dict[str, int] = {}
     for length, dtype in by_offset.values():
@@ -83,20 +84,26 @@ def _io_table(path: Path) -> tuple[list[dict], int, dict]:
     import onnx
 
     from tk.exporters.contract_check import describe_value, op_histogram
+    from tk.exporters.onnx_util import opset_of
 
     model = onnx.load(str(path), load_external_data=False)
     rows = [{"kind": kind, "name": n, "dtype": d, "dims": list(s)}
             for kind, values in (("input", model.graph.input), ("output", model.graph.output))
             for n, d, s in map(describe_value, values)]
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
-    return rows, opset, op_histogram(model)
+    return rows, opset_of(model), op_histogram(model)
+
+
+def validation_summary(manifest: Manifest) -> dict:
+    """manifest.json's validation record without its per-case comparisons."""
+    v = manifest.validation
+    return {"skipped": True} if v is None else {k: x for k, x in v.to_dict().items() if k != "comparisons"}
 
 
 def inspect_path(path: str | Path, batch: int = 1, seq_len: int | None = None) -> dict:
     path = Path(path)
     if (path / contract.MANIFEST).is_file():
         manifest = Manifest.read(path)
-        cfg = DecoderConfig.from_dict(manifest.config)
+        cfg = manifest.config
         precision = manifest.precision
         graphs = {}
         for graph in contract.GRAPHS:
@@ -104,12 +111,12 @@ def inspect_path(path: str | Path, batch: int = 1, seq_len: int | None = None) -
             graphs[graph] = {"io": io, "opset": opset, "ops": ops}
         v = manifest.variant
         by_dtype = weight_bytes_by_dtype(path, manifest)
-        info = {"kind": "artifact", "precision": precision.describe(), "weights_by_dtype": by_dtype, "path": str(path), "source": manifest.source["path"], "graphs": graphs,
+        info = {"kind": "artifact", "precision": precision.describe(), "weights_by_dtype": by_dtype, "path": str(path), "source": manifest.source.path, "graphs": graphs,
                 "profile": manifest.profile, "same_graphs_as": matching_profiles(v, precision),
                 "target": v.target.value, "kv_cache": v.cache.value,
                 "capacity": v.capacity, "prefill_logits": v.prefill_logits.value,
                 "decode_prefills": v.decode_prefills, "trt_lint": manifest.trt_lint,
-                "validation": {k: v for k, v in manifest.validation.items() if k != "comparisons"}}
+                "validation": validation_summary(manifest)}
     else:
         cfg = read_config(path)
         precision = Precision()

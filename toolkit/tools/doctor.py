@@ -3,23 +3,16 @@
 from __future__ import annotations
 
 import platform
-from importlib import metadata
 
 from tk.models.spec.manifest import ArtifactError
 from tk.runtimes.base import BackendUnavailable
 from tk.toolkit.backends import BACKENDS
-
-
-def _version(pkg: str) -> str | None:
-    try:
-        return metadata.version(pkg)
-    except metadata.PackageNotFoundError:
-        return None
+from tk.toolkit.versions import package_version
 
 
 def doctor_report() -> dict:
     report = {"python": {"available": True, "version": platform.python_version(), "platform": platform.platform()},
-              "tk": {"available": True, "version": _version("tk") or "source"}}
+              "tk": {"available": True, "version": package_version("tk") or "source"}}
     try:
         import torch
 
@@ -43,7 +36,8 @@ def doctor_report() -> dict:
         report["tensorrt"] = {"available": True, "version": env["tensorrt_version"], "gpu": env["gpu_name"],
                               "compute_capability": env["compute_capability"]}
     except (BackendUnavailable, ArtifactError) as e:
-        report["tensorrt"] = {"available": False, "version": _version("tensorrt"), "reason": str(e)}
-    report["polygraphy"] = {"available": _version("polygraphy") is not None, "version": _version("polygraphy")}
+        report["tensorrt"] = {"available": False, "version": package_version("tensorrt"), "reason": str(e)}
+    polygraphy = package_version("polygraphy")
+    report["polygraphy"] = {"available": polygraphy is not None, "version": polygraphy}
     report["backends"] = {"available": True, "version": ", ".join(BACKENDS)}
     return report

@@ -19,12 +19,13 @@ import numpy as np
 
 from tk.models.spec.manifest import Manifest
 from tk.models.spec.errors import UsageProblem
+from tk.runtimes.backends.torch import resolve_device
 from tk.runtimes.base import BackendUnavailable, InputError, Runtime
 from tk.runtimes.decoding.generate import left_pad
 from tk.toolkit.backends import BackendOptions, open_runtime, reference_runtime
-from tk.toolkit.verify.metrics import (Comparison, Divergence, Tolerance, Trace, compare_traces, random_cases,
-                                       run_trace, tolerance_for)
+from tk.toolkit.verify.metrics import Comparison, Divergence, Trace, compare_traces, random_cases, run_trace
 from tk.toolkit.verify.probes import ProbeResult, run_probes
+from tk.toolkit.verify.tolerance import Tolerance, tolerance_for
 
 
 def greedy_match(ref_tokens: np.ndarray, free_tokens: np.ndarray) -> list[int]:
@@ -153,13 +154,15 @@ def artifact_cases(artifact: Path, prompts_file: Path | None, vocab_size: int, s
     return {f"file-batch{len(prompts)}": left_pad(prompts)}
 
 
-def parity(artifact: Path, backends: list[str], steps: int = 16, seed: int = 0, prompts_file: Path | None = None,
-           overrides: dict | None = None, options: BackendOptions = BackendOptions()) -> ParityReport:
-    """The whole `tk parity` run on an artifact; backends that cannot load are reported as skipped."""
+def parity(artifact: Path, backends: list[str], *, steps: int = 16, seed: int = 0, prompts_file: Path | None = None,
+           options: BackendOptions = BackendOptions(), atol: float | None = None, rtol: float | None = None,
+           min_top1: float | None = None) -> ParityReport:
+    """The whole `tk parity` run on an artifact; backends that cannot load are reported as skipped.
+    `atol`, `rtol` and `min_top1` replace the artifact's tolerance's, where given."""
     if steps < 1:
         raise UsageProblem(f"--steps must be at least 1, got {steps}")
     manifest = Manifest.read(artifact)
-    tol = tolerance_for(manifest.dtype, manifest.config, **(overrides or {}))
+    tol = tolerance_for(manifest.dtype, manifest.config, atol=atol, rtol=rtol, min_top1=min_top1)
     if manifest.precision.quantized:  # judged against the quantized reference: ORT multiplies in float too
         options = dataclasses.replace(options, quant_compute="float")
     with contextlib.ExitStack() as active:  # every loaded runtime is closed, whatever happens
@@ -167,6 +170,9 @@ def parity(artifact: Path, backends: list[str], steps: int = 16, seed: int = 0, 
         ref = active.enter_context(reference_runtime(artifact, manifest, debug=True))
         runtimes: dict[str, Runtime | str] = {}
         for name in backends:
+            if name == "torch" and _torch_is_reference(manifest, options):
+                runtimes[name] = ref  # the same checkpoint, dtype and device: loaded once
+                continue
             try:
                 runtimes[name] = active.enter_context(open_runtime(artifact, name, options))
             except BackendUnavailable as e:  # not installed here, or (trt) no engines built yet
@@ -174,3 +180,10 @@ def parity(artifact: Path, backends: list[str], steps: int = 16, seed: int = 0, 
         cases = artifact_cases(artifact, prompts_file, ref.dims.vocab_size, seed)
         report = compare_backends(ref, runtimes, cases, tol, steps, seed)
     return dataclasses.replace(report, artifact=artifact, dtype=manifest.dtype)
+
+
+def _torch_is_reference(manifest: Manifest, options: BackendOptions) -> bool:
+    """Whether the torch backend would compute what `parity`'s reference computes: float32 on the
+    CPU, the plain graphs' math. (The reference also returns hidden states; compared with
+    themselves, they agree.)"""
+    return manifest.dtype == "float32" and resolve_device(options.device) == "cpu" and not options.static_cache

@@ -4,101 +4,22 @@
 and the slice of every present tensor that step wrote. The reference backend picks its greedy
 tokens; every other backend is teacher-forced with those tokens, so one divergent sample does
 not derail the rest. `compare_traces` turns two traces into per-step metrics judged against the
-model's tolerance, and localizes, from the same diffs, where a backend first leaves it;
-`measure_traces` gives the metrics alone, judged by no tolerance (quantization error). Bounds
-scale with the model: each tensor is judged relative to the reference's own magnitude, at the
-depth it was computed, with float32's relative bound derived from the model's accumulation
-length. `tk export` validation and `tk parity` are both this code (toolkit/verify/compare.py).
+model's tolerance (toolkit/verify/tolerance.py), and localizes, from the same diffs, where a
+backend first leaves it; `measure_traces` gives the metrics alone, judged by no tolerance
+(quantization error). `tk export` validation and `tk parity` are both this code
+(toolkit/verify/compare.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from tk.models.spec.contract import present_names
 from tk.runtimes.base import Runtime
 from tk.runtimes.decoding.generate import left_pad
-
-
-# Unit roundoff (half the machine epsilon) of each activation dtype.
-UNIT_ROUNDOFF = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
-# A dot product of length K computed in floating point with unit roundoff u has relative error
-# at most lambda * sqrt(K) * u with probability 1 - 2 exp(-lambda^2 / 2) when rounding errors are
-# independent (Higham & Mary, "A new approach to probabilistic rounding error analysis", SIAM J.
-# Sci. Comput. 2019). Each layer adds its own, so a tensor that went through d layers is held to d
-# times that. Lambda 8: over the ~1e7 values a parity run compares, the chance that rounding
-# alone breaks a bound is under 2e7 * exp(-32) = 3e-7. Measured, ORT vs torch fp32 (tk parity,
-# 16 steps): the worst logit error is 0.11 of this bound on the tiny Llama family and 0.024 on the
-# trained-like preset (max_abs 1.6e-4 at max_rel 5e-6, as on the real 135M checkpoint of FACTS.md,
-# where the bound at a logit of 30 is 1.7e-2 against the 1.7e-4 measured).
-LAMBDA = 8.0
-
-
-@dataclass(frozen=True)
-class Tolerance:
-    """What one model may differ by in one precision. A tensor that went through d layers passes
-    when |diff| <= atol + rtol * d * scale, scale being max |reference| over the tensor (logits:
-    over each position's vocabulary; present.{i} and hidden.{i} sit at depth i + 1, logits at
-    `depth`, the layers plus the head). Token-level gates come on top, in every precision."""
-
-    atol: float  # absolute floor, for values near zero
-    rtol: float  # relative error allowed per layer of depth
-    depth: int  # the logits' depth: num_layers + 1
-    min_top1: float  # fraction of decided positions whose argmax must agree
-    tie: float  # a position whose reference top-2 margin is under tie x its logit bound is a tie
-    min_top5: float  # least mean overlap of the top-5 sets
-    probe_noise: float  # a probe allows a backend this many times the reference's own result on it
-
-    def bound(self, scale, depth: int | None = None):
-        """The largest |difference| allowed for a tensor of magnitude `scale` at `depth`."""
-        return self.atol + self.rtol * (self.depth if depth is None else depth) * scale
-
-    kl_cap: float  # KL(reference || backend) allowed at any position, whatever the bound
-
-    def max_kl(self, bound):
-        """KL(p || softmax(log p + delta)) = Var_p(delta) / 2 + O(delta^3) <= bound^2 / 2 when every
-        |delta| <= bound: the KL a position may reach if its logits are within their bound (the
-        1% covers the third-order term), capped by `kl_cap`."""
-        return np.minimum(0.5 * np.square(bound) * 1.01 + 1e-12, self.kl_cap)
-
-
-# Per precision: (atol, rtol per layer, min_top1, tie, min_top5, kl_cap). float32's rtol is
-# derived from the arithmetic (LAMBDA * u * sqrt(K), K the model's longest accumulation); fp16
-# and bf16 round every activation to their own precision, so a layer's relative error is a few
-# units of their roundoff whatever K is.
-_TABLE = {
-    # atol 1e-5: torch.testing's float32 default. A flip needs both logits off by their bound: tie 2.
-    # A 5th/6th near-tie may swap at one position: top-5 0.8. KL is bounded by the logits' bound.
-    "float32": (1e-5, None, 1.0, 2.0, 0.8, 1e-4),
-    # ORT's llama_parity.py bounds fp16 logits at 0.5. Measured (tk parity, 16 steps): tiny Llama
-    # 0.022 (0.17 of the bound), trained-like preset 0.30 (0.19 of it, KL 2.7e-3); the real 135M
-    # checkpoint 0.085, where the bound is 0.1 + 4u * 31 * 30 = 1.9. Ties under a tenth of the
-    # bound (PyTorch's own fp16 cache/no-cache gap is 0.0195, transformers #25420).
-    "float16": (0.1, 4 * UNIT_ROUNDOFF["float16"], 0.95, 0.1, 0.6, 0.02),
-    # bf16: 8 bits of mantissa; PyTorch's own cache/no-cache gap is 0.125 (transformers #25420).
-    "bfloat16": (0.5, 4 * UNIT_ROUNDOFF["bfloat16"], 0.9, 0.25, 0.6, 0.1),
-}
-# ORT's cache-vs-recompute gap on the real 135M checkpoint is 1.4x PyTorch's (1.18e-4 vs 8.2e-5).
-PROBE_NOISE = 4.0
-
-
-def accumulation_length(config) -> int:
-    """The longest dot product of a layer: the hidden size (projections, norms, the head) or the
-    FFN's inner size (down projection)."""
-    get = config.get if isinstance(config, dict) else lambda k: getattr(config, k)
-    return max(get("hidden_size"), get("intermediate_size"))
-
-
-def tolerance_for(dtype: str, config, **overrides) -> Tolerance:
-    """The tolerance for a model (a DecoderConfig or its dict) in `dtype`; overrides replace fields."""
-    num_layers = config["num_layers"] if isinstance(config, dict) else config.num_layers
-    atol, rtol, min_top1, tie, min_top5, kl_cap = _TABLE[dtype]
-    if rtol is None:
-        rtol = LAMBDA * UNIT_ROUNDOFF[dtype] * accumulation_length(config) ** 0.5
-    tol = Tolerance(atol, rtol, num_layers + 1, min_top1, tie, min_top5, PROBE_NOISE, kl_cap)
-    return replace(tol, **{k: v for k, v in overrides.items() if v is not None})
+from tk.toolkit.verify.tolerance import Tolerance
 
 
 @dataclass
@@ -111,17 +32,29 @@ class Trace:
     held: list[np.ndarray | None] = field(default_factory=list)  # prefill, per tensor: positions a ring holds (None: all)
 
 
-@dataclass
-class StepResult:
+@dataclass(kw_only=True)
+class StepMetrics:
+    """What a backend's logits differ by from the reference's at one step, before any tolerance:
+    alone for changes meant to move them (quantization, toolkit/verify/quant.py), and inside every
+    `StepResult`."""
+
     step: int  # 0 = prefill
     max_abs: float
     mean_abs: float
     max_rel: float  # max_abs / max |reference logit|
-    error_ratio: float  # largest |logit difference| / its bound over positions: the gate is <= 1
     cosine_min: float  # smallest cosine similarity between reference and backend logit vectors
-    top1: float  # fraction of compared positions whose argmax agrees (reference near-ties count as agreeing)
+    top1: float  # fraction of compared positions whose argmax agrees
     top5: float  # mean overlap of the top-5 sets, 0..1
     kl_max: float  # largest KL(softmax(reference) || softmax(backend)) over positions
+
+
+@dataclass(kw_only=True)
+class StepResult:
+    """One step judged by a tolerance: its metrics, and what the gate reads."""
+
+    metrics: StepMetrics
+    error_ratio: float  # largest |logit difference| / its bound over positions: the gate is <= 1
+    top1: float  # as metrics.top1, but the reference's near-ties count as agreeing
     kl_ratio: float  # largest KL / the KL its position's logit bound allows
     present_max_abs: list[float]  # per present tensor, contract order
     present_ratio: float  # largest |cache difference| / its layer's bound
@@ -156,21 +89,6 @@ class Comparison:
     @property
     def passed(self) -> bool:
         return all(s.passed for s in self.steps)
-
-
-@dataclass
-class StepMetrics:
-    """What a backend's logits differ by from the reference's at one step, judged by no tolerance:
-    for changes meant to move them (quantization, toolkit/verify/quant.py)."""
-
-    step: int  # 0 = prefill
-    max_abs: float
-    mean_abs: float
-    max_rel: float  # max_abs / max |reference logit|
-    cosine_min: float
-    top1: float  # fraction of compared positions whose argmax agrees
-    top5: float  # mean overlap of the top-5 sets, 0..1
-    kl_max: float  # largest KL(softmax(reference) || softmax(backend)) over positions
 
 
 def run_trace(runtime: Runtime, ids: np.ndarray, mask: np.ndarray, steps: int,
@@ -211,6 +129,7 @@ class LogitMetrics:
     abs_diff: np.ndarray  # (N,) largest |difference| per position (inf where the backend is not finite)
     scale: np.ndarray  # (N,) max |reference logit| per position
     kl: np.ndarray  # (N,) KL(softmax(reference) || softmax(backend)) (inf where the backend is not finite)
+    agree: np.ndarray  # (N,) whether the two argmaxes agree
     mean_abs: float
     top5: float
     cosine_min: float
@@ -222,6 +141,11 @@ class LogitMetrics:
     @property
     def max_rel(self) -> float:
         return self.max_abs / max(float(self.scale.max()), 1e-12)
+
+    def at(self, step: int) -> StepMetrics:
+        return StepMetrics(step=step, max_abs=self.max_abs, mean_abs=self.mean_abs, max_rel=self.max_rel,
+                           cosine_min=self.cosine_min, top1=float(self.agree.mean()), top5=self.top5,
+                           kl_max=float(self.kl.max()))
 
 
 def measure_logits(ref: np.ndarray, test: np.ndarray, keep: np.ndarray) -> LogitMetrics:
@@ -237,7 +161,8 @@ def measure_logits(ref: np.ndarray, test: np.ndarray, keep: np.ndarray) -> Logit
     p, q = _softmax(r), _softmax(t)
     kl = (p * (np.log(np.maximum(p, 1e-300)) - np.log(np.maximum(q, 1e-300)))).sum(-1)
     return LogitMetrics(r, t, np.where(finite, d.max(-1), np.inf), np.abs(r).max(-1), np.where(finite, kl, np.inf),
-                        float(d.mean()) if finite.all() else float("inf"), top5, float(cos.min()))
+                        r.argmax(-1) == t.argmax(-1), float(d.mean()) if finite.all() else float("inf"), top5,
+                        float(cos.min()))
 
 
 @dataclass
@@ -258,13 +183,13 @@ def compare_logits(ref: np.ndarray, test: np.ndarray, keep: np.ndarray, tol: Tol
     bound = tol.bound(m.scale)
     top2 = -np.partition(-m.ref, 1, axis=-1)[:, :2]  # (N, 2): best and second-best reference logits
     decided = (top2[:, 0] - top2[:, 1]) >= tol.tie * bound
-    top1 = float(((m.ref.argmax(-1) == m.test.argmax(-1)) | ~decided).mean())  # near-ties may go either way
+    top1 = float((m.agree | ~decided).mean())  # near-ties may go either way
     ratio = float((m.abs_diff / bound).max())
     kl_ratio = float((m.kl / tol.max_kl(bound)).max())
     pmax, pratio = present
     logits_passed = bool(ratio <= 1.0 and kl_ratio <= 1.0 and top1 >= tol.min_top1 and m.top5 >= tol.min_top5)
-    result = StepResult(step, m.max_abs, m.mean_abs, m.max_rel, ratio, m.cosine_min, top1, m.top5,
-                        float(m.kl.max()), kl_ratio, pmax, pratio, bool(logits_passed and pratio <= 1.0))
+    result = StepResult(metrics=m.at(step), error_ratio=ratio, top1=top1, kl_ratio=kl_ratio, present_max_abs=pmax,
+                        present_ratio=pratio, passed=bool(logits_passed and pratio <= 1.0))
     return LogitDiff(m.abs_diff, bound, logits_passed, result)
 
 
@@ -373,9 +298,7 @@ def measure_traces(ref: Trace, test: Trace, mask: np.ndarray) -> list[StepMetric
     out = []
     for step, (r, t) in enumerate(zip(ref.logits, test.logits)):
         r, t, keep, _ = _common_positions(r, t, _step_keep(mask, step))
-        m = measure_logits(r, t, keep)
-        top1 = float((m.ref.argmax(-1) == m.test.argmax(-1)).mean())
-        out.append(StepMetrics(step, m.max_abs, m.mean_abs, m.max_rel, m.cosine_min, top1, m.top5, float(m.kl.max())))
+        out.append(measure_logits(r, t, keep).at(step))
     return out
 
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from tk.runtimes.base import Runtime
 from tk.runtimes.decoding.generate import left_pad
-from tk.toolkit.verify.metrics import Tolerance
+from tk.toolkit.verify.tolerance import Tolerance
 
 
 @dataclass

@@ -56,10 +56,9 @@ def fused_matmuls(artifact: Path, manifest) -> dict[str, tuple[int, list[str]]]:
 
 
 def expected_quantized(manifest) -> int:
-    from tk.models.spec.config import DecoderConfig
     from tk.models.quant.quantize import quant_plan
 
-    return len(set(quant_plan(DecoderConfig.from_dict(manifest.config), manifest.precision)) - {"embed.weight"})
+    return len(set(quant_plan(manifest.config, manifest.precision)) - {"embed.weight"})
 
 
 def check_fused(artifact: Path, manifest) -> dict[str, int]:

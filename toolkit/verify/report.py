@@ -13,7 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from tk.toolkit.verify.compare import BackendReport, CaseReport, ParityReport
-from tk.toolkit.verify.metrics import Comparison, Divergence
+from tk.toolkit.verify.metrics import Comparison, Divergence, StepResult
 from tk.toolkit.verify.probes import ProbeResult
 
 SCHEMA_VERSION = 2
@@ -44,8 +44,17 @@ def backend_dict(b: BackendReport) -> dict:
 def case_dict(c: CaseReport) -> dict:
     cmp = c.comparison
     return {"backend": cmp.backend, "reference": cmp.reference, "case": cmp.case, "passed": cmp.passed,
-            "steps": [asdict(s) for s in cmp.steps], "greedy_match": c.greedy_match,
+            "steps": [step_dict(s) for s in cmp.steps], "greedy_match": c.greedy_match,
             "first_divergence": divergence_dict(cmp.first_divergence)}
+
+
+def step_dict(s: StepResult) -> dict:
+    """A judged step as one flat record: the gate's figures among the metrics, as the schema has them."""
+    m = s.metrics
+    return {"step": m.step, "max_abs": m.max_abs, "mean_abs": m.mean_abs, "max_rel": m.max_rel,
+            "error_ratio": s.error_ratio, "cosine_min": m.cosine_min, "top1": s.top1, "top5": m.top5,
+            "kl_max": m.kl_max, "kl_ratio": s.kl_ratio, "present_max_abs": list(s.present_max_abs),
+            "present_ratio": s.present_ratio, "passed": s.passed}
 
 
 def divergence_dict(d: Divergence | None) -> dict | None:
@@ -58,15 +67,15 @@ def format_table(results: list[Comparison]) -> str:
     lines = [f"{'backend':8} {'case':20} {'steps':>5} {'max_abs':>9} {'mean_abs':>9} {'max_rel':>9} {'err/bound':>9} "
              f"{'cos_min':>9} {'top1':>5} {'top5':>5} {'kl_max':>8} {'kv_abs':>9} {'kv/bound':>8}  result"]
     for c in results:
-        s = c.steps
+        s, m = c.steps, [x.metrics for x in c.steps]
         kv = max((max(x.present_max_abs) for x in s if x.present_max_abs), default=float("nan"))
-        failed = [x.step for x in s if not x.passed]
+        failed = [x.metrics.step for x in s if not x.passed]
         verdict = "ok" if not failed else "FAIL at step " + ",".join(map(str, failed[:8])) + (
             "..." if len(failed) > 8 else "")
-        lines.append(f"{c.backend:8} {c.case:20} {len(s):>5} {max(x.max_abs for x in s):9.3g} "
-                     f"{max(x.mean_abs for x in s):9.3g} {max(x.max_rel for x in s):9.3g} "
-                     f"{max(x.error_ratio for x in s):9.3g} {min(x.cosine_min for x in s):9.6f} "
-                     f"{min(x.top1 for x in s):5.2f} {min(x.top5 for x in s):5.2f} {max(x.kl_max for x in s):8.2g} "
+        lines.append(f"{c.backend:8} {c.case:20} {len(s):>5} {max(x.max_abs for x in m):9.3g} "
+                     f"{max(x.mean_abs for x in m):9.3g} {max(x.max_rel for x in m):9.3g} "
+                     f"{max(x.error_ratio for x in s):9.3g} {min(x.cosine_min for x in m):9.6f} "
+                     f"{min(x.top1 for x in s):5.2f} {min(x.top5 for x in m):5.2f} {max(x.kl_max for x in m):8.2g} "
                      f"{kv:9.3g} {max(x.present_ratio for x in s):8.3g}  {verdict}")
     return "\n".join(lines)
 
@@ -149,8 +158,8 @@ def write_junit(report: ParityReport, path: Path, required: tuple[str, ...] = ()
             if not cmp.passed:
                 s = next(s for s in cmp.steps if not s.passed)
                 failure = (describe_divergence(name, cmp.first_divergence) if cmp.first_divergence else
-                           f"{name} failed a token-level gate at step {s.step}: top1 {s.top1:.2f}, top5 {s.top5:.2f}"
-                           f", kl {s.kl_max:.3g}")
+                           f"{name} failed a token-level gate at step {s.metrics.step}: top1 {s.top1:.2f}, top5 "
+                           f"{s.metrics.top5:.2f}, kl {s.metrics.kl_max:.3g}")
             case(f"tk.parity.{name}", cmp.case, failure, text=format_table([cmp]))
         for p in b.probes:
             probe_case(name, p)
@@ -175,7 +184,7 @@ def plot(report: ParityReport, path: Path) -> None:
     for name, b in report.backends.items():
         for c in b.cases:
             steps = c.comparison.steps
-            ax.semilogy([s.step for s in steps], [max(s.error_ratio, 1e-12) for s in steps],
+            ax.semilogy([s.metrics.step for s in steps], [max(s.error_ratio, 1e-12) for s in steps],
                         marker="o", label=f"{name} {c.comparison.case}")
     ax.axhline(1.0, color="red", linestyle="--", label="tolerance")
     ax.set_xlabel("step (0 = prefill)")

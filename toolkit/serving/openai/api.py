@@ -1,8 +1,8 @@
-"""The OpenAI API's shapes for `tk serve`, apart from the request bodies (openai_schemas.py): errors,
+"""The OpenAI API's shapes for `tk serve`, apart from the request bodies (the schemas module): errors,
 what a body asks of each generation, and the responses and server-sent-event chunks, with
 log-probabilities in OpenAI's two shapes (completions: `tokens`/`token_logprobs`/`top_logprobs`/
 `text_offset`; chat: `content` entries with `bytes` and `top_logprobs`). No server here
-(toolkit/serving/openai/server.py).
+(the server module).
 
 One request may ask for several choices: each prompt of a list, `n` times; choice `i * n + j` is
 prompt i's j-th, as vLLM numbers them. Each choice is one batcher request (its own seed stream).
@@ -20,8 +20,10 @@ from tk.runtimes.decoding.logits import TokenLogprob
 from tk.runtimes.decoding.rows import FinishReason
 from tk.runtimes.serving.slots import Slots
 from tk.toolkit.serving import frontend
-from tk.toolkit.serving.openai.schemas import LIMITS
 
+# Caps on what one request may list (each a 400 beyond; the schemas say them): OpenAI's own are lower for `stop` (4).
+LIMITS = {"prompts": 1024, "n": 128, "stop": 16, "stop_chars": 512, "messages": 1024, "logit_bias": 1024,
+          "choices": 512, "logprobs": 20}
 FINISH = {FinishReason.EOS: "stop", FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}  # as OpenAI's
 _TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none"}
 

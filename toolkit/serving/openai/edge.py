@@ -168,7 +168,7 @@ class PrometheusMetrics(frontend.Metrics):
         self.registry = reg = CollectorRegistry()
         Gauge("tk_queue_depth", METRICS["tk_queue_depth"], registry=reg).set_function(lambda: batcher.waiting)
         Gauge("tk_active_slots", METRICS["tk_active_slots"], registry=reg).set_function(lambda: batcher.running)
-        Gauge("tk_slots", METRICS["tk_slots"], registry=reg).set(batcher.slots)
+        Gauge("tk_slots", METRICS["tk_slots"], registry=reg).set(batcher.limits.slots)
         counter = lambda name, *labels: Counter(name, METRICS[name], labels, registry=reg)  # noqa: E731
         buckets = frontend.LATENCY_BUCKETS
         histogram = lambda name: Histogram(name, METRICS[name], buckets=buckets, registry=reg)  # noqa: E731

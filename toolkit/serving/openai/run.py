@@ -1,6 +1,6 @@
 """One HTTP request of `tk serve` in flight: its choices (each prompt, `n` times) as batcher jobs
 whose events reach the event loop on one queue, tagged with the choice's index, and their state as
-the events arrive (openai_api.Choice), until all have finished or the request is cancelled.
+the events arrive (the api module's Choice), until all have finished or the request is cancelled.
 """
 
 from __future__ import annotations
@@ -15,14 +15,13 @@ class HttpJob(frontend.Job):
     """One choice of an HTTP request: its events go to the request's queue on the event loop, with
     the choice's index."""
 
-    def __init__(self, batcher, prompt: list[int], params: frontend.Params, tokenizer, metrics, loop, queue,
+    def __init__(self, batcher, prompt: list[int], params: frontend.Params, *, tokenizer, metrics, loop, queue,
                  index: int, choice: int):
-        super().__init__(batcher, prompt, params, tokenizer, metrics, choice)
+        super().__init__(batcher, prompt, params, tokenizer=tokenizer, metrics=metrics, choice=choice)
         self.loop, self.queue, self.index = loop, queue, index
 
     def deliver(self, piece, event) -> None:  # the batcher's thread
         self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.index, piece, event))
-
 
 
 class Run:

@@ -6,16 +6,19 @@ the older `guided_*`), and vLLM's tokenizer endpoints.
 Every body forbids fields it does not name: a field tk does not implement (`tools`, `suffix`,
 `best_of`, ...) gets a 400 naming it, never a silent 200. The served model's name, its vocabulary
 and context are in the schemas (an enum, token id ranges, token budgets), and every list has a cap
-(LIMITS), so the document says what the server accepts. (No `from __future__ import annotations`:
-the models are built inside a function, and pydantic and FastAPI read their annotations as objects.)
+(LIMITS), so the document says what the server accepts. The parts that do not depend on the model
+are classes here; a body that does is made by a small factory per schema from the model's `_Sizes`
+(`schemas` makes them all). Imported once the serving stack is known to be installed (pydantic).
+No `from __future__ import annotations`: pydantic and FastAPI read the annotations of classes made
+inside functions as objects.
 """
 
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Optional, Union
 
-# Caps on what one request may list (each a 400 beyond): OpenAI's own are lower for `stop` (4).
-LIMITS = {"prompts": 1024, "n": 128, "stop": 16, "stop_chars": 512, "messages": 1024, "logit_bias": 1024,
-          "choices": 512, "logprobs": 20}
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+
+from tk.toolkit.serving.openai.api import LIMITS
 
 
 @dataclass
@@ -34,56 +37,90 @@ def _integral(value):
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
-def schemas(model_name: str, vocab_size: int, max_context: int) -> Schemas:
-    from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+def Int(**bounds):  # the bounds inside, so that the JSON schema says minimum/maximum (not pydantic's ge/le)
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
 
-    def Int(**bounds):  # the bounds inside, so that the JSON schema says minimum/maximum (not pydantic's ge/le)
-        return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
 
-    TokenId = Int(ge=0, lt=vocab_size)
-    Text = Annotated[str, Field(min_length=1)]  # an empty prompt has no token to start from
-    Budget = Int(ge=1, le=max(1, max_context - 1))
-    Model = Optional[Literal[model_name]]  # type: ignore[valid-type]  (optional: vLLM's default is the one served)
+Text = Annotated[str, Field(min_length=1)]  # an empty prompt has no token to start from
+Stop = Union[Annotated[str, Field(max_length=LIMITS["stop_chars"])],
+             Annotated[list[Annotated[str, Field(max_length=LIMITS["stop_chars"])]], Field(max_length=LIMITS["stop"])],
+             None]
 
-    class Strict(BaseModel):  # no coercion either: `"seed": false` or `"max_tokens": "5"` is a 400, as the schema says
-        model_config = ConfigDict(extra="forbid", strict=True)
 
-    class StreamOptions(Strict):
-        include_usage: bool = False
-        continuous_usage_stats: bool = False  # vLLM's: usage on every chunk
+class Strict(BaseModel):  # no coercion either: `"seed": false` or `"max_tokens": "5"` is a 400, as the schema says
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    class JsonSchema(Strict):
-        name: str = Field("response", max_length=64)
-        schema_: dict = Field(alias="schema")
-        description: Optional[str] = None
-        strict: Optional[bool] = None
 
-    class ResponseFormat(Strict):
-        type: Literal["text", "json_object", "json_schema"]
-        json_schema: Optional[JsonSchema] = None
+class StreamOptions(Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage on every chunk
 
-        @model_validator(mode="after")
-        def _schema_given(self):
-            if (self.type == "json_schema") != (self.json_schema is not None):
-                raise ValueError("json_schema is required with type json_schema, and only then")
-            return self
 
-    class StructuredOutputs(Strict):  # vLLM's: exactly one of them
-        json_: Union[dict, str, None] = Field(None, alias="json")
-        regex: Optional[str] = None
-        choice: Optional[list[Text]] = Field(None, min_length=1, max_length=LIMITS["prompts"])
-        grammar: Optional[str] = None  # a Lark grammar (llguidance's dialect)
-        json_object: Optional[bool] = None
+class JsonSchema(Strict):
+    name: str = Field("response", max_length=64)
+    schema_: dict = Field(alias="schema")
+    description: Optional[str] = None
+    strict: Optional[bool] = None
 
-    Stop = Union[Annotated[str, Field(max_length=LIMITS["stop_chars"])],
-                 Annotated[list[Annotated[str, Field(max_length=LIMITS["stop_chars"])]],
-                           Field(max_length=LIMITS["stop"])], None]
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchema] = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type json_schema, and only then")
+        return self
+
+
+class StructuredOutputs(Strict):  # vLLM's: exactly one of them
+    json_: Union[dict, str, None] = Field(None, alias="json")
+    regex: Optional[str] = None
+    choice: Optional[list[Text]] = Field(None, min_length=1, max_length=LIMITS["prompts"])
+    grammar: Optional[str] = None  # a Lark grammar (llguidance's dialect)
+    json_object: Optional[bool] = None
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, list[TextPart]]
+    name: Optional[str] = Field(None, max_length=256)
+
+
+Messages = Annotated[list[Message], Field(min_length=1, max_length=LIMITS["messages"])]
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    """What the served model puts in its bodies' schemas: its name (`model`: optional, vLLM's default is
+    the one served), its token ids and its context."""
+
+    model: Any
+    token_id: Any
+    vocab_size: int
+    max_context: int
+
+    @classmethod
+    def of(cls, model_name: str, vocab_size: int, max_context: int) -> "_Sizes":
+        return cls(Optional[Literal[model_name]], Int(ge=0, lt=vocab_size), vocab_size, max_context)
+
+
+def _body(sizes: _Sizes):
+    """What completions and chat completions share."""
+    Budget = Int(ge=1, le=max(1, sizes.max_context - 1))
+    vocab_size = sizes.vocab_size
 
     class Body(Strict):
-        model: Model = None
+        model: sizes.model = None
         max_tokens: Optional[Budget] = None
         max_completion_tokens: Optional[Budget] = None
-        min_tokens: Int(ge=0, le=max_context) = 0
+        min_tokens: Int(ge=0, le=sizes.max_context) = 0
         temperature: float = Field(1.0, ge=0, le=2)
         top_p: float = Field(1.0, gt=0, le=1)
         top_k: Int(ge=-1) = 0  # vLLM: -1 (or 0) is off
@@ -123,7 +160,13 @@ def schemas(model_name: str, vocab_size: int, max_context: int) -> Schemas:
                     raise ValueError(f"keys are token ids in 0 .. {vocab_size - 1}, got {key!r}")
             return bias
 
-    class Completion(Body):
+    return Body
+
+
+def _completion(body, sizes: _Sizes):
+    TokenId, max_context = sizes.token_id, sizes.max_context
+
+    class Completion(body):
         prompt: Union[Text, Annotated[list[Text], Field(min_length=1, max_length=LIMITS["prompts"])],
                       Annotated[list[TokenId], Field(min_length=1, max_length=max_context)],
                       Annotated[list[Annotated[list[TokenId], Field(min_length=1, max_length=max_context)]],
@@ -131,18 +174,11 @@ def schemas(model_name: str, vocab_size: int, max_context: int) -> Schemas:
         echo: bool = False
         logprobs: Optional[Int(ge=0, le=LIMITS["logprobs"])] = None
 
-    class TextPart(Strict):
-        type: Literal["text"]
-        text: str
+    return Completion
 
-    class Message(Strict):
-        role: Literal["system", "developer", "user", "assistant"]
-        content: Union[str, list[TextPart]]
-        name: Optional[str] = Field(None, max_length=256)
 
-    Messages = Annotated[list[Message], Field(min_length=1, max_length=LIMITS["messages"])]
-
-    class Chat(Body):
+def _chat(body):
+    class Chat(body):
         messages: Messages
         logprobs: bool = False
         top_logprobs: Optional[Int(ge=0, le=LIMITS["logprobs"])] = None
@@ -154,20 +190,38 @@ def schemas(model_name: str, vocab_size: int, max_context: int) -> Schemas:
                 raise ValueError("top_logprobs needs logprobs: true")
             return top
 
+    return Chat
+
+
+def _tokenize(sizes: _Sizes):
     class Tokenize(Strict):  # vLLM's TokenizeCompletionRequest
-        model: Model = None
+        model: sizes.model = None
         prompt: str
         add_special_tokens: bool = True
         return_token_strs: bool = False
 
+    return Tokenize
+
+
+def _tokenize_chat(sizes: _Sizes):
     class TokenizeChat(Strict):  # vLLM's TokenizeChatRequest
-        model: Model = None
+        model: sizes.model = None
         messages: Messages
         add_generation_prompt: bool = True
         return_token_strs: bool = False
 
-    class Detokenize(Strict):
-        model: Model = None
-        tokens: Annotated[list[TokenId], Field(max_length=max_context * 4)]
+    return TokenizeChat
 
-    return Schemas(Completion, Chat, Tokenize, TokenizeChat, Detokenize)
+
+def _detokenize(sizes: _Sizes):
+    class Detokenize(Strict):
+        model: sizes.model = None
+        tokens: Annotated[list[sizes.token_id], Field(max_length=sizes.max_context * 4)]
+
+    return Detokenize
+
+
+def schemas(model_name: str, vocab_size: int, max_context: int) -> Schemas:
+    sizes = _Sizes.of(model_name, vocab_size, max_context)
+    body = _body(sizes)
+    return Schemas(_completion(body, sizes), _chat(body), _tokenize(sizes), _tokenize_chat(sizes), _detokenize(sizes))

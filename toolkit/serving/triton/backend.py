@@ -2,7 +2,7 @@
 
 `execute()` only turns each Triton request into a job (toolkit/serving/frontend.py: its batcher
 `Request`, its text and stop strings) and submits it; the batcher's thread runs continuous
-batching (the pattern of Triton's vLLM backend, which FACTS.md measured at 3x Triton's own
+batching (the pattern of Triton's vLLM backend, measured at 3x the throughput of Triton's own
 iterative sequence batching) and sends each token as a response through the request's response
 sender (`stream` true), or one response at the end. The last response carries `finish_reason`
 and the FINAL flag. A request Triton reports cancelled (a client that went away) is cancelled in
@@ -12,7 +12,9 @@ Inputs (all optional but one of `text_input`, `prompt_ids`): text_input (string)
 (int64[-1]), max_tokens (int32, default 32 as `tk generate`), temperature, top_p,
 repetition_penalty (fp32), top_k (int32), seed (int64), stop (string[-1]), ignore_eos, stream
 (bool). Outputs: text_output (string), token_ids (int64[-1]), finish_reason (string, "" until the
-last response). `pb` is triton_python_backend_utils, passed in: this module imports no Triton.
+last response). A client's mistake (an input missing or malformed, a prompt that does not fit) is
+an InputError, and any TkError gets the error response; anything else is a bug, and stays one. `pb`
+is triton_python_backend_utils, passed in: this module imports no Triton.
 The batcher's gauges and counters (tk_active_slots, tk_queue_depth, tk_generation_tokens,
 tk_requests_finished by reason) appear on Triton's own metrics endpoint.
 """
@@ -26,7 +28,8 @@ import numpy as np
 
 from tk.models.spec.manifest import Manifest
 from tk.models.spec.errors import TkError
-from tk.runtimes.serving.batching import Batcher
+from tk.runtimes.errors import InputError
+from tk.runtimes.serving.batching import Batcher, BatcherLimits
 from tk.runtimes.decoding.rows import FinishReason
 from tk.toolkit.backends import BackendOptions, open_runtime
 from tk.toolkit.serving import frontend
@@ -48,7 +51,8 @@ class TkModel:
         threads = int(params["threads"]) if params.get("threads") else None
         options = BackendOptions(threads=threads, prepack=params.get("prepack", "1") == "1", static_cache=True)
         runtime = open_runtime(artifact, params.get("backend", "ort"), options)
-        self.batcher = Batcher(runtime, int(params["slots"]), int(params["max_queue"]), manifest.eos_token_ids).start()
+        limits = BatcherLimits(slots=int(params["slots"]), max_queue=int(params["max_queue"]))
+        self.batcher = Batcher(runtime, limits=limits, eos_ids=manifest.eos_token_ids).start()
         self.drain_s = float(params.get("drain", "10"))
         self.metrics = _TritonMetrics(pb, name, self.batcher)
 
@@ -57,7 +61,7 @@ class TkModel:
             sender = request.get_response_sender()
             try:
                 self._submit(request, sender)
-            except (TkError, ValueError, UnicodeDecodeError) as e:  # the client's mistake: one line, to it
+            except TkError as e:  # the client's mistake: one line, to it
                 sender.send(self.pb.InferenceResponse(error=self.pb.TritonError(str(e).splitlines()[0])),
                             flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         self.metrics.update()
@@ -73,20 +77,23 @@ class TkModel:
             return DEFAULTS.get(name)
         array = tensor.as_numpy().reshape(-1)
         if array.dtype == object:  # TYPE_STRING: bytes
-            return [v.decode() if isinstance(v, bytes) else str(v) for v in array]
+            try:
+                return [v.decode() if isinstance(v, bytes) else str(v) for v in array]
+            except UnicodeDecodeError as e:
+                raise InputError(str(e)) from None
         if name == "prompt_ids":
             return array.astype(np.int64).tolist()
         if array.size != 1:
-            raise ValueError(f"input {name} takes one value, got {array.size}")
+            raise InputError(f"input {name} takes one value, got {array.size}")
         return array.item()
 
     def _submit(self, request, sender) -> None:
         text, ids = self._value(request, "text_input"), self._value(request, "prompt_ids")
         if (text is None) == (ids is None):
-            raise ValueError("give one of the inputs text_input or prompt_ids")
+            raise InputError("give one of the inputs text_input or prompt_ids")
         if text is not None:
             if self.tokenizer is None:
-                raise ValueError("this artifact has no tokenizer; send prompt_ids")
+                raise InputError("this artifact has no tokenizer; send prompt_ids")
             ids = self.tokenizer.encode(text[0])
         get = lambda name: self._value(request, name)  # noqa: E731
         params = frontend.Params(max_tokens=int(get("max_tokens")), temperature=float(get("temperature")),
@@ -100,7 +107,7 @@ class _TritonJob(frontend.Job):
     """One Triton request's generation: its pieces of text leave as responses through its sender."""
 
     def __init__(self, model: TkModel, sender, prompt: list[int], params: frontend.Params, stream: bool):
-        super().__init__(model.batcher, prompt, params, model.tokenizer, model.metrics)
+        super().__init__(model.batcher, prompt, params, tokenizer=model.tokenizer, metrics=model.metrics)
         self.pb, self.sender, self.stream = model.pb, sender, stream
 
     def listening(self) -> bool:

@@ -8,13 +8,15 @@
     REPO/<name>_prefill_trt, ...   with --native and built engines: the plans for its tensorrt backend
 
 Written without any Triton package (the text format is plain); the test parses every
-config.pbtxt with Triton's own protobuf schema. Written into a temporary folder and renamed, so
-a failure leaves nothing behind.
+config.pbtxt with Triton's own protobuf schema. Written into a temporary sibling folder and renamed,
+so a failure leaves nothing behind; with `force`, an existing repository is renamed aside first and
+deleted once the new one is in place, so it is replaced whole or not at all.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -24,6 +26,7 @@ from tk.models.spec import contract
 from tk.models.spec.manifest import Manifest
 from tk.models.spec.errors import UsageProblem
 from tk.runtimes.cache_layouts import slots_problem
+from tk.runtimes.serving.scheduler import BatcherLimits
 
 INPUTS = [  # (name, Triton type, dims): every one optional; toolkit/serving/triton/backend.py says what each does
     ("text_input", "TYPE_STRING", [1]), ("prompt_ids", "TYPE_INT64", [-1]), ("max_tokens", "TYPE_INT32", [1]),
@@ -65,9 +68,12 @@ def tk_sys_path() -> list[str]:
     return [p for p in sys.path if p.endswith(("site-packages", "dist-packages")) and Path(p).is_dir()]
 
 
-def write_repository(artifact: Path, out: Path, name: str | None = None, backend: str = "ort", slots: int = 8,
-                     max_queue: int = 64, threads: int | None = None, prepack: bool = True, copy_artifact: bool = False,
-                     native: bool = False, sys_path: bool = True, force: bool = False) -> Path:
+def write_repository(artifact: Path, out: Path, *, name: str | None = None, backend: str = "ort",
+                     limits: BatcherLimits = BatcherLimits(), threads: int | None = None, prepack: bool = True,
+                     copy_artifact: bool = False, native: bool = False, sys_path: bool = True,
+                     force: bool = False) -> Path:
+    """The repository at `out` -> `out`. Its config records the limits' slots and max_queue (the
+    model's batcher takes the other limits' defaults)."""
     artifact, out = Path(artifact).resolve(), Path(out)
     manifest = Manifest.read(artifact)
     if problem := slots_problem(manifest.dims):
@@ -86,19 +92,34 @@ def write_repository(artifact: Path, out: Path, name: str | None = None, backend
         if copy_artifact:
             shutil.copytree(artifact, version / "artifact", ignore=shutil.ignore_patterns("*.engine", "engine.json"))
         params = {"artifact": "artifact" if copy_artifact else str(artifact), "backend": backend,
-                  "slots": str(slots), "max_queue": str(max_queue), "threads": str(threads or ""), "prepack": "1" if prepack else "0",
+                  "slots": str(limits.slots), "max_queue": str(limits.max_queue), "threads": str(threads or ""),
+                  "prepack": "1" if prepack else "0",
                   "max_context": str(min(manifest.max_context, manifest.dims.kv_capacity)),
                   "tk_sys_path": json.dumps(tk_sys_path() if sys_path else [])}
         (tmp / name / "config.pbtxt").write_text(python_config(name, params))
         if native:
             _native(artifact, manifest, tmp, name, copy_artifact)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
+        _move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _move_into_place(tmp: Path, out: Path) -> None:
+    """`tmp` becomes `out`; an `out` that exists is renamed aside first (and put back if the move
+    fails), and deleted only once the new one is in place."""
+    if not out.exists():
+        tmp.rename(out)
+        return
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    out.rename(old)
+    try:
+        tmp.rename(out)
+    except BaseException:
+        old.rename(out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _native(artifact: Path, manifest: Manifest, repo: Path, name: str, copy: bool) -> None:

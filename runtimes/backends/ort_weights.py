@@ -1,0 +1,29 @@
+"""The float weights both ONNX Runtime sessions of an artifact read through one memory map.
+
+Each session gets them as initializers (SessionOptions.add_initializer with OrtValues over one
+read-only memory map of the weights file): one mapping, so the weights count once in RSS too,
+and a session that prepacks its MatMuls copies only what it packs. Quantized weights are left to
+ONNX Runtime, which packs them for MatMulNBits and frees what it read. Artifacts without the
+manifest's weights table: ONNX Runtime maps the file per session.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from tk.models.spec.manifest import Manifest
+
+QUANTIZED_SUFFIXES = (".quant", ".scale")  # a quantized weight's initializers (exporters/weights.py)
+
+
+def shared_initializers(ort, artifact: Path, manifest: Manifest) -> tuple[np.memmap | None, dict]:
+    """(the memory map, to keep as long as the sessions; the OrtValues over it by initializer name)."""
+    table = {n: e for n, e in manifest.weights.items()
+             if e.dtype in ("float32", "float16") and not n.endswith(QUANTIZED_SUFFIXES)}
+    if not table:
+        return None, {}
+    mapped = np.memmap(artifact / next(iter(manifest.graphs.values())).data_file, dtype=np.uint8, mode="r")
+    return mapped, {name: ort.OrtValue.ortvalue_from_numpy(mapped[o:o + n].view(np.dtype(d)).reshape(shape))
+                    for name, (o, n, d, shape, _) in table.items()}

@@ -1,0 +1,125 @@
+"""`tk serve`'s process: load the artifact and start its batcher (`open_server`), bind the socket,
+and serve the app with uvicorn, on the main thread until a stop signal (`run`, which drains the
+requests in flight) or on a background thread (`in_thread`: tests, benchmarks). The routes are
+the server module's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import signal
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tk.models.spec.errors import UsageProblem
+from tk.runtimes.cache_layouts import slots_problem
+from tk.runtimes.serving.batching import Batcher, BatcherLimits
+from tk.toolkit.serving.openai.edge import DEFAULT_BODY_LIMIT
+from tk.toolkit.serving.openai.server import Server, require
+from tk.toolkit.textgen import Tokenizer
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeOptions:
+    """How `tk serve` listens and what it takes: its address, the batcher's limits, the name clients
+    send (None: the artifact folder's), the drain at shutdown, the API key (None: none) and the body limit."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    limits: BatcherLimits = field(default_factory=BatcherLimits)
+    model_name: str | None = None
+    drain_s: float = 10.0
+    api_key: str | None = None
+    max_body: int = DEFAULT_BODY_LIMIT
+
+
+def bind(host: str, port: int):
+    """A listening TCP socket (port 0: a free one), or a one-line error."""
+    import socket
+
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise UsageProblem(f"cannot listen on {host}:{port}: {e.strerror}; pick another --port or --host") from None
+    sock.listen(2048)
+    return sock
+
+
+def open_server(artifact, backend: str, backend_options, options: ServeOptions = ServeOptions()):
+    """Load the artifact on the backend, its tokenizer (transformers' too: no request waits for it),
+    start its batcher and bind the socket: (Server, socket). Everything that can fail (a missing
+    package, a dynamic-cache artifact, a busy port) fails here, before the server says it listens."""
+    from tk.models.spec.manifest import Manifest
+    from tk.toolkit.backends import open_runtime
+
+    require()
+    artifact = Path(artifact)
+    manifest = Manifest.read(artifact)
+    if problem := slots_problem(manifest.dims):
+        raise UsageProblem(f"{artifact}: {problem}")
+    tokenizer = Tokenizer(artifact)
+    tokenizer.hf  # noqa: B018  (loaded now, not on the first chat request's event loop)
+    runtime = open_runtime(artifact, backend, dataclasses.replace(backend_options, static_cache=True))
+    sock = bind(options.host, options.port)
+    try:
+        batcher = Batcher(runtime, limits=options.limits, eos_ids=manifest.eos_token_ids).start()
+    except BaseException:
+        sock.close()
+        raise
+    name = options.model_name or artifact.resolve().name
+    return Server(batcher, tokenizer, name, drain_s=options.drain_s, api_key=options.api_key,
+                  max_body=options.max_body), sock
+
+
+class _Stopped(Exception):
+    """A stop signal, once uvicorn has shut down."""
+
+
+def _uvicorn(server: Server):
+    import uvicorn
+
+    config = uvicorn.Config(server.app, log_level="warning", timeout_graceful_shutdown=server.drain_s, lifespan="on")
+    return uvicorn.Server(config)
+
+
+def run(server: Server, sock) -> None:
+    """Serve on a bound socket until SIGINT/SIGTERM (main thread); in-flight requests get the
+    server's `drain_s` to finish, then the rest are cancelled, and this returns."""
+    def stopped(sig, frame):  # uvicorn shuts down gracefully, then re-raises the signal it caught
+        raise _Stopped
+    gc.collect()
+    gc.freeze()  # the loaded heap (tokenizer, schemas, runtime) is never garbage: no GC pass walks it (vLLM's too)
+    process = _uvicorn(server)
+    handlers = {sig: signal.signal(sig, stopped) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        process.run(sockets=[sock])
+    except _Stopped:
+        pass
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        server.batcher.close(timeout=server.drain_s)
+
+
+@contextmanager
+def in_thread(server: Server, host: str = "127.0.0.1", port: int = 0):
+    """Serve on a background thread (tests, benchmarks) -> the base URL; stop on exit."""
+    sock = bind(host, port)
+    process = _uvicorn(server)
+    thread = threading.Thread(target=process.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not process.started and thread.is_alive():
+        time.sleep(0.01)
+    try:
+        yield f"http://{host}:{sock.getsockname()[1]}"
+    finally:
+        process.should_exit = True
+        thread.join()
+        sock.close()
