@@ -25,7 +25,7 @@ from tk.models.checkpoint.families import FAMILIES, config_from_hf
 from tk.models.checkpoint.prequantized import METHODS as PREQUANTIZED
 from tk.models.checkpoint.prequantized import quantized_shapes, read_prequantized, unpack
 from tk.models.spec.dtypes import canonical_dtype
-from tk.models.spec.errors import CheckpointError, TkError  # noqa: F401  (CheckpointError: callers import it from here too)
+from tk.models.spec.errors import CheckpointError, read_json  # CheckpointError: callers import it from here too
 from tk.models.reference.decoder import Decoder
 from tk.models.reference.positions import rope_inv_freq
 from tk.models.quant.quantize import QTensor, dequantize, quant_plan, quantize, quantized_layers
@@ -116,21 +116,14 @@ def hf_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
 
 def read_config(folder: Path) -> DecoderConfig:
     folder = Path(folder)
-    if not folder.is_dir():
-        raise CheckpointError(f"checkpoint folder {folder} does not exist")
-    path = folder / "config.json"
-    if not path.is_file():
-        raise CheckpointError(f"{folder} has no config.json; point at a Hugging Face checkpoint folder")
-    try:
-        hf = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path} is not valid JSON ({e})") from None
+    hf = read_json(folder, "config.json", CheckpointError, no_folder="checkpoint folder {folder} does not exist",
+                   no_file="{folder} has no config.json; point at a Hugging Face checkpoint folder")
     try:
         cfg = config_from_hf(hf)
     except UnsupportedModelError:
         raise
     except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{path}: {e}") from None
+        raise CheckpointError(f"{folder / 'config.json'}: {e}") from None
     gen = folder / "generation_config.json"
     if gen.is_file():
         eos = json.loads(gen.read_text()).get("eos_token_id")

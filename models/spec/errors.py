@@ -8,6 +8,9 @@ its traceback.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 
 class TkError(Exception):
     """Something the user can fix; the message says what and how (exit 1)."""
@@ -43,3 +46,19 @@ class FilesystemProblem(TkError):
 TRT_INSTALL_HINT = ("on a machine with an NVIDIA GPU, pip install 'tk[gpu]' --extra-index-url https://pypi.nvidia.com "
                     "(TensorRT's libraries come from NVIDIA's index, not PyPI)")
 TRT_MISSING = f"TensorRT is not installed; {TRT_INSTALL_HINT}"
+
+
+def read_json(folder: str | Path, name: str, error: type[TkError], *, no_folder: str, no_file: str,
+              bad_json: str = "") -> dict:
+    """`folder/name` parsed, or one line of `error`: `no_folder`/`no_file` (formatted with `folder`)
+    when either is missing, `bad_json` after the parser's complaint when it is not JSON."""
+    folder = Path(folder)
+    path = folder / name
+    if not folder.is_dir():
+        raise error(no_folder.format(folder=folder))
+    if not path.is_file():
+        raise error(no_file.format(folder=folder))
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise error(f"{path} is not valid JSON ({e}){bad_json}") from None

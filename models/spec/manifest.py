@@ -19,7 +19,7 @@ from typing import NamedTuple
 from tk.models.spec import contract
 from tk.models.spec.config import DecoderConfig
 from tk.models.spec.dtypes import canonical_dtype
-from tk.models.spec.errors import TkError
+from tk.models.spec.errors import TkError, read_json
 from tk.models.spec.variant import DEFAULT_OPSET, Variant
 
 
@@ -229,15 +229,10 @@ class Manifest:
     @classmethod
     def read(cls, artifact: str | Path) -> "Manifest":
         artifact = Path(artifact)
-        path = artifact / contract.MANIFEST
-        if not artifact.is_dir():
-            raise ArtifactError(f"artifact folder {artifact} does not exist; create it with tk export")
-        if not path.is_file():
-            raise ArtifactError(f"{artifact} has no {contract.MANIFEST}; it is not a tk artifact (tk export makes one)")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ArtifactError(f"{path} is not valid JSON ({e}); re-export the artifact") from None
+        raw = read_json(artifact, contract.MANIFEST, ArtifactError,
+                        no_folder="artifact folder {folder} does not exist; create it with tk export",
+                        no_file=f"{{folder}} has no {contract.MANIFEST}; it is not a tk artifact (tk export makes one)",
+                        bad_json="; re-export the artifact")
         found = raw.get("contract_version")
         if found not in contract.READS:
             raise ArtifactError(f"artifact has graph contract version {found}, this tk reads version "
@@ -245,7 +240,7 @@ class Manifest:
         try:
             return cls.from_dict(raw)
         except (KeyError, TypeError, ValueError) as e:
-            raise ArtifactError(f"{path} is not a manifest this tk can read ({type(e).__name__}: {e}); "
+            raise ArtifactError(f"{artifact / contract.MANIFEST} is not a manifest this tk can read ({type(e).__name__}: {e}); "
                                 "re-export the artifact") from None
 
     def write(self, folder: Path) -> None:

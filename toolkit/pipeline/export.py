@@ -33,6 +33,7 @@ from tk.models.spec.manifest import GraphFile, Manifest, Source, sha256_file
 from tk.models.spec.variant import Target
 from tk.models.quant.calibration import Calibration, save as save_calibration
 from tk.models.spec.options import PROFILES, ExportOptions
+from tk.toolkit.folders import move_into_place
 from tk.models.checkpoint.prequantized import read_prequantized
 from tk.models.spec.dtypes import DTYPES
 from tk.models.spec.errors import FilesystemProblem
@@ -86,13 +87,7 @@ def _move_into_place(tmp: Path, out: Path) -> None:
     umask = os.umask(0)
     os.umask(umask)
     tmp.chmod(0o777 & ~umask)  # mkdtemp made it private; the artifact gets the user's usual permissions
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(out)
+    move_into_place(tmp, out)
 
 
 def _export_graphs(model_dir: Path, tmp: Path, config, options: ExportOptions, progress: Callable[[str], None],

@@ -16,7 +16,6 @@ deleted once the new one is in place, so it is replaced whole or not at all.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -27,6 +26,7 @@ from tk.models.spec.manifest import Manifest
 from tk.models.spec.errors import UsageProblem
 from tk.runtimes.cache_layouts import slots_problem
 from tk.runtimes.serving.scheduler import BatcherLimits
+from tk.toolkit.folders import move_into_place
 
 INPUTS = [  # (name, Triton type, dims): every one optional; toolkit/serving/triton/backend.py says what each does
     ("text_input", "TYPE_STRING", [1]), ("prompt_ids", "TYPE_INT64", [-1]), ("max_tokens", "TYPE_INT32", [1]),
@@ -99,27 +99,11 @@ def write_repository(artifact: Path, out: Path, *, name: str | None = None, back
         (tmp / name / "config.pbtxt").write_text(python_config(name, params))
         if native:
             _native(artifact, manifest, tmp, name, copy_artifact)
-        _move_into_place(tmp, out)
+        move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
-
-
-def _move_into_place(tmp: Path, out: Path) -> None:
-    """`tmp` becomes `out`; an `out` that exists is renamed aside first (and put back if the move
-    fails), and deleted only once the new one is in place."""
-    if not out.exists():
-        tmp.rename(out)
-        return
-    old = out.with_name(f".{out.name}.old-{os.getpid()}")
-    out.rename(old)
-    try:
-        tmp.rename(out)
-    except BaseException:
-        old.rename(out)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def _native(artifact: Path, manifest: Manifest, repo: Path, name: str, copy: bool) -> None:
