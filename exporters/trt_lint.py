@@ -11,8 +11,10 @@ Checks what TensorRT's ONNX parser accepts, from onnx/onnx-tensorrt `docs/operat
 - quantized weights only as TensorRT documents weight-only quantization: int4, blocked along
   K with block 64 or 128 (int8 weight-only is not a documented TensorRT path);
 - `TensorScatter` in linear mode (TensorRT's KV-cache update layer: "only kLINEAR mode is
-  supported", 10.15/10.16 API docs), and scatters without a reduction (its IScatterLayer has none:
-  onnx/onnx-tensorrt #957).
+  supported", 10.15/10.16 API docs), writing a graph input's buffer with its output a graph output
+  directly (IKVCacheUpdateLayer updates the cache input in place and returns that memory: a Cast or
+  Identity on either side, in any dtype, leaves nothing to update in place), and scatters without
+  a reduction (its IScatterLayer has none: onnx/onnx-tensorrt #957).
 The result names each problem and the lowest TensorRT version the graphs need.
 """
 
@@ -101,6 +103,7 @@ def lint_model(model: onnx.ModelProto, graph: str) -> LintResult:
     else:
         need.append(min(fitting, key=_version_key))
     ranks = _ranks(model)
+    graph_inputs, graph_outputs = {v.name for v in model.graph.input}, {v.name for v in model.graph.output}
     initializer_types = {t.name: t.data_type for t in model.graph.initializer}
     for node in model.graph.node:
         name = node.name or node.op_type
@@ -121,6 +124,8 @@ def lint_model(model: onnx.ModelProto, graph: str) -> LintResult:
         if node.op_type == "TensorScatter" and attrs.get("mode", b"linear") != b"linear":
             add("cache-mode", name, "TensorScatter in circular mode (a ring written by runs of several tokens): "
                 "TensorRT's KV-cache update is linear only; export --for trt or --for serve")
+        if node.op_type == "TensorScatter":
+            _lint_in_place(node, name, graph_inputs, graph_outputs, add)
         if node.op_type in ("ScatterND", "ScatterElements") and attrs.get("reduction", b"none") != b"none":
             add("scatter-reduction", name, f"{node.op_type} with reduction {attrs['reduction'].decode()}: TensorRT's "
                 "scatter has no reduction (onnx/onnx-tensorrt #957)")
@@ -140,6 +145,15 @@ def lint_model(model: onnx.ModelProto, graph: str) -> LintResult:
             add("dims", v.name, f"graph input {v.name} has a dim fixed at 0; TensorRT rejects empty dims")
     result.min_tensorrt = max_version(need)
     return result
+
+
+def _lint_in_place(node, name: str, graph_inputs: set, graph_outputs: set, add) -> None:
+    if node.input[0] not in graph_inputs:
+        add("cache-in-place", name, f"TensorScatter writes {node.input[0]}, which is not a graph input: TensorRT's "
+            "in-place KV-cache update needs the cache buffer itself, fed straight from a graph input")
+    if node.output[0] not in graph_outputs:
+        add("cache-in-place", name, f"TensorScatter's output {node.output[0]} is not a graph output: TensorRT's "
+            "in-place KV-cache update needs the updated cache returned directly, with no op after it")
 
 
 def _lint_dequantize(node, name: str, initializer_types: dict, add) -> None:

@@ -125,9 +125,14 @@ class StaticLayout(_Layout):
 
     def allocate(self, batch: int) -> list:
         """The cache buffers of `batch` rows at the capacity (a ring's at its slots), in contract order."""
-        d = self.dims
-        return [self.buffers.alloc((batch, d.num_kv_heads, n, d.head_dim), d.kv_dtype)
-                for n in d.capacities() for _ in "kv"]
+        d, out = self.dims, []
+        try:
+            for n in [n for n in d.capacities() for _ in "kv"]:
+                out.append(self.buffers.alloc((batch, d.num_kv_heads, n, d.head_dim), d.kv_dtype))
+        except BaseException:  # a failed allocation (out of device memory) keeps none of the others
+            self.buffers.release(out)
+            raise
+        return out
 
     def write_present(self, cache: list, present: list, length: int, row: int | None = None,
                       src_row: int | None = None, start: int = 0) -> None:

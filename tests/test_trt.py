@@ -1,5 +1,6 @@
 """TensorRT: everything that can be checked without a GPU (profiles, engine.json, the lint, the
-missing-TensorRT messages), and, where TensorRT and a GPU exist, a real build and parity run."""
+missing-TensorRT messages, `tk build-engine` against a fake TensorRT of each major: 10.x and 11.x),
+and, where TensorRT and a GPU exist, a real build and parity run."""
 
 from __future__ import annotations
 
@@ -8,18 +9,20 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 
 import onnx
 import pytest
 from click.testing import CliRunner
 from onnx import TensorProto, helper
 
+from fake_tensorrt import fake_tensorrt
 from tk.exporters.trt_build import Limits, compute_profiles
 from tk.exporters.trt_lint import lint_graphs, lint_model
 from tk.models.spec import contract
 from tk.models.spec.manifest import Manifest, sha256_file
 from tk.models.spec.engine import EngineMeta, Gpu
-from tk.models.spec.errors import FilesystemProblem, UsageProblem
+from tk.models.spec.errors import FilesystemProblem, TkError, UsageProblem
 from tk.runtimes.backends.trt import engine_problems, profile_problem
 from tk.toolkit.cli.main import main
 
@@ -85,7 +88,7 @@ ENGINE = {contract.PREFILL: b"prefill engine", contract.DECODE: b"decode engine"
 def _meta(art) -> EngineMeta:
     """engine.json as tk build-engine writes it for the fake engines."""
     return EngineMeta(tensorrt_version="10.15.1", gpu=Gpu("NVIDIA H100", "9.0"), precision="float32",
-                      strongly_typed=False, limits=Limits(1, 8, 16), profiles=compute_profiles(DIMS, Limits(1, 8, 16), 1024),
+                      limits=Limits(1, 8, 16), profiles=compute_profiles(DIMS, Limits(1, 8, 16), 1024),
                       onnx_sha256={g: sha256_file(art / contract.GRAPH_FILES[g]) for g in contract.GRAPHS},
                       engine_sha256={g: hashlib.sha256(b).hexdigest() for g, b in ENGINE.items()})
 
@@ -111,6 +114,10 @@ def test_engine_meta_round_trip_has_no_problems(built):
     old = {k: v for k, v in meta.to_dict().items() if k != "engine_sha256"}  # written before engine hashes
     (art / contract.ENGINE_META).write_text(json.dumps(old))
     assert read_engine_meta(art).engine_sha256 is None and engine_problems(read_engine_meta(art), art, ENV) == []
+    older = {**meta.to_dict(), "strongly_typed": False}  # written before every engine was strongly typed
+    (art / contract.ENGINE_META).write_text(json.dumps(older))
+    assert read_engine_meta(art) == meta and "strongly_typed" not in meta.to_dict()
+    assert meta.tensorrt_major == 10 and dataclasses.replace(meta, tensorrt_version="11.4.0.106").tensorrt_major == 11
 
 
 def test_every_engine_mismatch_has_an_actionable_message(built):
@@ -230,6 +237,34 @@ def test_lint_rules_each_catch_their_break():
     assert lint_graphs({"prefill": good, "decode": rms}).min_tensorrt == "10.15"
 
 
+@pytest.mark.parametrize("elem", [TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16])
+def test_lint_kv_cache_update_must_be_in_place(elem):
+    """IKVCacheUpdateLayer updates a graph input's buffer and returns it as a graph output: an op on
+    either side of the TensorScatter (a Cast an fp16/bf16 export might add) leaves nothing in place."""
+    cache, new = ["b", 2, 64, 16], ["b", 2, 1, 16]
+    inputs = [_t("past", cache, elem), _t("new", new, elem), _t("idx", ["b"], TensorProto.INT64)]
+    scatter = lambda src, dst: helper.make_node("TensorScatter", [src, "new", "idx"], [dst], name="kv")  # noqa: E731
+    good = _model([scatter("past", "present")], inputs, [_t("present", cache, elem)])
+    assert lint_model(good, "decode").ok
+    cast_in = _model([helper.make_node("Cast", ["past"], ["past_c"], to=elem), scatter("past_c", "present")], inputs,
+                     [_t("present", cache, elem)])
+    assert [p.message for p in lint_model(cast_in, "decode").problems] == [
+        "TensorScatter writes past_c, which is not a graph input: TensorRT's in-place KV-cache update needs the cache "
+        "buffer itself, fed straight from a graph input"]
+    copy_out = _model([scatter("past", "written"), helper.make_node("Identity", ["written"], ["present"])], inputs,
+                      [_t("present", cache, elem)])
+    assert [p.message for p in lint_model(copy_out, "decode").problems] == [
+        "TensorScatter's output written is not a graph output: TensorRT's in-place KV-cache update needs the updated "
+        "cache returned directly, with no op after it"]
+
+
+def test_exported_static_caches_update_in_place(dtype_artifacts):
+    art = dtype_artifacts["int4"]  # --for trt: a static cache written by TensorScatter
+    decode = onnx.load(str(art / contract.GRAPH_FILES[contract.DECODE]), load_external_data=False)
+    assert sum(n.op_type == "TensorScatter" for n in decode.graph.node) == 2 * DIMS.num_layers
+    assert Manifest.read(art).trt_lint == {"ok": True, "min_tensorrt": "10.15", "problems": []}
+
+
 # --- without TensorRT -----------------------------------------------------------------------------
 
 def test_missing_tensorrt_messages(tiny_artifact):
@@ -244,9 +279,180 @@ def test_missing_tensorrt_messages(tiny_artifact):
     assert result.exit_code == 1 and result.stderr.strip().splitlines()[-1] == INSTALL
     bad = run("build-engine", tiny_artifact, "--max-batch", "0")
     assert bad.exit_code == 2 and bad.stderr.strip().splitlines()[-1] == "Error: --max-batch must be at least 1, got 0"
+    bad = run("build-engine", tiny_artifact, "--precision", "fp16")  # a usage error before TensorRT is needed
+    assert bad.exit_code == 2 and "--dtype fp16" in bad.stderr
     doctor = json.loads(run("doctor", "--json").stdout)
     assert doctor["tensorrt"]["available"] is False and "pip install 'tk[gpu]'" in doctor["tensorrt"]["reason"]
     assert "CPUExecutionProvider" in doctor["onnxruntime"]["providers"]
+
+
+# --- tk build-engine against a fake TensorRT of each major -----------------------------------------
+
+VERSIONS = ["10.15.1.29", "11.4.0.106"]  # 11.x's BuilderFlag has no FP16/BF16/INT8 (the fake's neither)
+STRONGLY_TYPED = 1 << 1
+
+
+@pytest.fixture(scope="module")
+def dtype_artifacts(tmp_path_factory, tiny, tiny_artifact):
+    """Artifacts by the graphs' dtype: fp32, fp16, and int4 in TensorRT's form (--for trt: symmetric,
+    block 64, static cache; the preset's FFN widened to 192 rows so that 64 divides every K)."""
+    from tk.models.fixtures.presets import write_preset
+    from tk.toolkit.pipeline.export import export_artifact
+
+    root = tmp_path_factory.mktemp("dtypes")
+    export_artifact(tiny, root / "fp16", dtype="fp16", validate=False)
+    ckpt = write_preset("tiny", root / "ckpt192", intermediate_size=192)
+    export_artifact(ckpt, root / "int4", profile="trt", weights="int4", max_seq_len=64, validate=False)
+    return {"fp32": tiny_artifact, "fp16": root / "fp16", "int4": root / "int4"}
+
+
+def _copy(src, tmp_path):
+    art = tmp_path / "art"
+    shutil.copytree(src, art)
+    return art
+
+
+def _build(monkeypatch, art, version, *flags, **fake):
+    """tk build-engine ARTIFACT on a fake TensorRT `version`: (the fake, the CLI result)."""
+    from tk.runtimes.backends import trt as trt_runtime
+
+    trt = fake_tensorrt(version, **fake)
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
+    monkeypatch.setattr(trt_runtime, "trt_environment", lambda: dict(ENV, tensorrt_version=version))
+    return trt, run("build-engine", art, "--max-input-len", "8", "--force", *flags)
+
+
+def _no_traceback(result, code):
+    assert result.exit_code == code, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("kind", ["fp32", "fp16", "int4"])
+@pytest.mark.parametrize("precision", [None, "fp32", "fp16", "bf16"])
+def test_build_engine_is_strongly_typed_or_says_what_to_export(dtype_artifacts, tmp_path, monkeypatch, version, kind,
+                                                              precision):
+    art = _copy(dtype_artifacts[kind], tmp_path)
+    manifest = Manifest.read(art)
+    graphs = {"fp32": "fp32", "fp16": "fp16", "int4": "fp32"}[kind]  # int4 weights, fp32 activations
+    trt, result = _build(monkeypatch, art, version, *(["--precision", precision] if precision else []))
+    if precision not in (None, graphs):
+        _no_traceback(result, 2)
+        assert result.stderr.strip().splitlines()[-1] == (
+            f"Error: --precision {precision}: the graphs are {manifest.dtype}, and TensorRT builds engines in their "
+            f"graphs' own types (strongly typed); export {precision} graphs and build those: tk export "
+            f"{manifest.source.path} -o OUT --dtype {precision} (with this artifact's other export flags)")
+        assert trt.record.builds == [] and not (art / contract.ENGINE_META).exists()
+        return
+    _no_traceback(result, 0)
+    assert len(trt.record.builds) == 2
+    for network, config in trt.record.builds:
+        assert network.flags == STRONGLY_TYPED and config.set_flags == []
+        assert config.cleared == ([trt.BuilderFlag.TF32] if graphs == "fp32" else [])  # TF32 off for fp32 only
+        assert config.pool == {}  # the workspace is TensorRT's own unless --workspace caps it
+    written = json.loads((art / contract.ENGINE_META).read_text())
+    assert "strongly_typed" not in written and written["tensorrt_version"] == version
+    meta = EngineMeta.from_dict(written)
+    assert meta.precision == manifest.dtype and meta.tensorrt_major == int(version.split(".")[0])
+    assert engine_problems(meta, art, dict(ENV, tensorrt_version=version)) == []
+
+
+def test_workspace_is_tensorrts_own_unless_capped(tiny_artifact, tmp_path, monkeypatch):
+    art = _copy(tiny_artifact, tmp_path)
+    trt, result = _build(monkeypatch, art, VERSIONS[1], "--workspace", "2.5")
+    _no_traceback(result, 0)
+    assert [c.pool for _, c in trt.record.builds] == [{trt.MemoryPoolType.WORKSPACE: int(2.5 * 2**30)}] * 2
+    trt, result = _build(monkeypatch, art, VERSIONS[1], "--workspace", "0")
+    _no_traceback(result, 2)
+    assert result.stderr.strip().splitlines()[-1] == "Error: --workspace must be a positive number of GiB, got 0.0"
+
+
+def test_timing_cache_is_keyed_by_the_tensorrt_that_wrote_it(tiny_artifact, tmp_path, monkeypatch):
+    art, cache = _copy(tiny_artifact, tmp_path), tmp_path / "caches" / "timing.cache"
+    record = cache.with_name("timing.cache.json")
+    notes = lambda result: [line for line in result.stderr.splitlines() if "timing cache" in line]  # noqa: E731
+    trt, result = _build(monkeypatch, art, VERSIONS[0], "--timing-cache", cache)
+    _no_traceback(result, 0)
+    written = cache.read_bytes()
+    assert json.loads(record.read_text()) == {"tensorrt_version": VERSIONS[0],
+                                              "sha256": hashlib.sha256(written).hexdigest()}
+    trt, result = _build(monkeypatch, art, VERSIONS[0], "--timing-cache", cache)  # the same TensorRT: fed back
+    assert trt.record.timing_blobs[0] == written and notes(result) == []
+    trt, result = _build(monkeypatch, art, VERSIONS[1], "--timing-cache", cache)  # another: never fed to the builder
+    _no_traceback(result, 0)
+    assert notes(result) == [f"  ignoring timing cache {cache}: TensorRT {VERSIONS[0]} wrote it and this is "
+                             f"TensorRT {VERSIONS[1]}; a fresh one replaces it"]
+    assert trt.record.timing_blobs[0] == b"" and json.loads(record.read_text())["tensorrt_version"] == VERSIONS[1]
+    record.unlink()  # a cache with no record: which TensorRT wrote it is unknown
+    trt, result = _build(monkeypatch, art, VERSIONS[1], "--timing-cache", cache)
+    assert notes(result) == [f"  ignoring timing cache {cache}: no readable timing.cache.json says which TensorRT "
+                             "wrote it; a fresh one replaces it"] and trt.record.timing_blobs[0] == b""
+    stale = b"timing:10.14.1:entries"  # a record that vouches for bytes TensorRT then refuses
+    cache.write_bytes(stale)
+    record.write_text(json.dumps({"tensorrt_version": VERSIONS[1], "sha256": hashlib.sha256(stale).hexdigest()}))
+    trt, result = _build(monkeypatch, art, VERSIONS[1], "--timing-cache", cache)
+    _no_traceback(result, 0)
+    assert notes(result) == ["  ignoring the timing cache: this TensorRT did not accept it; a fresh one replaces it"]
+    assert cache.read_bytes().startswith(f"timing:{VERSIONS[1]}:".encode())
+
+
+def _attention_attrs(model) -> list[dict]:
+    return [{a.name: helper.get_attribute_value(a) for a in n.attribute} for n in model.graph.node
+            if n.op_type == "Attention"]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_decomposable_attention_is_set_in_memory_only(tiny_artifact, tmp_path, monkeypatch, version):
+    art = _copy(tiny_artifact, tmp_path)
+    trt, result = _build(monkeypatch, art, version, "--decomposable-attention")
+    _no_traceback(result, 0)
+    manifest = Manifest.read(art)
+    for graph, (network, _) in zip(contract.GRAPHS, trt.record.builds):
+        path = art / contract.GRAPH_FILES[graph]
+        assert network.from_bytes and network.path == str(path)  # parsed from memory, weights found beside it
+        parsed = _attention_attrs(network.model)
+        assert parsed and all(a["TRT_decomposable"] == 1 for a in parsed)
+        on_disk = _attention_attrs(onnx.load(str(path), load_external_data=False))
+        assert all("TRT_decomposable" not in a for a in on_disk)  # the artifact keeps standard nodes
+        assert [{k: v for k, v in a.items() if k != "TRT_decomposable"} for a in parsed] == on_disk
+        assert sha256_file(path) == manifest.graphs[graph].sha256
+
+
+def test_a_build_failing_on_attention_is_retried_decomposable(tiny_artifact, tmp_path, monkeypatch):
+    art = _copy(tiny_artifact, tmp_path)
+    trt, result = _build(monkeypatch, art, VERSIONS[1], attention="needs-decomposable")
+    _no_traceback(result, 0)
+    # prefill fails, is rebuilt decomposable, and decode starts decomposable
+    assert [n.decomposable() for n, _ in trt.record.builds] == [False, True, True]
+    retries = [line for line in result.stderr.splitlines() if "building it again" in line]
+    assert len(retries) == 1 and "prefill.onnx" in retries[0] and "IAttentionLayer" in retries[0]
+    trt, result = _build(monkeypatch, art, VERSIONS[1], attention="fails")
+    _no_traceback(result, 1)
+    assert result.stderr.strip().splitlines()[-1] == (
+        "Error: TensorRT failed to build an engine from prefill.onnx: [graphShapeAnalyzer.cpp] Error Code 10: Could "
+        "not find any implementation for node node_scaled_dot_product_attention (IAttentionLayer, not decomposable)")
+    trt, result = _build(monkeypatch, art, VERSIONS[1], parser_error="Unsupported ONNX data type: UINT4 (17)")
+    _no_traceback(result, 1)  # a failure that names no attention is not retried
+    assert "building it again" not in result.stderr and result.stderr.strip().splitlines()[-1] == (
+        "Error: TensorRT's ONNX parser rejected prefill.onnx: graph (): Unsupported ONNX data type: UINT4 (17)")
+
+
+def test_triton_native_records_the_tensorrt_the_plans_need(dtype_artifacts, tmp_path, monkeypatch):
+    from tk.toolkit.serving.triton.repo import write_repository
+
+    art = _copy(dtype_artifacts["int4"], tmp_path)  # --for trt: a static cache, as Triton's slots need
+    _no_traceback(_build(monkeypatch, art, VERSIONS[1])[1], 0)
+    notes = []
+    repo = write_repository(art, tmp_path / "repo", name="m", native=True, sys_path=False, progress=notes.append)
+    need = (f"the plans were built with TensorRT {VERSIONS[1]} for NVIDIA H100 (compute capability 9.0) and load only "
+            f"in that TensorRT on that GPU: serve them with the Triton release whose TensorRT is {VERSIONS[1]}")
+    assert len(notes) == 1 and notes[0].startswith(need)
+    for graph in contract.GRAPHS:
+        config = (repo / f"m_{graph}_trt" / "config.pbtxt").read_text()
+        assert config.startswith(f"# tensorrt_version: {VERSIONS[1]}\n# {need}") and 'platform: "tensorrt_plan"' in config
+    (art / contract.ENGINE_META).unlink()  # engines without their record: a build did not finish
+    with pytest.raises(TkError, match="has engines but no engine.json; rebuild them with: tk build-engine"):
+        write_repository(art, tmp_path / "repo2", name="m", native=True, sys_path=False)
 
 
 # --- with TensorRT and a GPU ---------------------------------------------------------------------

@@ -40,13 +40,14 @@ class Gpu:
 
 @dataclass(frozen=True, kw_only=True)
 class EngineMeta:
-    """engine.json. `engine_sha256` is None in files written before tk recorded the engines' hashes."""
+    """engine.json. `engine_sha256` is None in files written before tk recorded the engines' hashes.
+    Every engine is strongly typed (its precision is its graphs'), so the `strongly_typed` key that
+    older files carry is read and dropped."""
 
     contract_version: int = contract.CONTRACT_VERSION
     tensorrt_version: str
     gpu: Gpu
     precision: str
-    strongly_typed: bool
     limits: Limits
     profiles: dict[str, dict[str, list[list[int]]]]  # per graph, per input: [min, opt, max] shapes
     onnx_sha256: dict[str, str]  # per graph: the graph the engine was built from
@@ -57,6 +58,17 @@ class EngineMeta:
         d = dataclasses.asdict(self)
         return d if self.engine_sha256 is not None else {k: v for k, v in d.items() if k != "engine_sha256"}
 
+    @property
+    def tensorrt_major(self) -> int:
+        """A plan loads only in the TensorRT that built it; across majors even the build flags differ."""
+        return tensorrt_major(self.tensorrt_version)
+
     @classmethod
     def from_dict(cls, d: dict) -> "EngineMeta":
+        d = {k: v for k, v in d.items() if k != "strongly_typed"}  # written before every engine was strongly typed
         return cls(**{**d, "gpu": Gpu(**d["gpu"]), "limits": Limits(**d["limits"])})
+
+
+def tensorrt_major(version: str) -> int:
+    """"10.15.1.29" -> 10."""
+    return int(version.split(".")[0])

@@ -1,13 +1,15 @@
 """TensorRT backend over an artifact's prefill.engine and decode.engine (tk build-engine).
 
-Written against the TensorRT 10 runtime API as documented (Runtime.deserialize_cuda_engine,
-IExecutionContext.set_input_shape / set_tensor_address / execute_async_v3) with Polygraphy's
-CUDA wrappers (DeviceArray, Stream) for memory, so it needs no torch and no cuda-python. The KV
-cache stays on the GPU between steps. With the dynamic layout each session owns two sets of
+Written against the TensorRT 10.15+ and 11.x runtime API (Runtime.deserialize_cuda_engine,
+IExecutionContext.set_input_shape / set_tensor_address / execute_async_v3, the same in both), with
+device memory, copies and the stream from cuda-python (runtimes/backends/cuda.py), so it needs no
+torch. set_input_shape and set_tensor_address return False rather than raise: each is checked. The
+KV cache stays on the GPU between steps. With the dynamic layout each session owns two sets of
 buffers sized for the engine's maximum sequence (ping-pong: a decode step writes its present
 into the set the past is not in); with the static layout one set at the capacity, written in
-place. Polygraphy's DeviceArray has no finalizer, so every buffer is freed explicitly: when a
-session closes or its rows are taken, and the runtime's own at deactivation.
+place. Device memory has no finalizer here, so every buffer is freed explicitly: when a session
+closes or its rows are taken, the runtime's own at deactivation, and what a failed step or copy
+had allocated before it raises.
 
 `engine_problems` (what stops an engine from loading here) and the profile check are pure and
 tested without a GPU.
@@ -21,10 +23,11 @@ from pathlib import Path
 import numpy as np
 
 from tk.models.spec import contract
-from tk.models.spec.engine import EngineMeta, Limits
+from tk.models.spec.engine import EngineMeta, Limits, tensorrt_major
 from tk.models.spec.manifest import ArtifactError, Manifest, sha256_file
 from tk.models.spec.dtypes import DTYPES
 from tk.models.spec.errors import TRT_MISSING
+from tk.runtimes.backends.cuda import Cuda, Scratch, gpu
 from tk.runtimes.base import ArtifactRuntime, BackendUnavailable, CacheBuffers, InputError, StepOutput
 
 
@@ -52,7 +55,12 @@ def engine_problems(meta: EngineMeta, artifact: Path, env: dict) -> list[str]:
     if meta.contract_version not in contract.READS:
         problems.append(f"the engines follow graph contract version {meta.contract_version} and this tk reads "
                         f"version {contract.CONTRACT_VERSION}; re-export and {rebuild}")
-    if meta.tensorrt_version != env["tensorrt_version"]:
+    built, here = meta.tensorrt_major, tensorrt_major(env["tensorrt_version"])
+    if built != here:
+        problems.append(f"the engines were built with TensorRT {meta.tensorrt_version} (major {built}) and this "
+                        f"machine has TensorRT {env['tensorrt_version']} (major {here}); plans never load across "
+                        f"TensorRT versions: {rebuild}")
+    elif meta.tensorrt_version != env["tensorrt_version"]:
         problems.append(f"the engines were built with TensorRT {meta.tensorrt_version} and this machine has "
                         f"TensorRT {env['tensorrt_version']}; an engine loads only in the version that built it: "
                         f"{rebuild}")
@@ -104,15 +112,9 @@ def trt_environment() -> dict:
 
 
 def _gpu() -> tuple[str, str]:
-    try:
-        from cuda.bindings import runtime as cudart
-
-        err, props = cudart.cudaGetDeviceProperties(0)
-        if int(err) == 0:
-            name = props.name.decode() if isinstance(props.name, bytes) else str(props.name)
-            return name.rstrip("\x00"), f"{props.major}.{props.minor}"
-    except ImportError:
-        pass
+    found = gpu()
+    if found:
+        return found
     try:
         import torch
 
@@ -125,15 +127,11 @@ def _gpu() -> tuple[str, str]:
 
 
 class _Buffer:
-    """A device buffer and the dense (B, H, S, D) tensor of `dtype` it holds now; it has room for
-    `room` positions per row (what it was allocated for)."""
+    """Device memory at `ptr` (cudaMalloc'd by TrtBuffers) and the dense (B, H, S, D) tensor of `dtype`
+    it holds now; it has room for `room` positions per row (what it was allocated for)."""
 
-    def __init__(self, array, shape: tuple, room: int, dtype: str):
-        self.array, self.shape, self.room, self.dtype = array, shape, room, dtype
-
-    @property
-    def ptr(self) -> int:
-        return self.array.ptr
+    def __init__(self, ptr: int, shape: tuple, room: int, dtype: str):
+        self.ptr, self.shape, self.room, self.dtype = ptr, shape, room, dtype
 
     @property
     def item(self) -> int:
@@ -141,23 +139,41 @@ class _Buffer:
 
 
 class TrtBuffers(CacheBuffers):
-    """A cache in device memory (`_Buffer`s), copied on the device. Polygraphy's DeviceArray has no
-    finalizer: every buffer is freed here explicitly. `cuda` (Polygraphy's CUDA wrappers), `dt` (its
-    DataType) and `stream` (what every copy runs on) are set while the runtime is loaded."""
+    """A cache in device memory (`_Buffer`s), copied on the device. Nothing frees device memory on its
+    own: every buffer is freed here explicitly, also what a failed allocation or copy had taken.
+    `cuda` (runtimes/backends/cuda.py: the checked CUDA calls and the stream every copy runs on) is
+    set while the runtime is loaded."""
 
     row_slices = False  # its buffers view their leading rows only
 
     def __init__(self):
-        self.cuda = self.dt = self.stream = None
+        self.cuda: Cuda | None = None
 
     def alloc(self, shape, dtype, room: int | None = None):
         room = shape[2] if room is None else room
         nbytes = shape[0] * shape[1] * room * shape[3] * int(DTYPES[dtype].bytes)
-        return _Buffer(self.cuda.DeviceArray.raw((nbytes,)), tuple(shape), room, dtype)
+        ptr = self.cuda.malloc(nbytes)
+        try:  # zeroed, as CacheBuffers promises: attention reads a static cache's unwritten (masked)
+            self.cuda.zero(ptr, nbytes)  # positions too, and 0 * a NaN left in the memory is NaN
+        except BaseException:
+            self.cuda.free(ptr)
+            raise
+        return _Buffer(ptr, tuple(shape), room, dtype)
+
+    def alloc_all(self, specs: list[tuple]) -> list[_Buffer]:
+        """alloc(*spec) for each spec; if one fails, those already made are freed before it raises."""
+        out = []
+        try:
+            for spec in specs:
+                out.append(self.alloc(*spec))
+        except BaseException:
+            self.release(out)
+            raise
+        return out
 
     def release(self, buffers) -> None:
         for buf in buffers or []:
-            buf.array.free()
+            self.cuda.free(buf.ptr)
 
     def copy_positions(self, dst: _Buffer, src: _Buffer, count: int, dst_row: int | None = None,
                        src_row: int | None = None, src_at: int = 0, dst_at: int = 0) -> None:
@@ -166,33 +182,32 @@ class TrtBuffers(CacheBuffers):
         d = src.shape[3] * src.item  # bytes per position
         heads = src.shape[1]
         rows = range(src.shape[0]) if src_row is None else [src_row]
-        copy, kind = self.cuda.wrapper().memcpy, self.cuda.MemcpyKind.DeviceToDevice
         for i, r in enumerate(rows):
             to = i if dst_row is None else dst_row
             for h in range(heads):
-                copy(dst.ptr + ((to * heads + h) * dst.shape[2] + dst_at) * d,
-                     src.ptr + ((r * heads + h) * src.shape[2] + src_at) * d, count * d, kind, self.stream.ptr)
+                self.cuda.copy(dst.ptr + ((to * heads + h) * dst.shape[2] + dst_at) * d,
+                               src.ptr + ((r * heads + h) * src.shape[2] + src_at) * d, count * d)
 
     def leading(self, buf: _Buffer, n: int) -> _Buffer:
         """A view of the first n rows (same device memory; never released on its own)."""
-        return _Buffer(buf.array, (n,) + tuple(buf.shape[1:]), buf.room, buf.dtype)
+        return _Buffer(buf.ptr, (n,) + tuple(buf.shape[1:]), buf.room, buf.dtype)
 
     def to_numpy(self, buf: _Buffer) -> np.ndarray:
-        raw = np.empty(int(np.prod(buf.shape)) * buf.item, dtype=np.uint8)
-        buf.array.view(shape=(raw.size,), dtype=self.dt.UINT8).copy_to(raw, self.stream)
-        self.stream.synchronize()
+        raw = self.cuda.to_host(np.empty(int(np.prod(buf.shape)) * buf.item, dtype=np.uint8), buf.ptr)
         return _to_float32(raw, buf.dtype).reshape(buf.shape)
 
     def take(self, buffers, rows):
-        """Rows of a session's cache, copied on the device into new buffers; the old ones are freed."""
-        out = []
-        copy, kind = self.cuda.wrapper().memcpy, self.cuda.MemcpyKind.DeviceToDevice
-        for buf in buffers:
-            per_row = int(np.prod(buf.shape[1:])) * buf.item
-            new = self.alloc((len(rows),) + buf.shape[1:], buf.dtype, buf.room)
-            for i, r in enumerate(rows):
-                copy(new.ptr + i * per_row, buf.ptr + int(r) * per_row, per_row, kind, self.stream.ptr)
-            out.append(new)
+        """Rows of a session's cache, copied on the device into new buffers; the old ones are freed
+        (only once every copy is queued: if one fails, the session still owns them and the new are freed)."""
+        out = self.alloc_all([((len(rows),) + buf.shape[1:], buf.dtype, buf.room) for buf in buffers])
+        try:
+            for buf, new in zip(buffers, out):
+                per_row = int(np.prod(buf.shape[1:])) * buf.item
+                for i, r in enumerate(rows):
+                    self.cuda.copy(new.ptr + i * per_row, buf.ptr + int(r) * per_row, per_row)
+        except BaseException:
+            self.release(out)
+            raise
         self.release(buffers)
         return out
 
@@ -212,7 +227,7 @@ class TrtRuntime(ArtifactRuntime):
     def _at_rest(self) -> None:
         self._logger = self.logits = None
         self.engines, self.contexts, self.inputs = {}, {}, {}
-        self.buffers.cuda = self.buffers.dt = self.buffers.stream = None
+        self.buffers.cuda = None
 
     def _load(self) -> None:
         env = trt_environment()  # first: on a machine without TensorRT, that is what the user must fix
@@ -224,10 +239,10 @@ class TrtRuntime(ArtifactRuntime):
         if problems:
             raise ArtifactError(problems[0])
         import tensorrt as trt
-        from polygraphy import cuda
-        from polygraphy.datatype import DataType
 
-        self.buffers.cuda, self.buffers.dt = cuda, DataType
+        cuda = self.buffers.cuda = Cuda()  # the stream; nothing is allocated until a step needs it
+        self.inputs = {name: Scratch(cuda) for name in ("input_ids", "attention_mask", "position_ids", "write_indices")}
+        self.logits = Scratch(cuda)
         self._logger = trt.Logger(trt.Logger.WARNING)
         runtime = trt.Runtime(self._logger)
         for graph in contract.GRAPHS:
@@ -236,24 +251,22 @@ class TrtRuntime(ArtifactRuntime):
                 raise ArtifactError(f"TensorRT could not load {contract.ENGINE_FILES[graph]}; rebuild with "
                                     f"tk build-engine {self.artifact} --force")
             self.engines[graph], self.contexts[graph] = engine, engine.create_execution_context()
-        self.buffers.stream = cuda.Stream()
-        self.inputs = {g: cuda.DeviceArray.raw((0,))
-                       for g in ("input_ids", "attention_mask", "position_ids", "write_indices")}
-        self.logits = cuda.DeviceArray.raw((0,))
 
     def _unload(self) -> None:
-        for buf in [*self.inputs.values(), self.logits]:
-            if buf is not None:
-                buf.free()
-        if self.buffers.stream is not None:
-            self.buffers.stream.free()
-        self._at_rest()
+        try:  # also after a load that failed half way: only what it had made is there to free
+            for buf in [*self.inputs.values(), self.logits]:
+                if buf is not None:
+                    buf.free()
+            if self.buffers.cuda is not None:
+                self.buffers.cuda.close()
+        finally:
+            self._at_rest()
 
     def _seq_buffers(self, batch: int) -> list[_Buffer]:
         """A set of cache buffers a dynamic-layout session grows into (the engine's longest sequence)."""
         d = self.dims
         shape, room = (batch, d.num_kv_heads, 0, d.head_dim), self.meta.limits.max_seq_len
-        return [self.buffers.alloc(shape, d.kv_dtype, room) for _ in range(2 * d.num_layers)]
+        return self.buffers.alloc_all([(shape, d.kv_dtype, room)] * (2 * d.num_layers))
 
     def release_session_state(self, session) -> None:
         self.buffers.release(session.backend)  # the spare set of a dynamic session's ping-pong (Session.backend)
@@ -296,29 +309,36 @@ class TrtRuntime(ArtifactRuntime):
         problem = profile_problem(graph, self.meta.profiles[graph], shapes, self.meta.limits)
         if problem:
             raise InputError(problem)
-        ctx, stream = self.contexts[graph], self.buffers.stream
-        for name, array in arrays.items():
-            buf = self.inputs[name].resize((array.nbytes,))
-            buf.copy_from(np.ascontiguousarray(array).view(np.uint8).reshape(-1), stream)
-            ctx.set_input_shape(name, array.shape)
-            ctx.set_tensor_address(name, buf.ptr)
+        ctx, cuda = self.contexts[graph], self.buffers.cuda
+        staged = [np.ascontiguousarray(a) for a in arrays.values()]  # alive until to_host's synchronize
+        for name, host in zip(arrays, staged):
+            ptr = self.inputs[name].fit(host.nbytes)
+            cuda.to_device(ptr, host)
+            self._bind(graph, name, ptr, host.shape)
         for name, buf in zip(self.past_names, past or []):
-            ctx.set_input_shape(name, shapes[name])
-            ctx.set_tensor_address(name, buf.ptr)
+            self._bind(graph, name, buf.ptr, shapes[name])
         S = arrays["input_ids"].shape[1]
         if graph == contract.PREFILL and self.dims.variant.prefill_logits == "last":
             S = 1
-        logits_shape = (B, S, self.dims.vocab_size)
-        self.logits.resize((int(np.prod(logits_shape)) * 4,))
-        ctx.set_tensor_address("logits", self.logits.ptr)
+        host = np.empty((B, S, self.dims.vocab_size), dtype=np.float32)
+        self._bind(graph, "logits", self.logits.fit(host.nbytes))
         for name, buf in zip(self.present_names, present):
-            ctx.set_tensor_address(name, buf.ptr)
-        if not ctx.execute_async_v3(stream.ptr):
+            self._bind(graph, name, buf.ptr)
+        if not ctx.execute_async_v3(cuda.stream_handle):
             raise InputError(f"{graph}: TensorRT failed to run the engine for inputs {shapes}")
-        host = np.empty(logits_shape, dtype=np.float32)
-        self.logits.view(shape=logits_shape, dtype=self.buffers.dt.FLOAT32).copy_to(host, stream)
-        stream.synchronize()
-        return host
+        return cuda.to_host(host, self.logits.ptr)
+
+    def _bind(self, graph: str, name: str, ptr: int, shape: tuple | None = None) -> None:
+        """Set an input's shape (when given) and a tensor's address; TensorRT answers False, not an
+        exception, when it refuses either."""
+        ctx, rebuild = self.contexts[graph], f"rebuild with tk build-engine {self.artifact} --force"
+        if shape is not None and not ctx.set_input_shape(name, tuple(shape)):
+            lo, _, hi = self.meta.profiles[graph].get(name, (None, None, None))
+            raise InputError(f"{graph}: TensorRT refused shape {list(shape)} for input {name} (the engine's profile: "
+                             f"{lo} to {hi}); if engine.json does not describe this engine, {rebuild}")
+        if not ctx.set_tensor_address(name, ptr):
+            raise ArtifactError(f"{graph}: TensorRT refused the device address of {name} (the engine has no "
+                                f"such tensor, or another layout than this artifact's manifest); {rebuild}")
 
 
 def _to_float32(raw: np.ndarray, dtype: str) -> np.ndarray:

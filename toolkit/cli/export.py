@@ -100,19 +100,28 @@ def export(model_dir: Path, out: Path, profile: str | None, dtype: str | None, o
 
 @click.command("build-engine")
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16"]), help="Default: the graphs' own dtype.")
+@click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16"]),
+              help="Must be the graphs' dtype: engines are strongly typed, so fp16/bf16 engines come from graphs "
+                   "exported with --dtype fp16/bf16 [default: the graphs' dtype].")
 @click.option("--max-batch", default=1, show_default=True, type=int)
 @click.option("--max-input-len", type=int, help="Longest prompt [default: half of --max-seq-len].")
 @click.option("--max-seq-len", type=int, help="Prompt + generated tokens [default: the model's context, at most 2048].")
-@click.option("--timing-cache", type=click.Path(dir_okay=False, path_type=Path), help="Load and save this cache.")
-@click.option("--workspace", default=4.0, show_default=True, type=float, help="Builder workspace, GiB.")
+@click.option("--timing-cache", type=click.Path(dir_okay=False, path_type=Path),
+              help="Load and save this cache (FILE.json records the TensorRT that wrote it; another version's "
+                   "cache is ignored and replaced).")
+@click.option("--workspace", type=float, metavar="GIB", help="Cap the builder's workspace [default: TensorRT's own].")
+@click.option("--decomposable-attention", is_flag=True,
+              help="Let TensorRT decompose Attention it has no fused kernel for (TRT_decomposable=1, set in memory; "
+                   "the artifact is unchanged). Without it, a build that fails on attention is retried this way.")
+@click.option("--verbose", is_flag=True, help="Show TensorRT's verbose log (the layers and tactics it chose).")
 @click.option("--force", is_flag=True, help="Replace existing engines.")
 def build_engine(artifact: Path, precision: str | None, max_batch: int, max_input_len: int | None,
-                 max_seq_len: int | None,
-                 timing_cache: Path | None, workspace: float, force: bool) -> None:
+                 max_seq_len: int | None, timing_cache: Path | None, workspace: float | None,
+                 decomposable_attention: bool, verbose: bool, force: bool) -> None:
     """Build TensorRT engines for an exported ARTIFACT (needs TensorRT and an NVIDIA GPU)."""
     from tk.toolkit.pipeline.build_engine import build
 
     build(artifact, precision=precision, max_batch=max_batch, max_input_len=max_input_len, max_seq_len=max_seq_len,
-          timing_cache=timing_cache, workspace=workspace, force=force, progress=progress)
+          timing_cache=timing_cache, workspace=workspace, force=force, progress=progress,
+          decomposable_attention=decomposable_attention, verbose=verbose)
     click.echo(str(artifact))

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from tk.toolkit.backends import BackendOptions
-from tk.toolkit.cli.options import BackendName, backend_options
+from tk.toolkit.cli.options import BackendName, backend_options, progress
 
 
 def batcher_options(f):
@@ -95,4 +95,4 @@ def triton(artifact: Path, out: Path, model_name: str | None, backend: str, slot
     click.echo(str(write_repository(artifact, out, name=model_name, backend=backend,
                                     limits=BatcherLimits(slots=slots, max_queue=max_queue), threads=threads,
                                     prepack=prepack, copy_artifact=copy_artifact, native=native, sys_path=sys_path,
-                                    force=force)))
+                                    force=force, progress=progress)))

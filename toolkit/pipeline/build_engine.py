@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from tk.exporters.trt_build import build_engines, compute_profiles
+from tk.exporters.trt_build import build_engines, check_precision, compute_profiles
 from tk.models.spec import contract
 from tk.models.spec.engine import EngineMeta, Limits
 from tk.models.spec.manifest import ArtifactError, Manifest
@@ -18,9 +18,11 @@ from tk.models.spec.errors import UsageProblem, FilesystemProblem
 
 
 def build(artifact: Path, *, precision: str | None, max_batch: int, max_input_len: int | None,
-          max_seq_len: int | None, timing_cache: Path | None, workspace: float, force: bool,
-          progress: Callable[[str], None]) -> EngineMeta:
-    """Unset lengths default to the model's context (at most 2048) and half of it for prompts."""
+          max_seq_len: int | None, timing_cache: Path | None, workspace: float | None, force: bool,
+          progress: Callable[[str], None], decomposable_attention: bool = False,
+          verbose: bool = False) -> EngineMeta:
+    """Unset lengths default to the model's context (at most 2048) and half of it for prompts; an
+    unset workspace is TensorRT's own default."""
     manifest = Manifest.read(artifact)
     if manifest.variant.target is not Target.PORTABLE:
         raise ArtifactError(f"{artifact} was exported with --target {manifest.variant.target.value} (ONNX Runtime's "
@@ -32,6 +34,9 @@ def build(artifact: Path, *, precision: str | None, max_batch: int, max_input_le
     max_seq_len = max_seq_len or manifest.variant.capacity or min(manifest.max_context, 2048)
     limits = Limits(max_batch, max_input_len or max(1, max_seq_len // 2), max_seq_len)
     compute_profiles(manifest.dims, limits, manifest.max_context)  # the flags are checked first
+    precision = check_precision(manifest, precision)
+    if workspace is not None and not workspace > 0:
+        raise UsageProblem(f"--workspace must be a positive number of GiB, got {workspace}")
     meta_path = artifact / contract.ENGINE_META
     if meta_path.exists() and not force:
         raise FilesystemProblem(f"{artifact} already has engines; pass --force to rebuild them")
@@ -39,7 +44,8 @@ def build(artifact: Path, *, precision: str | None, max_batch: int, max_input_le
 
     env = trt_environment()  # says what is missing (TensorRT, a GPU) before any work
     meta, engines = build_engines(artifact, manifest, env, precision, limits, workspace_gib=workspace,
-                                  timing_cache=timing_cache, progress=progress)
+                                  timing_cache=timing_cache, decomposable=decomposable_attention, verbose=verbose,
+                                  progress=progress)
     # engine.json goes first and comes back last: while the engines are replaced, none of them loads,
     # and each engine's sha256 in it refuses a pair that was not built together
     meta_path.unlink(missing_ok=True)

@@ -6,6 +6,7 @@
     REPO/<name>/1/artifact/        with --copy-artifact (else the parameter points at ARTIFACT)
     REPO/<name>_prefill, _decode   with --native: the raw graphs for Triton's onnxruntime backend
     REPO/<name>_prefill_trt, ...   with --native and built engines: the plans for its tensorrt backend
+                                   (their config says which TensorRT built them: a plan loads in no other)
 
 Written without any Triton package (the text format is plain); the test parses every
 config.pbtxt with Triton's own protobuf schema. Written into a temporary sibling folder and renamed,
@@ -20,9 +21,11 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 from tk.models.spec import contract
-from tk.models.spec.manifest import Manifest
+from tk.models.spec.engine import EngineMeta
+from tk.models.spec.manifest import ArtifactError, Manifest
 from tk.models.spec.errors import UsageProblem
 from tk.runtimes.cache_layouts import slots_problem
 from tk.runtimes.serving.scheduler import BatcherLimits
@@ -57,9 +60,18 @@ def python_config(name: str, params: dict[str, str]) -> str:
             "instance_group [ { count: 1 kind: KIND_CPU } ]\n" + _parameters(params))
 
 
-def native_config(name: str, platform: str) -> str:
+def native_config(name: str, platform: str, comment: str = "") -> str:
     """The raw graph's model: Triton completes inputs and outputs from the ONNX file or plan."""
-    return f'name: "{name}"\nplatform: "{platform}"\nmax_batch_size: 0\n'
+    return f'{comment}name: "{name}"\nplatform: "{platform}"\nmax_batch_size: 0\n'
+
+
+def plan_note(meta: EngineMeta) -> str:
+    """Which TensorRT (and so which Triton image) the plans need. No release table: NGC's Frameworks
+    Support Matrix is where each Triton release's TensorRT is listed."""
+    return (f"the plans were built with TensorRT {meta.tensorrt_version} for {meta.gpu.name} (compute capability "
+            f"{meta.gpu.compute_capability}) and load only in that TensorRT on that GPU: serve them with the Triton "
+            f"release whose TensorRT is {meta.tensorrt_version} (NGC's Frameworks Support Matrix lists each "
+            "release's TensorRT), or rebuild them there with tk build-engine")
 
 
 def tk_sys_path() -> list[str]:
@@ -71,9 +83,10 @@ def tk_sys_path() -> list[str]:
 def write_repository(artifact: Path, out: Path, *, name: str | None = None, backend: str = "ort",
                      limits: BatcherLimits = BatcherLimits(), threads: int | None = None, prepack: bool = True,
                      copy_artifact: bool = False, native: bool = False, sys_path: bool = True,
-                     force: bool = False) -> Path:
+                     force: bool = False, progress: Callable[[str], None] = lambda m: None) -> Path:
     """The repository at `out` -> `out`. Its config records the limits' slots and max_queue (the
-    model's batcher takes the other limits' defaults)."""
+    model's batcher takes the other limits' defaults). With `native` and built engines, `progress`
+    hears which TensorRT the plans need."""
     artifact, out = Path(artifact).resolve(), Path(out)
     manifest = Manifest.read(artifact)
     if problem := slots_problem(manifest.dims):
@@ -98,7 +111,7 @@ def write_repository(artifact: Path, out: Path, *, name: str | None = None, back
                   "tk_sys_path": json.dumps(tk_sys_path() if sys_path else [])}
         (tmp / name / "config.pbtxt").write_text(python_config(name, params))
         if native:
-            _native(artifact, manifest, tmp, name, copy_artifact)
+            _native(artifact, manifest, tmp, name, copy_artifact, progress)
         move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -106,9 +119,18 @@ def write_repository(artifact: Path, out: Path, *, name: str | None = None, back
     return out
 
 
-def _native(artifact: Path, manifest: Manifest, repo: Path, name: str, copy: bool) -> None:
+def _native(artifact: Path, manifest: Manifest, repo: Path, name: str, copy: bool,
+            progress: Callable[[str], None]) -> None:
     """The prefill and decode graphs (and engines, where built) as models of Triton's own backends."""
     place = shutil.copy2 if copy else (lambda src, dst: Path(dst).symlink_to(src))
+    meta = None
+    if any((artifact / f).is_file() for f in contract.ENGINE_FILES.values()):
+        meta_path = artifact / contract.ENGINE_META
+        if not meta_path.is_file():  # tk build-engine writes it last: a build did not finish
+            raise ArtifactError(f"{artifact} has engines but no {contract.ENGINE_META}; rebuild them with: "
+                                f"tk build-engine {artifact} --force")
+        meta = EngineMeta.from_dict(json.loads(meta_path.read_text()))
+        progress(plan_note(meta))
     data = {manifest.graphs[g].data_file for g in contract.GRAPHS if manifest.graphs[g].data_file}
     for graph in contract.GRAPHS:
         version = repo / f"{name}_{graph}" / "1"
@@ -118,8 +140,9 @@ def _native(artifact: Path, manifest: Manifest, repo: Path, name: str, copy: boo
             place(artifact / f, version / f)
         (version.parent / "config.pbtxt").write_text(native_config(f"{name}_{graph}", "onnxruntime_onnx"))
         plan = artifact / contract.ENGINE_FILES[graph]
-        if plan.is_file():
+        if meta is not None and plan.is_file():
             version = repo / f"{name}_{graph}_trt" / "1"
             version.mkdir(parents=True)
             place(plan, version / "model.plan")
-            (version.parent / "config.pbtxt").write_text(native_config(f"{name}_{graph}_trt", "tensorrt_plan"))
+            comment = f"# tensorrt_version: {meta.tensorrt_version}\n# {plan_note(meta)}\n"
+            (version.parent / "config.pbtxt").write_text(native_config(f"{name}_{graph}_trt", "tensorrt_plan", comment))
