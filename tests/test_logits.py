@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from tk.runtimes.decoding.logits import Penalties, log_softmax, logit_bias, min_tokens, token_logprobs
 
@@ -48,6 +49,40 @@ def test_the_sampler_never_draws_a_banned_token_and_a_tiny_temperature_is_greedy
     assert draws <= {3, 49}
     x = _logits()
     assert Sampler(SamplingConfig(temperature=1e-300, seed=1))(x)[0] == x.argmax()  # not NaN, not token 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_non_finite_logits_still_draw_within_the_mask_and_no_possible_token_ends_the_row(temperature):
+    """A processor's NaN or +inf (or a denormal repetition penalty's overflow) is caught at the row:
+    the draw stays among the tokens the mask allows; a row with none possible draws NO_TOKEN, a stop."""
+    from tk.runtimes.decoding.rows import FinishReason, RowPolicy
+    from tk.runtimes.decoding.sampling import NO_TOKEN, Sampler, SamplingConfig
+
+    allowed = np.zeros((1, 50), dtype=bool)
+    allowed[0, [7, 20, 31]] = True
+    mask = lambda logits, tokens: np.where(allowed, logits, np.float32(-np.inf))  # a grammar's, last
+    weird = {"nan": lambda x, t: np.full_like(x, np.nan), "+inf": lambda x, t: np.where(x > 0, np.inf, x),
+             "-inf here": lambda x, t: np.where(np.arange(50) == 7, -np.inf, x), "mixed": lambda x, t: x * np.where(
+                 np.arange(50) % 2, np.inf, np.nan).astype(np.float32)}
+    seen = np.ones((1, 50), dtype=bool)
+    for name, process in weird.items():
+        for seed in range(200 if temperature else 1):
+            for penalty in (1.0, 5e-324):
+                config = SamplingConfig(temperature=temperature, repetition_penalty=penalty, seed=seed)
+                logits = mask(process(_logits(seed), []), [])
+                token = int(Sampler(config)(logits, seen if penalty != 1.0 else None)[0])
+                assert token == NO_TOKEN or allowed[0, token], (name, seed, penalty, token)
+                possible = np.isfinite(logits) | np.isposinf(logits)  # what the row allowed, before the penalty
+                assert (token == NO_TOKEN) == (not possible.any()), (name, seed, penalty)
+    top = mask(_logits(), [])
+    assert Sampler(SamplingConfig(temperature=1.0, top_p=5e-324))(top)[0] == top.argmax()  # the top token only
+    for config in (SamplingConfig(temperature=temperature),
+                   SamplingConfig(temperature=temperature, top_k=3, top_p=0.5)):
+        assert Sampler(config)(np.full((2, 50), -np.inf, dtype=np.float32)).tolist() == [NO_TOKEN] * 2
+    policy = RowPolicy([1, 2], 10, eos_ids=[0], ignore_eos=True)
+    assert not policy.add(NO_TOKEN) and policy.finish_reason == FinishReason.STOP and policy.tokens == []
+    with pytest.raises(Exception, match="finite"):
+        SamplingConfig(repetition_penalty=float("inf"))
 
 
 def test_a_backend_that_cannot_score_a_prompt_says_how_to_export_one():

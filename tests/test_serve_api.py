@@ -304,3 +304,55 @@ def test_a_backend_that_cannot_score_prompts_refuses_echo_with_logprobs_in_one_l
     status, reply = _call(url, "/v1/completions", {"prompt": "the cat", "echo": True, "logprobs": 1, "max_tokens": 1})
     assert status == 400 and reply["error"]["param"] == "echo" and "--prefill-logits all" in reply["error"]["message"]
     assert _call(url, "/v1/completions", {"prompt": "the cat", "logprobs": 1, "max_tokens": 1})[0] == 200
+
+
+OUT_OF_BOUNDS = [  # (field, its value as JSON text): each a 400 naming the field (bounds as vLLM's and OpenAI's)
+    ("temperature", "-0.5"), ("temperature", "2.5"), ("temperature", "NaN"), ("temperature", "1e400"),
+    ("top_p", "0"), ("top_p", "1.5"), ("top_p", "NaN"), ("top_k", "-2"), ("repetition_penalty", "0"),
+    ("repetition_penalty", "-1"), ("repetition_penalty", "11"), ("repetition_penalty", "Infinity"),
+    ("presence_penalty", "-2.5"), ("presence_penalty", "-Infinity"), ("frequency_penalty", "2.5"),
+    ("logit_bias", '{"5": 101}'), ("logit_bias", '{"5": -101}'), ("logit_bias", '{"5": NaN}'),
+    ("seed", str(2**63)), ("seed", "-1"), ("max_tokens", "0"), ("max_tokens", "1000000"), ("min_tokens", "-1"),
+    ("min_tokens", str(10**30)), ("n", "0"), ("n", "129"), ("logprobs", "21"), ("logprobs", "-1"),
+    ("top_logprobs", "21"),
+]
+HANDLED = [  # values within the bounds that once broke a row, each a 200 (issue 36's fuzz run found the first)
+    {"repetition_penalty": 5e-324, "guided_choice": ["0"]},
+    {"repetition_penalty": 5e-324, "guided_choice": ["0"], "temperature": 0},
+    {"repetition_penalty": 5e-324, "temperature": 2}, {"repetition_penalty": 10, "top_p": 5e-324, "seed": 2**63 - 1},
+    {"temperature": 1e-300}, {"top_k": 10**30}, {"presence_penalty": -2, "frequency_penalty": 2, "min_tokens": 100},
+    {"logit_bias": {"5": -100, "6": 100}, "guided_choice": ["0", "1"]},
+]
+
+
+@pytest.mark.parametrize("field, value", OUT_OF_BOUNDS, ids=[f"{f}={v}" for f, v in OUT_OF_BOUNDS])
+def test_every_number_out_of_its_bounds_is_a_400_naming_it_and_the_bounds_are_documented(server, field, value):
+    _, url = server
+    chat = field == "top_logprobs"
+    body = '{"%s": %s, "max_tokens": 2, %s: %s}' % ("messages" if chat else "prompt", json.dumps(
+        [{"role": "user", "content": "hi"}] if chat else "the cat"), json.dumps(field), value)
+    if chat:
+        body = body.replace('"max_tokens"', '"logprobs": true, "max_tokens"')
+    if field == "max_tokens":
+        body = body.replace('"max_tokens": 2, ', "")
+    status, reply = _call(url, "/v1/chat/completions" if chat else "/v1/completions", raw=body.encode())
+    assert status == 400 and reply["error"]["param"] == field, reply
+    doc = json.loads(urllib.request.urlopen(url + "/openapi.json", timeout=10).read())["components"]["schemas"]
+    schema = json.dumps(doc["Chat" if chat else "Completion"]["properties"][field])
+    assert "minimum" in schema or "exclusiveMinimum" in schema, schema
+    assert _call(url, "/v1/completions", {"prompt": "the cat", "max_tokens": 2})[0] == 200  # still up
+
+
+@pytest.mark.parametrize("extra", HANDLED, ids=[str(i) for i in range(len(HANDLED))])
+def test_a_number_within_bounds_never_breaks_a_row(server, extra):
+    """A denormal repetition penalty turns the row to infinities and NaN: the sampler still draws
+    within the grammar's mask, and the request ends with a 200, never the batcher's 500."""
+    _, url = server
+    for path, prompt in (("/v1/completions", {"prompt": "0"}), ("/v1/chat/completions", {"messages": [
+            {"role": "user", "content": "0"}]})):
+        status, reply = _call(url, path, {**prompt, "max_tokens": 8, **extra})
+        assert status == 200, reply
+        c = reply["choices"][0]
+        text = c["message"]["content"] if "message" in c else c["text"]
+        assert c["finish_reason"] in ("stop", "length") and (text in extra.get("guided_choice", [text])), reply
+    assert _call(url, "/v1/completions", {"prompt": "the cat", "max_tokens": 2})[0] == 200  # still up

@@ -6,8 +6,9 @@ finishes exactly as its solo run does by construction, not by test alone:
 
 - `RowPolicy.check(prompt_tokens, max_new_tokens, max_context)` refuses an empty prompt, a budget
   below one token, and a prompt plus budget beyond the context;
-- `add(token)` takes a sampled token: EOS (unless ignore_eos) ends the row and is not kept; a kept
-  token is marked seen (the repetition penalty's tokens: the prompt's and the row's own);
+- `add(token)` takes a sampled token: EOS (unless ignore_eos) ends the row and is not kept, as does
+  the sampler's `NO_TOKEN` (no token was possible: a stop); a kept token is marked seen (the
+  repetition penalty's tokens: the prompt's and the row's own);
 - once the consumer has heard the kept token, `finished()` ends the row on a stop (asked for
   through `stop()`, or by the stop hook) or at the token budget.
 
@@ -24,14 +25,14 @@ import numpy as np
 
 from tk.runtimes.errors import InputError
 from tk.runtimes.decoding.logits import TokenLogprob
-from tk.runtimes.decoding.sampling import SamplingConfig
+from tk.runtimes.decoding.sampling import NO_TOKEN, SamplingConfig
 
 
 class FinishReason(str, Enum):
     """How a row (a request) ended. A `str`: it compares, hashes, prints and serializes as its value."""
 
     EOS = "eos"  # the model's end-of-sequence token (not kept)
-    STOP = "stop"  # a stop its consumer asked for (a stop string)
+    STOP = "stop"  # a stop its consumer asked for (a stop string), or no token was possible (NO_TOKEN)
     LENGTH = "length"  # its token budget
     CANCELLED = "cancelled"  # the batcher's only: the client went away, or the batcher closed
     ERROR = "error"  # the batcher's only: the request failed (its `error` says why)
@@ -92,7 +93,10 @@ class RowPolicy:
                              f"model's context of {max_context}; shorten the prompt or ask for fewer new tokens")
 
     def add(self, token: int) -> bool:
-        """Take a sampled token: True if the row keeps it, False if it is EOS (the row has ended)."""
+        """Take a sampled token: True if the row keeps it, False if it is EOS or NO_TOKEN (the row has ended)."""
+        if token == NO_TOKEN:  # whatever ignore_eos says: nothing may follow
+            self.finish_reason = FinishReason.STOP
+            return False
         if token in self.eos:
             self.finish_reason = FinishReason.EOS
             return False

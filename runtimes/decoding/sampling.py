@@ -1,10 +1,16 @@
 """Next-token selection, shared by every backend: greedy, temperature, top-k, top-p, repetition
 penalty, seeded. Pure numpy on float32 logits, so two backends whose logits agree pick the same
 tokens for the same seed.
+
+Whatever the logits, a draw stays among the tokens they allow: a non-finite logit (a processor's,
+the model's, or a penalty or temperature that overflowed) is made safe at the row before drawing
+(NaN: impossible; where a row has +inf, only its +inf tokens, alike), and a row where no token is
+possible (every logit -inf: a grammar, a ban) draws `NO_TOKEN`, which ends it (rows.py).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -13,6 +19,7 @@ from tk.models.spec.errors import UsageProblem
 
 
 GREEDY_BELOW = 1e-5
+NO_TOKEN = -1  # what a row draws when no token is possible
 
 
 @dataclass(frozen=True)
@@ -24,14 +31,14 @@ class SamplingConfig:
     seed: int = 0
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise UsageProblem(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:
+            raise UsageProblem(f"temperature must be >= 0 and finite, got {self.temperature}")
         if self.top_k < 0:
             raise UsageProblem(f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise UsageProblem(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.repetition_penalty <= 0:
-            raise UsageProblem(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0 < self.repetition_penalty < math.inf:
+            raise UsageProblem(f"repetition_penalty must be > 0 and finite, got {self.repetition_penalty}")
         if self.seed < 0:
             raise UsageProblem(f"seed must be >= 0, got {self.seed}")
 
@@ -39,6 +46,17 @@ class SamplingConfig:
     def greedy(self) -> bool:
         """Temperature 0, or one so small that dividing by it overflows float32 (vLLM's 1e-5)."""
         return self.temperature < GREEDY_BELOW
+
+
+def finite(logits: np.ndarray) -> np.ndarray:
+    """(B, V) float32 logits with no NaN or +inf, allowing no token they did not: NaN becomes -inf
+    (impossible), and a row with +inf keeps only those tokens, alike (0, the rest -inf: the limit of
+    logits growing without bound). Finite logits come back as they are (the same array)."""
+    if np.isfinite(logits).all():
+        return logits
+    logits = np.where(np.isnan(logits), np.float32(-np.inf), logits)
+    top = np.isposinf(logits)
+    return np.where(top.any(-1, keepdims=True), np.where(top, np.float32(0), np.float32(-np.inf)), logits)
 
 
 class Sampler:
@@ -52,17 +70,21 @@ class Sampler:
 
         `rows` name the batch's rows among `total` (rows that finished have left the batch): each
         step draws one number for every row of the `total`, so a row's draws do not depend on
-        which other rows are still generating."""
+        which other rows are still generating. A row where no token is possible draws NO_TOKEN."""
         c = self.config
         logits = logits.astype(np.float32, copy=False)  # nothing below writes in place
         if seen is not None and rows is not None and len(rows) != seen.shape[0]:
             seen = seen[rows]
-        if c.repetition_penalty != 1.0 and seen is not None:
-            penalized = np.where(logits > 0, logits / c.repetition_penalty, logits * c.repetition_penalty)
-            logits = np.where(seen, penalized, logits)
+        with np.errstate(over="ignore", divide="ignore", invalid="ignore"):  # what overflows is made finite() below
+            if c.repetition_penalty != 1.0 and seen is not None:
+                penalized = np.where(logits > 0, logits / c.repetition_penalty, logits * c.repetition_penalty)
+                logits = np.where(seen, penalized, logits)
+            logits = finite(logits if c.greedy else logits / c.temperature)
         if c.greedy:
-            return logits.argmax(-1).astype(np.int64, copy=False)
-        logits = logits / c.temperature
+            ids = logits.argmax(-1)
+            return np.where(logits[np.arange(len(ids)), ids] == -np.inf, NO_TOKEN, ids).astype(np.int64, copy=False)
+        none = logits.max(-1) == -np.inf
+        logits = np.where(none[:, None], np.float32(0), logits) if none.any() else logits  # drawn, then refused
         if c.top_k:
             kth = -np.sort(-logits, axis=-1)[:, min(c.top_k, logits.shape[-1]) - 1 : min(c.top_k, logits.shape[-1])]
             logits = np.where(logits < kth, -np.inf, logits)
@@ -73,11 +95,13 @@ class Sampler:
             sorted_p = np.take_along_axis(probs, order, -1)
             # keep the smallest prefix whose mass reaches top_p (always at least the top token)
             drop_sorted = (np.cumsum(sorted_p, -1) - sorted_p) >= c.top_p
+            drop_sorted[:, 0] = False  # a top_p below float32's least (5e-324 is 0 there) keeps it too
             drop = np.zeros_like(drop_sorted)
             np.put_along_axis(drop, order, drop_sorted, -1)
             probs = np.where(drop, 0.0, probs)
             probs /= probs.sum(-1, keepdims=True)
         u = self.rng.random(probs.shape[0]) if total is None or rows is None else self.rng.random(total)[rows]
         cdf = np.cumsum(probs, -1)
-        u = u * cdf[:, -1]  # below the total that float32 summed: the first token whose cdf reaches u has mass
-        return (cdf < u[:, None]).sum(-1).astype(np.int64)
+        # below the total that float32 summed, above 0: the first token whose cdf reaches u has mass
+        u = np.maximum(u * cdf[:, -1], np.finfo(np.float32).tiny)
+        return np.where(none, NO_TOKEN, (cdf < u[:, None]).sum(-1)).astype(np.int64)

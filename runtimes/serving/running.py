@@ -11,7 +11,7 @@ import numpy as np
 
 from tk.runtimes.decoding.logits import TokenLogprob, token_logprobs
 from tk.runtimes.decoding.rows import RowPolicy, seen_matrix
-from tk.runtimes.decoding.sampling import Sampler
+from tk.runtimes.decoding.sampling import NO_TOKEN, Sampler
 from tk.runtimes.serving.scheduler import Seq
 
 
@@ -34,13 +34,15 @@ class Running:
 
     def sample(self, logits: np.ndarray) -> tuple[int, TokenLogprob | None]:
         """The next token from its logits (1, V), after the request's processors, and the raw
-        logits' log-probability of it (None where the request did not ask)."""
+        logits' log-probability of it (None where the request did not ask, or the sampler's NO_TOKEN:
+        the processors left no token possible, and the row ends)."""
         request, raw = self.request, logits
         for process in request.processors:
             logits = process(logits, self.policy.tokens)
         token = int(self.sampler(logits, self.policy.seen, [0], 1)[0])
-        scored = None if request.logprobs is None else token_logprobs(raw, [token], request.logprobs)[0]
-        return token, scored
+        if request.logprobs is None or token == NO_TOKEN:
+            return token, None
+        return token, token_logprobs(raw, [token], request.logprobs)[0]
 
     def score_prompt(self, logits: np.ndarray, last: bool) -> None:
         """A prefilled chunk's every position's logits (T, V); after the prompt's last chunk, the

@@ -6,9 +6,11 @@ the older `guided_*`), and vLLM's tokenizer endpoints.
 Every body forbids fields it does not name: a field tk does not implement (`tools`, `suffix`,
 `best_of`, ...) gets a 400 naming it, never a silent 200. The served model's name, its vocabulary
 and context are in the schemas (an enum, token id ranges, token budgets), and every list has a cap
-(LIMITS), so the document says what the server accepts. The parts that do not depend on the model
-are classes here; a body that does is made by a small factory per schema from the model's `_Sizes`
-(`schemas` makes them all). Imported once the serving stack is known to be installed (pydantic).
+(LIMITS), so the document says what the server accepts; every number is bounded there (floats finite:
+no NaN or infinity) or handled exactly (a `top_k` beyond the vocabulary is all of it; a tiny
+`repetition_penalty`'s overflow is the sampler's to make finite). The parts that do not depend on
+the model are classes here; a body that does is made by a small factory per schema from the model's
+`_Sizes` (`schemas` makes them all). Imported once the serving stack is known to be installed (pydantic).
 No `from __future__ import annotations`: pydantic and FastAPI read the annotations of classes made
 inside functions as objects.
 """
@@ -121,14 +123,15 @@ def _body(sizes: _Sizes):
         max_tokens: Optional[Budget] = None
         max_completion_tokens: Optional[Budget] = None
         min_tokens: Int(ge=0, le=sizes.max_context) = 0
-        temperature: float = Field(1.0, ge=0, le=2)
-        top_p: float = Field(1.0, gt=0, le=1)
-        top_k: Int(ge=-1) = 0  # vLLM: -1 (or 0) is off
-        repetition_penalty: float = Field(1.0, gt=0, le=10)
-        presence_penalty: float = Field(0.0, ge=-2, le=2)
-        frequency_penalty: float = Field(0.0, ge=-2, le=2)
+        temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False)  # below 1e-5: greedy
+        top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
+        top_k: Int(ge=-1) = 0  # vLLM: -1 (or 0) is off; beyond the vocabulary: all of it
+        # > 0 as vLLM's; a tiny one overflows the seen tokens' logits, which the sampler handles (sampling.py)
+        repetition_penalty: float = Field(1.0, gt=0, le=10, allow_inf_nan=False)
+        presence_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
+        frequency_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
         logit_bias: Optional[Annotated[dict[Annotated[str, Field(pattern=r"^(0|[1-9][0-9]*)$")],
-                                            Annotated[float, Field(ge=-100, le=100)]],
+                                            Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]],
                                        Field(max_length=LIMITS["logit_bias"])]] = None
         n: Int(ge=1, le=LIMITS["n"]) = 1
         stream: bool = False
