@@ -30,7 +30,7 @@ def wheels() -> dict[str, Path]:
     try:
         return {v: trt_names.bindings_wheel(v, trt_names.cache_dir()) for v in VERSIONS}
     except trt_names.IndexUnreachable as e:
-        pytest.skip(f"cannot download the TensorRT bindings: {e}")
+        pytest.skip(f"needs the package index to download the tensorrt-cu12-bindings wheels (cached after): {e}")
 
 
 @pytest.fixture(scope="module")
