@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from tk.runtimes.decoding.rows import FinishReason
 from tk.toolkit.serving import frontend
-from tk.toolkit.serving.openai import api as openai_api
+from tk.toolkit.serving.openai import api
 from tk.toolkit.serving.openai.api import ApiError
 
 
@@ -28,7 +28,7 @@ class Run:
     """One HTTP request's choices in flight: their jobs, their state as events arrive (`take`), and
     what ends them (all finished, or `cancel`)."""
 
-    def __init__(self, jobs: list[HttpJob], choices: list[openai_api.Choice], queue, prompt_tokens: int):
+    def __init__(self, jobs: list[HttpJob], choices: list[api.Choice], queue, prompt_tokens: int):
         self.jobs, self.choices, self.queue, self.prompt_tokens = jobs, choices, queue, prompt_tokens
         self.pending = len(jobs)
 
@@ -51,7 +51,7 @@ class Run:
             job.cancel()
 
     def usage(self) -> dict:
-        return openai_api.Reply.usage(self.prompt_tokens, sum(len(c.tokens) for c in self.choices))
+        return api.Reply.usage(self.prompt_tokens, sum(len(c.tokens) for c in self.choices))
 
     def prompt_scores(self) -> dict[int, list]:
         return {job.index: job.request.prompt_scores for job in self.jobs}

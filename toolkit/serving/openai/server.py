@@ -22,7 +22,7 @@ from typing import Union
 from tk.models.spec.errors import TkError, UsageProblem
 from tk.runtimes.base import InputError
 from tk.runtimes.serving.batching import Batcher, BatcherClosed, QueueFull
-from tk.toolkit.serving.openai import api as openai_api
+from tk.toolkit.serving.openai import api
 from tk.toolkit.serving.openai import structured
 from tk.toolkit.serving.openai.api import ApiError
 from tk.toolkit.serving.openai.edge import (DEFAULT_BODY_LIMIT, BodyLimit, CountRequests, PrometheusMetrics,
@@ -71,7 +71,7 @@ def _handle_errors(app, model_name: str) -> None:
         return JSONResponse(exc.body(), status_code=exc.status)
 
     async def invalid_body(request, exc: RequestValidationError):
-        err = openai_api.invalid(list(exc.errors()), model_name)
+        err = api.invalid(list(exc.errors()), model_name)
         return JSONResponse(err.body(), status_code=err.status)
 
     async def bug(request, exc: Exception):  # its traceback goes to the log (Starlette re-raises it)
@@ -169,7 +169,7 @@ class Server:
         """vLLM's /tokenize: a prompt's ids (or a conversation's, through the chat template)."""
         try:
             if hasattr(body, "messages"):
-                ids = self.tokenizer.chat_messages(openai_api.messages(body.messages), body.add_generation_prompt)
+                ids = self.tokenizer.chat_messages(api.messages(body.messages), body.add_generation_prompt)
             else:
                 ids = self.tokenizer.encode(body.prompt, body.add_special_tokens)
         except InputError as e:
@@ -178,20 +178,20 @@ class Server:
         return {"count": len(ids), "max_model_len": self.batcher.runtime.max_context, "tokens": ids,
                 "token_strs": strs}
 
-    def _prepare(self, body, chat: bool, loop, queue) -> tuple[list[openai_api.Prompt], list[HttpJob]]:
+    def _prepare(self, body, chat: bool, loop, queue) -> tuple[list[api.Prompt], list[HttpJob]]:
         """The request's prompts and its jobs, submitted (on a worker thread: tokenizing, chat
         templates, compiling a grammar and starting its matchers take time the event loop must not
         spend). The batcher's submit checks each prompt."""
-        prompts, constraint = openai_api.prompts(body, chat, self.tokenizer), self.constraints.compile(body)
+        prompts, constraint = api.prompts(body, chat, self.tokenizer), self.constraints.compile(body)
         limits = self.batcher.limits
-        if problem := openai_api.choices_problem(len(prompts) * body.n, limits.slots + limits.max_queue):
+        if problem := api.choices_problem(len(prompts) * body.n, limits.slots + limits.max_queue):
             raise ApiError(400, problem, "n")
-        if problem := openai_api.echo_problem(body, chat, self.batcher.runtime):
+        if problem := api.echo_problem(body, chat, self.batcher.runtime):
             raise ApiError(400, problem, "echo")
         jobs = []
         try:
             for i, prompt in enumerate(prompts):
-                params = openai_api.params(body, chat, len(prompt.ids), self.batcher.runtime.max_context, constraint)
+                params = api.params(body, chat, len(prompt.ids), self.batcher.runtime.max_context, constraint)
                 jobs += [HttpJob(self.batcher, prompt.ids, params, tokenizer=self.tokenizer, metrics=self.metrics,
                                  loop=loop, queue=queue, index=i * body.n + j, choice=j) for j in range(body.n)]
             self._submit(jobs)
@@ -206,8 +206,8 @@ class Server:
 
         queue = asyncio.Queue()
         prompts, jobs = await run_in_threadpool(self._prepare, body, chat, asyncio.get_running_loop(), queue)
-        choices = [openai_api.Choice(job.index, prompts[job.index // body.n]) for job in jobs]
-        reply = openai_api.Reply(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", self.model_name, chat, body,
+        choices = [api.Choice(job.index, prompts[job.index // body.n]) for job in jobs]
+        reply = api.Reply(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", self.model_name, chat, body,
                                  self.tokenizer)
         run = Run(jobs, choices, queue, sum(len(p.ids) for p in prompts))
         if body.stream:
@@ -232,7 +232,7 @@ class Server:
                 raise ApiError(503, str(e), kind="server_error") from None
             raise
 
-    async def _complete(self, http, run: Run, reply: openai_api.Reply):
+    async def _complete(self, http, run: Run, reply: api.Reply):
         gone = asyncio.ensure_future(_disconnected(http))
         try:
             while run.pending:
@@ -255,7 +255,7 @@ class Server:
         await _disconnected(http)
         run.cancel()
 
-    async def _events(self, run: Run, reply: openai_api.Reply, options, watch):
+    async def _events(self, run: Run, reply: api.Reply, options, watch):
         usage_at_end = options is not None and options.include_usage
         continuous = options is not None and options.continuous_usage_stats
         try:
@@ -271,7 +271,7 @@ class Server:
                     yield reply.chunk(c, head, None, [], ids, scores, prompt=True)
                 run.take(index, piece, event)
                 if event.token is None and not event.finish_reason.completed:
-                    yield openai_api.sse(run.failure(index).body())
+                    yield api.sse(run.failure(index).body())
                     run.cancel()
                     break
                 usage = run.usage() if continuous else None
