@@ -69,6 +69,16 @@ class EngineMeta:
         return cls(**{**d, "gpu": Gpu(**d["gpu"]), "limits": Limits(**d["limits"])})
 
 
+def release(version: str | None) -> tuple[int, ...]:
+    """A version's leading numeric parts: "10.15.1.29" -> (10, 15, 1, 29), "13.0rc1" -> (13,), None -> ()."""
+    parts = []
+    for part in (version or "").split("."):
+        if not part.isdigit():
+            break
+        parts.append(int(part))
+    return tuple(parts)
+
+
 def tensorrt_major(version: str) -> int:
     """"10.15.1.29" -> 10."""
-    return int(version.split(".")[0])
+    return release(version)[0]

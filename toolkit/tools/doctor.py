@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import platform
 
+from tk.models.spec.engine import release
 from tk.models.spec.manifest import ArtifactError
 from tk.runtimes.base import BackendUnavailable
 from tk.toolkit.backends import BACKENDS
@@ -30,12 +31,7 @@ def tensorrt_wheel() -> tuple[str | None, int | None]:
 
 
 def _major(version: str | None) -> int | None:
-    head = (version or "").split(".")[0]
-    return int(head) if head.isdigit() else None
-
-
-def _major_minor(version: str) -> tuple[int, ...]:
-    return tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
+    return (release(version) or (None,))[0]
 
 
 def fit_problems(trt_version: str | None, wheel_cuda: int | None, driver: tuple[int, int] | None,
@@ -43,7 +39,7 @@ def fit_problems(trt_version: str | None, wheel_cuda: int | None, driver: tuple[
     """Why TensorRT, its wheels' CUDA, cuda-python and the driver do not fit, each with the fix."""
     problems = []
     trt_major, cp_major = _major(trt_version), _major(cuda_python)
-    if trt_major is not None and (trt_major not in TRT_MAJORS or _major_minor(trt_version) < TRT_OLDEST):
+    if trt_major is not None and (trt_major not in TRT_MAJORS or release(trt_version)[:2] < TRT_OLDEST):
         problems.append(f"TensorRT {trt_version} is not one tk knows (10.15 or newer, 10.x or 11.x): "
                         "pip install 'tensorrt>=10.15,<12'")
     shown = "none found" if driver is None else f"CUDA {driver[0]}.{driver[1]}"
