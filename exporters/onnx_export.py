@@ -139,8 +139,9 @@ def _example(graph: str, model: Decoder, dims: contract.GraphDims):
     takes runs (not specialized to 1), and a narrow mask wider than what the rows hold (specialized
     neither to the capacity nor to the past and new tokens)."""
     B, S, P = 2, 5, 3
-    static = graph == contract.DECODE and dims.kv_capacity is not None
-    new = 2 if static and dims.variant.decode_prefills else 1
+    module = GraphModule(model, graph, dims.variant)
+    static = module.static
+    new = 2 if module.decode_prefills else 1
     batch, past = Dim(contract.BATCH, min=1), Dim(contract.PAST, min=1)  # never 0: TensorRT rejects empty dims
     symbols = {contract.BATCH: batch, contract.SEQ: Dim(contract.SEQ, min=1), contract.PAST: past,
                contract.TOTAL: Dim(contract.TOTAL, min=1, max=dims.kv_capacity) if static else past + 1}
@@ -170,7 +171,7 @@ def _example(graph: str, model: Decoder, dims: contract.GraphDims):
         shapes.append({axis: symbols[d] for axis, d in enumerate(spec.dims) if isinstance(d, str)})
     named = dict(zip(("input_ids", "attention_mask", "position_ids"), shapes))
     rest = {"rest": tuple(shapes[3:])} if len(shapes) > 3 else {}  # write_indices and the cache
-    return GraphModule(model, graph, dims.variant), tuple(args), {**named, **rest}
+    return module, tuple(args), {**named, **rest}
 
 
 def _rename_dims(ir_graph) -> None:
