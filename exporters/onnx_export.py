@@ -42,6 +42,7 @@ class GraphModule(nn.Module):
     prefill: (input_ids, attention_mask, position_ids) -> (logits, present.0.key, ...)
     decode:  (..., past.0.key, ...) -> (logits, present...), one new token
     static decode: (..., write_indices, cache...) -> (logits, cache...), cache written in place
+    (with the variant's verify_logits, logits_to_keep follows write_indices: the run's positions whose logits come back)
     With the variant's debug outputs, each layer's hidden state follows (hidden.{i}).
     """
 
@@ -50,21 +51,25 @@ class GraphModule(nn.Module):
         self.model, self.variant = model, variant
         self.static = graph == contract.DECODE and variant.cache is CacheLayout.STATIC
         self.decode_prefills = self.static and variant.decode_prefills  # a run of new tokens, the last one's logits
-        self.last_only = self.decode_prefills if graph == contract.DECODE else variant.prefill_logits is PrefillLogits.LAST
+        self.keeps = self.decode_prefills and variant.verify_logits  # logits_to_keep picks the positions
+        self.last_only = (self.decode_prefills and not self.keeps if graph == contract.DECODE
+                          else variant.prefill_logits is PrefillLogits.LAST)
 
     def forward(self, input_ids, attention_mask, position_ids, *rest):
-        write_index = None
+        write_index = keep = None
         if self.static:
             write_index, rest = rest[0], rest[1:]
+        if self.keeps:
+            keep, rest = rest[0], rest[1:]
         past = [(rest[2 * i], rest[2 * i + 1]) for i in range(len(rest) // 2)] or None
         hidden = self.variant.debug_outputs
         if self.variant.target is Target.ORT:  # ONNX Runtime's kernels (tk export --target ort)
             from tk.models.reference import ort_kernels
 
             out = ort_kernels.forward(self.model, input_ids, attention_mask, position_ids, past, write_index,
-                                      self.last_only, self.decode_prefills)
+                                      self.last_only, self.decode_prefills, keep)
         else:
-            out = self.model(input_ids, attention_mask, position_ids, past, write_index, hidden, self.last_only)
+            out = self.model(input_ids, attention_mask, position_ids, past, write_index, hidden, self.last_only, keep)
         return (out[0], *[t for kv in out[1] for t in kv], *(list(out[2]) if hidden else []))
 
 
@@ -136,19 +141,22 @@ def _group_query_attention(qkv, past_k, past_v, seqlens_k, total, cos_cache, sin
 def _example(graph: str, model: Decoder, dims: contract.GraphDims):
     """Example inputs and dynamic shapes, read off the contract's inputs: batch 2 (so it is not
     specialized to 1), a past of 3, a prompt of 5, a run of 2 new tokens where the static decode graph
-    takes runs (not specialized to 1), and a narrow mask wider than what the rows hold (specialized
-    neither to the capacity nor to the past and new tokens)."""
+    takes runs (not specialized to 1; 3 where it keeps 2 of their logits, so neither count is the
+    other), and a narrow mask wider than what the rows hold (specialized neither to the capacity nor
+    to the past and new tokens)."""
     B, S, P = 2, 5, 3
     module = GraphModule(model, graph, dims.variant)
     static = module.static
-    new = 2 if module.decode_prefills else 1
+    new = (3 if module.keeps else 2) if module.decode_prefills else 1
     batch, past = Dim(contract.BATCH, min=1), Dim(contract.PAST, min=1)  # never 0: TensorRT rejects empty dims
     symbols = {contract.BATCH: batch, contract.SEQ: Dim(contract.SEQ, min=1), contract.PAST: past,
-               contract.TOTAL: Dim(contract.TOTAL, min=1, max=dims.kv_capacity) if static else past + 1}
+               contract.TOTAL: Dim(contract.TOTAL, min=1, max=dims.kv_capacity) if static else past + 1,
+               contract.KEEP: Dim(contract.KEEP, min=1)}
     if graph == contract.PREFILL:
         sizes, start = {contract.BATCH: B, contract.SEQ: S}, 0
     elif static:
-        sizes = {contract.BATCH: B, contract.SEQ: new, contract.TOTAL: min(P + new + 2, dims.kv_capacity)}
+        sizes = {contract.BATCH: B, contract.SEQ: new, contract.TOTAL: min(P + new + 2, dims.kv_capacity),
+                 contract.KEEP: new - 1}
         start = P
     else:
         sizes, start = {contract.BATCH: B, contract.PAST: P, contract.TOTAL: P + 1}, P
@@ -165,12 +173,14 @@ def _example(graph: str, model: Decoder, dims: contract.GraphDims):
             value = start + torch.arange(shape[1]).repeat(B, 1)
         elif spec.name == "write_indices":
             value = torch.full(shape, P, dtype=torch.int64)
+        elif spec.name == "logits_to_keep":  # the run's last positions
+            value = torch.arange(1, new)
         else:  # the cache
             value = torch.zeros(shape, dtype=model.dtype)
         args.append(value)
         shapes.append({axis: symbols[d] for axis, d in enumerate(spec.dims) if isinstance(d, str)})
     named = dict(zip(("input_ids", "attention_mask", "position_ids"), shapes))
-    rest = {"rest": tuple(shapes[3:])} if len(shapes) > 3 else {}  # write_indices and the cache
+    rest = {"rest": tuple(shapes[3:])} if len(shapes) > 3 else {}  # write_indices, logits_to_keep and the cache
     return module, tuple(args), {**named, **rest}
 
 

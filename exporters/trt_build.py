@@ -24,7 +24,7 @@ import onnx
 
 from tk.exporters.onnx_util import is_default_domain
 from tk.models.spec import contract
-from tk.models.spec.contract import BATCH, PAST, SEQ, TOTAL
+from tk.models.spec.contract import BATCH, KEEP, PAST, SEQ, TOTAL
 from tk.models.spec.dtypes import DTYPES, canonical_dtype
 from tk.models.spec.engine import EngineMeta, Gpu, Limits
 from tk.models.spec.errors import TRT_MISSING, TkError, UsageProblem
@@ -63,8 +63,9 @@ def compute_profiles(dims: contract.GraphDims, limits: Limits, max_context: int)
     # [min, opt, max] of each symbolic dim; a decode step takes one new token a row, and its mask covers
     # the past and that token (a static cache's narrow mask: at least one position)
     sizes = {contract.PREFILL: ({BATCH: 1, SEQ: 1}, {BATCH: ob, SEQ: ol}, {BATCH: B, SEQ: L}),
-             contract.DECODE: ({BATCH: 1, SEQ: 1, PAST: 1, TOTAL: 1 if dims.kv_capacity is not None else 2},
-                               {BATCH: ob, SEQ: 1, PAST: op, TOTAL: op + 1}, {BATCH: B, SEQ: 1, PAST: S - 1, TOTAL: S})}
+             contract.DECODE: ({BATCH: 1, SEQ: 1, PAST: 1, TOTAL: 1 if dims.kv_capacity is not None else 2, KEEP: 1},
+                               {BATCH: ob, SEQ: 1, PAST: op, TOTAL: op + 1, KEEP: 1},
+                               {BATCH: B, SEQ: 1, PAST: S - 1, TOTAL: S, KEEP: 1})}
     return {graph: {spec.name: [list(contract.shape(spec, s)) for s in sizes[graph]] for spec in dims.inputs(graph)}
             for graph in contract.GRAPHS}
 

@@ -83,6 +83,8 @@ class Runtime(ABC):
     # A static cache's prompts run through prefill.onnx; a backend whose decode graph can also
     # prefill them (dims.variant.decode_prefills) may say "decode" (ORT on the CPU: one session).
     prefill_via: PrefillVia = "prefill"
+    # a run returns every position's logits whatever the graphs return (the torch model computes them all)
+    computes_every_position = False
 
     @property
     def all_prefill_logits(self) -> bool:
@@ -158,6 +160,43 @@ class Runtime(ABC):
             raise InputError(f"decode: {tokens.shape[0]} tokens for a session of {session.batch} rows")
         check_token_ids(tokens, self.dims.vocab_size)
         return self.layout.step(session, tokens)
+
+    @property
+    def verify_problem(self) -> str | None:
+        """Why this runtime cannot verify speculated tokens in one decode run (None: it can)."""
+        d = self.dims
+        if d.kv_capacity is None:
+            return ("speculative decoding verifies in one run of a static-capacity decode graph: re-export with "
+                    "tk export MODEL -o OUT --for ort-cpu (or --for serve)")
+        if not d.variant.decode_prefills:
+            return "this artifact's decode graph takes one token a step (a portable graph with rings); it cannot verify a run"
+        if not (d.keeps_logits or self.computes_every_position):
+            return ("this artifact's decode graph returns one position's logits a run (an export before tk could "
+                    "verify runs); re-export it with tk export")
+        if not self.row_slices:
+            return f"the {self.name} backend cannot run a multi-token verify step (its decode takes one token a row)"
+        return None
+
+    @property
+    def max_verify(self) -> int:
+        """The most tokens one verify run takes per row (the last kept token and the guesses after it)."""
+        return self.dims.max_run or self.max_context
+
+    def verify(self, session: Session, tokens) -> np.ndarray:
+        """Each row's next n tokens (B, n) in one decode run -> each position's logits (B, n, V); then
+        `rewind` keeps what was accepted (StaticLayout.verify)."""
+        problem = self.verify_problem
+        if problem:
+            raise InputError(problem)
+        tokens = np.asarray(tokens, dtype=np.int64)
+        if tokens.ndim != 2 or tokens.shape[0] != session.batch:
+            raise InputError(f"verify: tokens of shape {list(tokens.shape)} for a session of {session.batch} rows")
+        check_token_ids(tokens, self.dims.vocab_size)
+        return self.layout.verify(session, tokens)
+
+    def rewind(self, session: Session, lengths) -> None:
+        """Each row keeps its cache's first `lengths[b]` positions (StaticLayout.rewind)."""
+        self.layout.rewind(session, lengths)
 
     def cache_arrays(self, session: Session) -> list[np.ndarray]:
         """The session's cache as float32 (B, Hkv, length, D) arrays in contract order (copies; for

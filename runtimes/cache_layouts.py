@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from tk.models.spec import contract
+from tk.models.spec.variant import Target
 from tk.runtimes.buffers import CacheBuffers
 from tk.runtimes.errors import InputError
 from tk.runtimes.session import Session, StaticState, StepOutput
@@ -98,7 +99,8 @@ class StaticLayout(_Layout):
     def __init__(self, dims: contract.GraphDims, buffers: CacheBuffers):
         super().__init__(dims, buffers)
         self.capacity, self.decode_prefills, self.max_run = dims.kv_capacity, dims.variant.decode_prefills, dims.max_run
-        self.narrow = dims.narrow_mask
+        self.narrow, self.keeps = dims.narrow_mask, dims.keeps_logits
+        self.fused = dims.variant.target is Target.ORT  # (GroupQueryAttention: see verify)
         # per cache tensor (contract order), a ring's slots or None
         self.rings = [None if dims.ring is None else dims.ring[i] for i in range(dims.num_layers) for _ in "kv"]
 
@@ -116,12 +118,16 @@ class StaticLayout(_Layout):
             write = np.full((B,), T, dtype=np.int64)
             full[:, :T] = mask
         positions = _last_positions(mask)
-        s = Session(rt, self.allocate(B), full, positions, T, StaticState.over(full, positions, write))
+        s = Session(rt, self.allocate(B), full, positions, T, self.state(full, positions, write))
         try:
             return self._prefill_batch(s, ids, mask, pads), s
         except BaseException:  # a failed prefill (a prompt beyond a TensorRT engine's profile) keeps no buffer
             s.close()
             raise
+
+    def state(self, mask: np.ndarray, positions: np.ndarray, write: np.ndarray) -> StaticState:
+        """A session's static state over these arrays, with the feeds this layout's decode graph takes."""
+        return StaticState.over(mask, positions, write, self.keeps)
 
     def allocate(self, batch: int) -> list:
         """The cache buffers of `batch` rows at the capacity (a ring's at its slots), in contract order."""
@@ -211,11 +217,16 @@ class StaticLayout(_Layout):
             end = min(L, start + run)
             feeds = {"input_ids": ids[:, start:end], "attention_mask": s.mask[row:row + 1, :self._width(at + end)],
                      "position_ids": np.arange(at + start, at + end, dtype=np.int64)[None],
-                     "write_indices": np.full(1, at + start, np.int64)}
+                     "write_indices": np.full(1, at + start, np.int64), **self._keep_last(end - start)}
             out, _ = s.runtime.run(contract.DECODE, feeds, rows, None, in_place=True)
             if every:  # a copy: a backend may write the next run's logits into the same buffer
                 logits.append(np.array(out.logits[:, -1:], dtype=np.float32))
         return StepOutput(np.concatenate(logits, axis=1)) if every else out
+
+    def _keep_last(self, n: int) -> dict[str, np.ndarray]:
+        """The logits_to_keep feed of a run of `n` tokens that wants its last one's logits (none where
+        the graph takes no such input)."""
+        return {"logits_to_keep": np.full(1, n - 1, np.int64)} if self.keeps else {}
 
     def step(self, s: Session, tokens: np.ndarray) -> StepOutput:
         if s.length >= self.capacity:  # (the longest row's length)
@@ -263,9 +274,48 @@ class StaticLayout(_Layout):
             st.write[rows] += 1
         return out
 
+    def verify(self, s: Session, tokens: np.ndarray) -> np.ndarray:
+        """Run `tokens` (B, n), each row's next n tokens (its last kept token, then what a proposer
+        guessed), at each row's write index in one decode run -> each position's logits (B, n, V), a
+        copy. The run writes n positions per row and moves nothing: `rewind` then says how many of
+        them each row keeps, and what it does not keep is never attended (its mask goes back to 0; a
+        ring's slots hold window + run - 1 positions, so what a rejected run wrote there is older
+        than any later query's window: contract.ring_sizes)."""
+        st, n = s.static, tokens.shape[1]
+        write = st.write.copy()
+        if int(write.max()) + n > self.capacity:
+            raise InputError(f"verify: {n} tokens past a row's {int(write.max())} do not fit the static cache of "
+                             f"{self.capacity} positions; export with a larger --max-seq-len")
+        if self.max_run is not None and n > self.max_run:
+            raise InputError(f"verify: {n} tokens per row; this decode graph takes at most {self.max_run} a run")
+        for b, w in enumerate(write.tolist()):
+            s.mask[b, w:w + n] = 1
+        width, logits = self._width(int(write.max()) + n), []
+        # ONNX Runtime's GroupQueryAttention takes a run of tokens over a past in batches of one row
+        groups = [slice(b, b + 1) for b in range(s.batch)] if self.fused and s.batch > 1 else [slice(None)]
+        for g in groups:
+            feeds = {"input_ids": np.ascontiguousarray(tokens[g], dtype=np.int64), "attention_mask": s.mask[g, :width],
+                     "position_ids": write[g, None] + np.arange(n), "write_indices": write[g],
+                     **({"logits_to_keep": np.arange(n)} if self.keeps else {})}
+            cache = s.cache if len(groups) == 1 else [b[g] for b in s.cache]
+            out, _ = s.runtime.run(contract.DECODE, feeds, cache, None, in_place=True)
+            logits.append(np.array(out.logits, dtype=np.float32))
+        return logits[0] if len(logits) == 1 else np.concatenate(logits)
+
+    def rewind(self, s: Session, lengths) -> None:
+        """Each row keeps the first `lengths[b]` positions of its cache (at most what its last run
+        wrote): its write index moves there, its mask ends there and its last position is the one
+        before. A row's tokens sit from cache index 0 (decode_prefills), so its position is its index."""
+        st = s.static
+        for b, n in enumerate(int(x) for x in lengths):
+            s.mask[b, n:] = 0
+            st.write[b] = n
+            s.positions[b] = n - 1
+        s.length = int(st.write.max())
+
     def keep(self, s: Session, rows: np.ndarray) -> None:
         super().keep(s, rows)
-        s.static = StaticState.over(s.mask, s.positions, s.static.write[rows])
+        s.static = self.state(s.mask, s.positions, s.static.write[rows])
 
 
 def layout_for(dims: contract.GraphDims, buffers: CacheBuffers) -> DynamicLayout | StaticLayout:

@@ -36,9 +36,11 @@ class StaticState:
     narrow: dict[int, np.ndarray] = field(default_factory=dict)
 
     @classmethod
-    def over(cls, mask: np.ndarray, positions: np.ndarray, write: np.ndarray) -> "StaticState":
+    def over(cls, mask: np.ndarray, positions: np.ndarray, write: np.ndarray, keep: bool = False) -> "StaticState":
+        """`keep`: the decode graph takes logits_to_keep (contract.inputs), [0] for a step of one token."""
         feeds = {"input_ids": np.zeros((len(write), 1), np.int64), "attention_mask": mask,
-                 "position_ids": positions, "write_indices": write}
+                 "position_ids": positions, "write_indices": write,
+                 **({"logits_to_keep": np.zeros(1, np.int64)} if keep else {})}
         # a step where every row advances updates these one element at a time, ~18 us cheaper than
         # numpy calls right after a step (whose weights have just left the CPU's caches), 55M model
         views = tuple(memoryview(a).cast("B").cast("q") for a in (feeds["input_ids"], positions, mask, write))

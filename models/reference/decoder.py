@@ -305,6 +305,7 @@ class Decoder(nn.Module):
         write_index: torch.Tensor | None = None,  # (B,) int64: static-capacity cache, write position per row
         output_hidden: bool = False,  # also return each layer's output (B, S, C) in float32, for localization
         last_only: bool = False,  # logits for the last position only (B, 1, V): what generation needs
+        keep: torch.Tensor | None = None,  # (K,) int64: logits for these positions of the S only (B, K, V)
     ) -> tuple[torch.Tensor, KVCache] | tuple[torch.Tensor, KVCache, list[torch.Tensor]]:
         x = self.embed_inputs(input_ids)  # (B, S, C)
         inputs = self.layer_inputs(attention_mask, position_ids, input_ids.shape[1], x.dtype, write_index,
@@ -319,5 +320,7 @@ class Decoder(nn.Module):
                 hidden.append(x.float())
         if last_only:  # left padding puts every row's newest token last
             x = x[:, -1:]
+        elif keep is not None:  # a verify step's positions (contract.inputs' logits_to_keep)
+            x = x.index_select(1, keep)
         logits = self.logits(self.norm(x))  # (B, S, V)
         return (logits, present, hidden) if output_hidden else (logits, present)

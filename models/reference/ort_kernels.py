@@ -144,7 +144,8 @@ def fused_attention_inputs(model: Decoder, positions: int, attention_mask: torch
 
 def forward(model: Decoder, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
             past_key_values: KVCache | None = None, write_index: torch.Tensor | None = None,
-            last_only: bool = False, decode_prefills: bool = False) -> tuple[torch.Tensor, KVCache]:
+            last_only: bool = False, decode_prefills: bool = False,
+            keep: torch.Tensor | None = None) -> tuple[torch.Tensor, KVCache]:
     """`Decoder.forward` through the fused kernels: the residual stream carried as (h, delta) so
     each add meets the norm after it in one SkipSimplifiedLayerNormalization (in post-norm blocks
     only the final norm follows an add), and in decode (a past is given) one GroupQueryAttention
@@ -179,5 +180,7 @@ def forward(model: Decoder, input_ids: torch.Tensor, attention_mask: torch.Tenso
         present.append(kv)
     if last_only:  # left padding puts every row's newest token last
         h, delta = h[:, -1:], delta[:, -1:]
+    elif keep is not None:  # a verify step's positions (contract.inputs' logits_to_keep)
+        h, delta = h.index_select(1, keep), delta.index_select(1, keep)
     xn, _ = add_norm(model.norm, h, delta)
     return model.logits(xn), present

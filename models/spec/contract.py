@@ -19,10 +19,11 @@ from tk.models.spec.variant import PrefillLogits, Variant
 
 # 2: the static-capacity decode variant (write_indices, fixed-capacity cache); 3: a sliding layer's static
 # cache may be a ring of fewer positions (GraphDims.ring); 4: a static decode graph's attention_mask may be
-# narrower than the cache (GraphDims.narrow_mask: it attends over that many positions). Each version's
-# artifacts are the next one's without the new feature, so all are read (READS).
-CONTRACT_VERSION = 4
-READS = (2, 3, 4)
+# narrower than the cache (GraphDims.narrow_mask: it attends over that many positions); 5: a static decode
+# graph that takes runs may take logits_to_keep (Variant.verify_logits: the run's positions whose logits it
+# returns). Each version's artifacts are the next one's without the new feature, so all are read (READS).
+CONTRACT_VERSION = 5
+READS = (2, 3, 4, 5)
 RING_RUN = 128  # with rings, the most new tokens per row a decode graph that also prefills takes (changing it bumps the version)
 
 PREFILL = "prefill"
@@ -34,6 +35,7 @@ BATCH = "batch_size"
 SEQ = "sequence_length"
 PAST = "past_sequence_length"
 TOTAL = "total_sequence_length"
+KEEP = "kept_sequence_length"  # logits_to_keep's length: the positions of a run whose logits come back
 
 KV_DTYPE = "kv"  # placeholder in the table: the precision the graph was exported in
 
@@ -90,7 +92,8 @@ def _layer_kv(num_layers: int, prefix: str, sizes) -> list[TensorSpec]:
 
 
 def inputs(graph: str, num_layers: int, capacity: int | None = None, decode_prefills: bool = False,
-           ring: tuple[int | None, ...] | None = None, narrow_mask: bool = False) -> list[TensorSpec]:
+           ring: tuple[int | None, ...] | None = None, narrow_mask: bool = False,
+           keep: bool = False) -> list[TensorSpec]:
     """Graph inputs, in order.
 
     With `capacity` the decode graph has a static-capacity cache: past and present are
@@ -106,6 +109,9 @@ def inputs(graph: str, num_layers: int, capacity: int | None = None, decode_pref
     decode graph's attention_mask may cover only the cache's first total_sequence_length positions
     (<= capacity, at least every row's write index plus its new tokens): it attends over those alone,
     so a step costs what the rows hold, not the capacity (the cache is still written in place whole).
+    With `keep` (a decode graph that takes runs) `logits_to_keep` follows write_indices: the positions
+    of the run (0 .. sequence_length - 1, the same for every row) whose logits the graph returns, as
+    transformers' `logits_to_keep` tensor: [S - 1] for a prompt's run, 0 .. k for a verify step.
     """
     if graph == DECODE and capacity is not None:
         new = SEQ if decode_prefills else 1
@@ -114,6 +120,7 @@ def inputs(graph: str, num_layers: int, capacity: int | None = None, decode_pref
             TensorSpec("attention_mask", "int64", (BATCH, TOTAL if narrow_mask else capacity)),
             TensorSpec("position_ids", "int64", (BATCH, new)),
             TensorSpec("write_indices", "int64", (BATCH,)),
+            *([TensorSpec("logits_to_keep", "int64", (KEEP,))] if keep and decode_prefills else []),
             *_layer_kv(num_layers, "past_key_values", layer_capacities(num_layers, capacity, ring)),
         ]
     if graph == PREFILL:
@@ -138,15 +145,16 @@ def layer_capacities(num_layers: int, capacity: int, ring: tuple[int | None, ...
 
 
 def outputs(graph: str, num_layers: int, capacity: int | None = None, prefill_last: bool = False,
-            ring: tuple[int | None, ...] | None = None) -> list[TensorSpec]:
+            ring: tuple[int | None, ...] | None = None, keep: bool = False) -> list[TensorSpec]:
     """Graph outputs, in order. Logits are float32 in every precision.
 
     With `prefill_last` the prefill graph returns the logits of the last position only (B, 1, V):
     all that generation needs, and the LM head then costs one position instead of S. The
-    present cache still covers every position.
+    present cache still covers every position. With `keep` the static decode graph returns the logits
+    of the positions its logits_to_keep names (inputs).
     """
     if graph == DECODE and capacity is not None:
-        return [TensorSpec("logits", "float32", (BATCH, 1, "vocab_size")),
+        return [TensorSpec("logits", "float32", (BATCH, KEEP if keep else 1, "vocab_size")),
                 *_layer_kv(num_layers, "present", layer_capacities(num_layers, capacity, ring))]
     if graph == PREFILL:
         return [TensorSpec("logits", "float32", (BATCH, 1 if prefill_last else SEQ, "vocab_size")),
@@ -191,6 +199,11 @@ class GraphDims:
         return self.variant.narrow_mask and self.ring is None
 
     @property
+    def keeps_logits(self) -> bool:
+        """The static decode graph takes logits_to_keep (inputs): it takes runs and was exported to verify them."""
+        return self.kv_capacity is not None and self.variant.decode_prefills and self.variant.verify_logits
+
+    @property
     def max_run(self) -> int | None:
         """The most new tokens per row one static decode step takes (None: any number; prompts longer
         than this go through the decode graph in runs of it)."""
@@ -226,14 +239,14 @@ class GraphDims:
 def _resolved_inputs(dims: GraphDims, graph: str) -> tuple[TensorSpec, ...]:
     return tuple(s.resolve(dims.kv_dtype, dims.num_kv_heads, dims.head_dim, dims.vocab_size)
                  for s in inputs(graph, dims.num_layers, dims.kv_capacity, dims.variant.decode_prefills, dims.ring,
-                                 dims.narrow_mask))
+                                 dims.narrow_mask, dims.keeps_logits))
 
 
 @functools.lru_cache(maxsize=64)
 def _resolved_outputs(dims: GraphDims, graph: str) -> tuple[TensorSpec, ...]:
     last = dims.variant.prefill_logits is PrefillLogits.LAST
     specs = [s.resolve(dims.kv_dtype, dims.num_kv_heads, dims.head_dim, dims.vocab_size)
-             for s in outputs(graph, dims.num_layers, dims.kv_capacity, last, dims.ring)]
+             for s in outputs(graph, dims.num_layers, dims.kv_capacity, last, dims.ring, dims.keeps_logits)]
     if dims.variant.debug_outputs:
         seq = SEQ if graph == PREFILL else 1
         specs += [TensorSpec(n, "float32", (BATCH, seq, dims.hidden_size)) for n in hidden_names(dims.num_layers)]

@@ -132,7 +132,8 @@ class ExportOptions:
         prefills = kv_cache == "static" and (target != Target.ORT.value or prefill_logits == "last")
         narrow = kv_cache == "static" and target != Target.ORT.value  # (GroupQueryAttention reads each row's length)
         variant = Variant(target=target, cache=kv_cache, capacity=max_seq_len, prefill_logits=prefill_logits,
-                          debug_outputs=debug_outputs, opset=opset, decode_prefills=prefills, narrow_mask=narrow)
+                          debug_outputs=debug_outputs, opset=opset, decode_prefills=prefills, narrow_mask=narrow,
+                          verify_logits=prefills)
         precision = Precision.of(dtype or "fp32")
         if weights is not None:
             precision = dataclasses.replace(precision, weights=weights, block_size=block_size,
@@ -192,7 +193,7 @@ class ExportOptions:
         if v.decode_prefills and v.target is Target.PORTABLE and contract.ring_sizes(config.windows, v.capacity, 1):
             # a ring written by runs of tokens wraps around (a circular TensorScatter), which TensorRT's
             # KV-cache update cannot do: a portable ring takes one token a step (linear, at index mod slots)
-            v = dataclasses.replace(v, decode_prefills=False)
+            v = dataclasses.replace(v, decode_prefills=False, verify_logits=False)
         if p.quantized and p.quantized_embedding is None:  # the tied table is the LM head's: free to quantize
             p = dataclasses.replace(p, quantized_embedding=config.tie_embeddings and p.quantized_lm_head
                                     and not (p.weights == "int4" and config.vocab_size % 2))

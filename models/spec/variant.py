@@ -45,6 +45,10 @@ class Variant:
     # the static decode graph attends over its attention_mask's width, not the whole cache (contract.inputs):
     # set for the portable target's static cache without rings (a ring's mask reads positions by index)
     narrow_mask: bool = False
+    # the static decode graph that takes runs also takes `logits_to_keep` (contract.inputs): the run's
+    # positions whose logits it returns, so one run verifies k speculated tokens (k + 1 rows of logits)
+    # while a prompt's run still returns one row; set wherever decode_prefills is (artifacts before it: off)
+    verify_logits: bool = False
 
     def __post_init__(self):  # accept the plain strings of the CLI and of manifest.json
         object.__setattr__(self, "target", Target(self.target))

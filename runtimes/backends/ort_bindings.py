@@ -31,7 +31,7 @@ class Binding:
 
     def __init__(self, io, logits: np.ndarray, values: tuple):
         self.io = io  # the onnxruntime IOBinding
-        self.logits = logits  # (B, 1, V) float32: what the step returns
+        self.logits = logits  # (B, 1, V) float32 (a verify run's: (B, K, V)): what the step returns
         self.free_refs = 0  # the logits' reference count when only the pool holds them (set by the pool)
         self.values = values  # (the feeds' and logits' OrtValues by name, the cache's): kept alive with it
 
@@ -80,7 +80,8 @@ class StaticBindings:
 
     def _bind(self, decode, feeds: dict[str, np.ndarray], past: list) -> Binding:
         io = decode.io_binding()
-        logits = np.zeros((feeds["input_ids"].shape[0], 1, self.vocab_size), np.float32)
+        keep = feeds.get("logits_to_keep")  # the run's positions whose logits come back (one without it)
+        logits = np.zeros((feeds["input_ids"].shape[0], 1 if keep is None else len(keep), self.vocab_size), np.float32)
         host = self.ort.OrtValue.ortvalue_from_numpy  # a CPU OrtValue over the array's own memory
         values = {name: host(np.ascontiguousarray(array)) for name, array in feeds.items()}  # later writes are seen
         for name, value in values.items():

@@ -55,6 +55,7 @@ class TorchBuffers(CacheBuffers):
 class TorchRuntime(Runtime):
     name = "torch"
     all_prefill_logits = True  # the model computes every position's logits, whatever the artifact's graphs return
+    computes_every_position = True
 
     def __init__(self, model=None, device: str = "auto", debug: bool = False, *,
                  loader: Callable[[], object] | None = None, dims: contract.GraphDims | None = None,
@@ -101,7 +102,9 @@ class TorchRuntime(Runtime):
                     buf.copy_(new)
                 present = past
         hidden = [h.cpu().numpy() for h in out[2]] if self.debug else None
-        return StepOutput(out[0].float().cpu().numpy(), hidden), present
+        logits = out[0].float().cpu().numpy()
+        keep = feeds.get("logits_to_keep")  # the model computes every position; the graph returns these
+        return StepOutput(logits if keep is None else logits[:, keep], hidden), present
 
 
 def _return_freed_memory() -> None:

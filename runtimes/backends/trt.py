@@ -241,7 +241,8 @@ class TrtRuntime(ArtifactRuntime):
         import tensorrt as trt
 
         cuda = self.buffers.cuda = Cuda()  # the stream; nothing is allocated until a step needs it
-        self.inputs = {name: Scratch(cuda) for name in ("input_ids", "attention_mask", "position_ids", "write_indices")}
+        self.inputs = {name: Scratch(cuda) for name in ("input_ids", "attention_mask", "position_ids", "write_indices",
+                                                         "logits_to_keep")}
         self.logits = Scratch(cuda)
         self._logger = trt.Logger(trt.Logger.WARNING)
         runtime = trt.Runtime(self._logger)
@@ -320,6 +321,8 @@ class TrtRuntime(ArtifactRuntime):
         S = arrays["input_ids"].shape[1]
         if graph == contract.PREFILL and self.dims.variant.prefill_logits == "last":
             S = 1
+        elif "logits_to_keep" in arrays:  # the decode graph returns the positions it names
+            S = arrays["logits_to_keep"].shape[0]
         host = np.empty((B, S, self.dims.vocab_size), dtype=np.float32)
         self._bind(graph, "logits", self.logits.fit(host.nbytes))
         for name, buf in zip(self.present_names, present):

@@ -64,13 +64,9 @@ class Sampler:
         self.config = config
         self.rng = np.random.default_rng(config.seed)
 
-    def __call__(self, logits: np.ndarray, seen: np.ndarray | None = None, rows: list[int] | None = None,
-                 total: int | None = None) -> np.ndarray:
-        """logits (B, V) float32 -> ids (B,) int64. seen (total, V) bool: tokens already in each row.
-
-        `rows` name the batch's rows among `total` (rows that finished have left the batch): each
-        step draws one number for every row of the `total`, so a row's draws do not depend on
-        which other rows are still generating. A row where no token is possible draws NO_TOKEN."""
+    def scaled(self, logits: np.ndarray, seen: np.ndarray | None = None, rows: list[int] | None = None) -> np.ndarray:
+        """(B, V) logits with the repetition penalty and temperature applied, made finite(): what
+        greedy takes the argmax of and what `probs` turns into the distribution drawn from."""
         c = self.config
         logits = logits.astype(np.float32, copy=False)  # nothing below writes in place
         if seen is not None and rows is not None and len(rows) != seen.shape[0]:
@@ -79,12 +75,14 @@ class Sampler:
             if c.repetition_penalty != 1.0 and seen is not None:
                 penalized = np.where(logits > 0, logits / c.repetition_penalty, logits * c.repetition_penalty)
                 logits = np.where(seen, penalized, logits)
-            logits = finite(logits if c.greedy else logits / c.temperature)
-        if c.greedy:
-            ids = logits.argmax(-1)
-            return np.where(logits[np.arange(len(ids)), ids] == -np.inf, NO_TOKEN, ids).astype(np.int64, copy=False)
-        none = logits.max(-1) == -np.inf
-        logits = np.where(none[:, None], np.float32(0), logits) if none.any() else logits  # drawn, then refused
+            return finite(logits if c.greedy else logits / c.temperature)
+
+    def probs(self, scaled: np.ndarray) -> np.ndarray:
+        """`scaled` logits (B, V) -> the distribution a draw takes (top-k and top-p applied), float32;
+        a row where no token is possible is all 0."""
+        c = self.config
+        none = scaled.max(-1) == -np.inf
+        logits = np.where(none[:, None], np.float32(0), scaled) if none.any() else scaled
         if c.top_k:
             kth = -np.sort(-logits, axis=-1)[:, min(c.top_k, logits.shape[-1]) - 1 : min(c.top_k, logits.shape[-1])]
             logits = np.where(logits < kth, -np.inf, logits)
@@ -100,8 +98,33 @@ class Sampler:
             np.put_along_axis(drop, order, drop_sorted, -1)
             probs = np.where(drop, 0.0, probs)
             probs /= probs.sum(-1, keepdims=True)
-        u = self.rng.random(probs.shape[0]) if total is None or rows is None else self.rng.random(total)[rows]
+        return np.where(none[:, None], np.float32(0), probs) if none.any() else probs
+
+    @staticmethod
+    def greedy_pick(scaled: np.ndarray) -> np.ndarray:
+        """The argmax of each row of `scaled` logits (B,), NO_TOKEN where no token is possible."""
+        ids = scaled.argmax(-1)
+        return np.where(scaled[np.arange(len(ids)), ids] == -np.inf, NO_TOKEN, ids).astype(np.int64, copy=False)
+
+    @staticmethod
+    def draw(probs: np.ndarray, u: np.ndarray) -> np.ndarray:
+        """One token per row of `probs` (B, V) for uniforms `u` (B,) in [0, 1): the first token whose
+        cumulative mass reaches u's share of the row's total; NO_TOKEN for a row of no mass."""
         cdf = np.cumsum(probs, -1)
         # below the total that float32 summed, above 0: the first token whose cdf reaches u has mass
-        u = np.maximum(u * cdf[:, -1], np.finfo(np.float32).tiny)
-        return np.where(none, NO_TOKEN, (cdf < u[:, None]).sum(-1)).astype(np.int64)
+        v = np.maximum(u * cdf[:, -1], np.finfo(np.float32).tiny)
+        return np.where(cdf[:, -1] <= 0, NO_TOKEN, (cdf < v[:, None]).sum(-1)).astype(np.int64)
+
+    def __call__(self, logits: np.ndarray, seen: np.ndarray | None = None, rows: list[int] | None = None,
+                 total: int | None = None) -> np.ndarray:
+        """logits (B, V) float32 -> ids (B,) int64. seen (total, V) bool: tokens already in each row.
+
+        `rows` name the batch's rows among `total` (rows that finished have left the batch): each
+        step draws one number for every row of the `total`, so a row's draws do not depend on
+        which other rows are still generating. A row where no token is possible draws NO_TOKEN."""
+        scaled = self.scaled(logits, seen, rows)
+        if self.config.greedy:
+            return self.greedy_pick(scaled)
+        probs = self.probs(scaled)
+        u = self.rng.random(probs.shape[0]) if total is None or rows is None else self.rng.random(total)[rows]
+        return self.draw(probs, u)

@@ -24,7 +24,7 @@ import numpy as np
 from tk.runtimes.base import Runtime, StepOutput, check_token_ids
 from tk.runtimes.cache_layouts import prefill, slots_problem
 from tk.runtimes.errors import InputError
-from tk.runtimes.session import Session, StaticState
+from tk.runtimes.session import Session
 
 
 class Slots:
@@ -44,7 +44,7 @@ class Slots:
         mask = np.zeros((count, self.layout.capacity), dtype=np.int64)
         positions, write = np.zeros((count, 1), dtype=np.int64), np.zeros((count,), dtype=np.int64)
         self.session = Session(runtime, self.layout.allocate(count), mask, positions, 0,
-                               StaticState.over(mask, positions, write))
+                               self.layout.state(mask, positions, write))
         for slot in range(count):
             self.free(slot)
 

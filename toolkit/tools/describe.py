@@ -115,7 +115,7 @@ def inspect_path(path: str | Path, batch: int = 1, seq_len: int | None = None) -
                 "profile": manifest.profile, "same_graphs_as": matching_profiles(v, precision),
                 "target": v.target.value, "kv_cache": v.cache.value,
                 "capacity": v.capacity, "prefill_logits": v.prefill_logits.value,
-                "decode_prefills": v.decode_prefills, "trt_lint": manifest.trt_lint,
+                "decode_prefills": v.decode_prefills, "verify_logits": v.verify_logits, "trt_lint": manifest.trt_lint,
                 "validation": validation_summary(manifest)}
     else:
         cfg = read_config(path)
@@ -166,7 +166,8 @@ def format_info(info: dict) -> str:
         cache = info["kv_cache"] + (f" ({info['capacity']} positions)" if info.get("capacity") else "")
         lines.append(f"target {info['target']}  kv cache {cache}  prefill logits {info['prefill_logits']}"
                      + ("  decode graph also prefills (ONNX Runtime on the CPU runs one session)"
-                        if info.get("decode_prefills") else ""))
+                        if info.get("decode_prefills") else "")
+                     + ("; it verifies speculated tokens in one run" if info.get("verify_logits") else ""))
         lines.append(f"precision: {info['precision']}; weights by dtype: " +
                      ", ".join(f"{k} {_mib(v)}" for k, v in info["weights_by_dtype"].items()))
     for graph, g in info.get("graphs", {}).items():
