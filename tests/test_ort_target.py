@@ -144,7 +144,8 @@ def test_fused_graphs_use_ort_kernels_and_keep_the_contract(fused_llama):
     assert [d.dim_param or d.dim_value for d in decode.graph.input[0].type.tensor_type.shape.dim] == [
         "batch_size", "sequence_length"]  # a run of new tokens: the decode graph also prefills
     assert [d.dim_param or d.dim_value for d in decode.graph.output[0].type.tensor_type.shape.dim] == [
-        "batch_size", 1, 384]
+        "batch_size", "kept_sequence_length", 384]  # the positions logits_to_keep names (a run's last, or a verify run's)
+    assert [i.name for i in decode.graph.input][3:5] == ["write_indices", "logits_to_keep"]
     # export validation judged both ways of prefilling: through the decode graph and prefill.onnx
     assert {c["backend"] for c in manifest.validation.comparisons} == {"ort", "ort/pre"}
 

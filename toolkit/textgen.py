@@ -15,6 +15,7 @@ from tk.models.spec.manifest import ArtifactError
 from tk.runtimes.base import InputError, Runtime
 from tk.runtimes.decoding.generate import Generation, GenerationResult
 from tk.runtimes.decoding.sampling import SamplingConfig
+from tk.runtimes.decoding.speculative import Speculation
 
 _HF_LOCK = threading.Lock()
 
@@ -31,12 +32,14 @@ class Tokenizer:
             tok = _Tok.from_file(str(folder / "tokenizer.json"))
             self._encode = lambda text, special: tok.encode(text, add_special_tokens=special).ids
             self._decode = lambda ids, skip: tok.decode(ids, skip_special_tokens=skip)
+            self.vocab = lambda: tok.get_vocab(with_added_tokens=True)
         elif any((folder / f).is_file() for f in ("tokenizer.model", "vocab.json")):
             from transformers import AutoTokenizer
 
             tok = AutoTokenizer.from_pretrained(str(folder))
             self._encode = lambda text, special: tok.encode(text, add_special_tokens=special)
             self._decode = lambda ids, skip: tok.decode(ids, skip_special_tokens=skip)
+            self.vocab = tok.get_vocab  # token -> id, added tokens included
         else:
             raise ArtifactError(f"{folder} has no tokenizer files; pass --prompt-ids instead of --prompt")
 
@@ -167,15 +170,16 @@ class TextStream:
 
 def generate_text(runtime: Runtime, tokenizer: Tokenizer | None, prompts: list[list[int]], max_new_tokens: int,
                   sampling: SamplingConfig, eos_ids: Sequence[int], stops: Sequence[str] = (),
-                  ignore_eos: bool = False, stream: Callable[[str], None] | None = None
-                  ) -> tuple[GenerationResult, list[str]]:
-    """Generate and detokenize. `stream` receives the new text of a single prompt as it arrives."""
+                  ignore_eos: bool = False, stream: Callable[[str], None] | None = None,
+                  speculation: Speculation | None = None) -> tuple[GenerationResult, list[str]]:
+    """Generate and detokenize. `stream` receives the new text of a single prompt as it arrives;
+    `speculation`: a proposer's guesses verified a run at a time (the same tokens, greedy)."""
     if stops and tokenizer is None:
         raise InputError("--stop needs the artifact's tokenizer to read the generated text")
     texts = [TextStream(tokenizer, stops) for _ in prompts] if tokenizer else None
     show = stream if stream and texts and len(prompts) == 1 else None
     with runtime:
-        gen = Generation(runtime, prompts, max_new_tokens, sampling, eos_ids, ignore_eos)
+        gen = Generation(runtime, prompts, max_new_tokens, sampling, eos_ids, ignore_eos, speculation)
         for event in gen:
             if texts is None:
                 continue

@@ -18,7 +18,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from tk.runtimes.base import InputError, Runtime
-from tk.runtimes.decoding.rows import FinishReason, RowPolicy, TokenEvent, seen_matrix
+from tk.runtimes.decoding.rows import FinishReason, RowPolicy, TokenEvent, left_pad, seen_matrix
 from tk.runtimes.decoding.sampling import Sampler, SamplingConfig
 from tk.runtimes.decoding.speculative import Speculation, SpeculationStats, judge
 
@@ -56,19 +56,6 @@ class GenerationResult:
         spec = {} if self.speculation is None else {"speculation": self.speculation.to_dict()}
         return {"ttft_ms": 1e3 * self.ttft_s, "decode_ms_per_token": self.decode_ms_per_token,
                 "tokens_per_s": self.tokens_per_s, "decode_steps": len(self.decode_s), **spec}
-
-
-def left_pad(prompts: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """-> (input_ids, attention_mask), both (B, max_len) int64, padding (id 0, mask 0) on the left."""
-    if not prompts:
-        raise InputError("no prompts: give at least one")
-    width = max(len(p) for p in prompts)
-    ids = np.zeros((len(prompts), width), dtype=np.int64)
-    mask = np.zeros((len(prompts), width), dtype=np.int64)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = p
-        mask[i, width - len(p):] = 1
-    return ids, mask
 
 
 class Generation:

@@ -117,3 +117,16 @@ class RowPolicy:
         elif len(self.tokens) >= self.max_new_tokens:
             self.finish_reason = FinishReason.LENGTH
         return self.finish_reason
+
+
+def left_pad(prompts: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """-> (input_ids, attention_mask), both (B, max_len) int64, padding (id 0, mask 0) on the left."""
+    if not prompts:
+        raise InputError("no prompts: give at least one")
+    width = max(len(p) for p in prompts)
+    ids = np.zeros((len(prompts), width), dtype=np.int64)
+    mask = np.zeros((len(prompts), width), dtype=np.int64)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = p
+        mask[i, width - len(p):] = 1
+    return ids, mask

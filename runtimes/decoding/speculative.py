@@ -27,6 +27,7 @@ import numpy as np
 
 from tk.models.spec.errors import UsageProblem
 from tk.runtimes.base import InputError, Runtime
+from tk.runtimes.decoding.rows import left_pad
 from tk.runtimes.decoding.sampling import NO_TOKEN, Sampler, SamplingConfig
 
 
@@ -106,9 +107,8 @@ class DraftModel(Proposer):
         self.drafted: list[int] = []  # per row, the guesses of the last proposal
 
     def start(self, prompts, sampling):
-        from tk.runtimes.decoding.generate import left_pad
-
         self.close()
+        self.runtime.activate()  # its owner deactivates it (a draft stays loaded across generations)
         self.sampler = Sampler(SamplingConfig(temperature=sampling.temperature, top_k=sampling.top_k,
                                               top_p=sampling.top_p, seed=sampling.seed + 1))
         _, self.session = self.runtime.start(*left_pad(prompts), room=0)
@@ -224,7 +224,7 @@ class Speculation:
         if problem:
             raise InputError(problem)
         if not 1 <= self.k < target.max_verify:
-            raise InputError(f"--speculate {self.k}: the target's decode graph verifies at most "
+            raise UsageProblem(f"--speculate {self.k}: the target's decode graph verifies at most "
                              f"{target.max_verify - 1} guesses a run (and at least 1)")
 
 

@@ -5,6 +5,7 @@ stdlib-only modules only."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import click
 
@@ -77,3 +78,36 @@ def backend_options(f=None, *, prepack: bool = False):
                             **into_options)(f)
 
     return add if f is None else add(f)
+
+
+def speculation_options(f):
+    """--lookup, --draft, --speculate, --lookup-min, --lookup-max: the proposer speculative decoding
+    guesses with, passed to the command as one `speculation` (SpeculationOptions)."""
+    def gather(ctx: click.Context, param: click.Parameter, value):
+        ctx.meta.setdefault("tk.speculation", {})[param.name] = value
+        return value
+
+    into = dict(expose_value=False, callback=gather, is_eager=False)
+    f = click.option("--lookup-max", "lookup_max", default=4, show_default=True, type=click.IntRange(min=1),
+                     help="Prompt lookup: the longest n-gram matched.", **into)(f)
+    f = click.option("--lookup-min", "lookup_min", default=2, show_default=True, type=click.IntRange(min=1),
+                     help="Prompt lookup: the shortest n-gram matched.", **into)(f)
+    f = click.option("--speculate", "k", type=click.IntRange(min=1),
+                     help="Guesses a step (default 8 with --lookup, 4 with --draft).", **into)(f)
+    f = click.option("--draft", type=click.Path(path_type=Path),
+                     help="Speculate with this draft artifact (same tokenizer; a static cache that takes runs).",
+                     **into)(f)
+    return click.option("--lookup", is_flag=True,
+                        help="Speculate with prompt lookup: guesses copied from the text so far (code edits, "
+                             "summaries); verified in one run, the same tokens greedy.", **into)(f)
+
+
+def speculation_from(ctx: click.Context):
+    """The SpeculationOptions the speculation flags gave (a bad combination: a usage error, exit 2)."""
+    from tk.models.spec.errors import UsageProblem
+    from tk.toolkit.speculation import SpeculationOptions
+
+    try:
+        return SpeculationOptions(**ctx.meta.get("tk.speculation", {}))
+    except UsageProblem as e:
+        raise click.UsageError(str(e), ctx) from None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import click
 
 from tk.models.fixtures.presets import PRESETS
 from tk.toolkit.backends import BackendOptions
-from tk.toolkit.cli.options import BackendName, backend_options, backends_option
+from tk.toolkit.cli.options import BackendName, backend_options, backends_option, speculation_from, speculation_options
 
 
 @click.command()
@@ -28,8 +29,10 @@ from tk.toolkit.cli.options import BackendName, backend_options, backends_option
 @click.option("--stop", "stops", multiple=True, help="Stop when this text appears (repeatable).")
 @click.option("--ignore-eos", is_flag=True, help="Generate exactly --max-new-tokens.")
 @backend_options
+@speculation_options
 @click.option("--json", "as_json", is_flag=True, help="Print tokens, text, finish reason and timings as JSON.")
-def generate(artifact: Path, backend: str, prompts: tuple[str, ...], prompt_ids: tuple[str, ...],
+@click.pass_context
+def generate(ctx: click.Context, artifact: Path, backend: str, prompts: tuple[str, ...], prompt_ids: tuple[str, ...],
              chat: str | None, system: str | None, max_new_tokens: int, temperature: float, top_k: int,
              top_p: float, repetition_penalty: float, seed: int, stops: tuple[str, ...], ignore_eos: bool,
              options: BackendOptions, as_json: bool) -> None:
@@ -37,14 +40,19 @@ def generate(artifact: Path, backend: str, prompts: tuple[str, ...], prompt_ids:
     from tk.models.spec.manifest import Manifest
     from tk.runtimes.decoding.sampling import SamplingConfig
     from tk.toolkit.backends import open_runtime
+    from tk.toolkit.speculation import open_speculation
     from tk.toolkit.textgen import Tokenizer, generate_text, parse_ids
 
     if sum(map(bool, (prompts, prompt_ids, chat is not None))) != 1:
         raise click.UsageError("give one of --prompt, --prompt-ids or --chat")
     if system is not None and chat is None:
         raise click.UsageError("--system goes with --chat")
+    speculation = speculation_from(ctx)
+    if speculation.proposer and backend == "torch":  # the reference over the artifact's static cache, to verify runs
+        options = dataclasses.replace(options, static_cache=True)
     manifest = Manifest.read(artifact)
     runtime = open_runtime(artifact, backend, options)
+    spec = open_speculation(artifact, runtime, speculation, backend, options)
     tokenizer = Tokenizer(artifact) if prompts or chat is not None else Tokenizer.find(artifact)
     if chat is not None:
         ids = [tokenizer.chat(chat, system)]
@@ -54,7 +62,7 @@ def generate(artifact: Path, backend: str, prompts: tuple[str, ...], prompt_ids:
                               repetition_penalty=repetition_penalty, seed=seed)
     stream = None if as_json else lambda text: click.echo(text, nl=False)
     result, texts = generate_text(runtime, tokenizer, ids, max_new_tokens, sampling,
-                                  manifest.eos_token_ids, stops, ignore_eos, stream)
+                                  manifest.eos_token_ids, stops, ignore_eos, stream, spec)
     if as_json:
         rows = [{"prompt_tokens": r.prompt_tokens, "tokens": r.tokens, "text": t, "finish_reason": r.finish_reason}
                 for r, t in zip(result.rows, texts)]
@@ -69,6 +77,10 @@ def generate(artifact: Path, backend: str, prompts: tuple[str, ...], prompt_ids:
     click.echo(f"{backend}: time to first token {t['ttft_ms']:.1f} ms, decode {t['decode_ms_per_token']:.2f} ms/token, "
                f"{t['tokens_per_s']:.1f} tokens/s, finish: {', '.join(r.finish_reason for r in result.rows)}",
                err=True)
+    if "speculation" in t:
+        s = t["speculation"]
+        click.echo(f"speculation ({speculation.describe()}): {s['accepted']} of {s['proposed']} guesses accepted, "
+                   f"{s['tokens_per_step']:.2f} tokens per target step", err=True)
 
 
 @click.command("eval")

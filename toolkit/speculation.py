@@ -1,0 +1,81 @@
+"""What `tk generate`, `tk bench` and `tk serve` speculate with: the options (a proposer and how many
+guesses a step) and the `Speculation` they open over a target runtime, with a draft artifact's
+checks (its tokenizer is the target's; its decode graph verifies runs). The loop and the
+acceptance rule are runtimes/decoding/speculative.py's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from tk.models.spec.errors import UsageProblem
+from tk.models.spec.manifest import ArtifactError
+
+DEFAULT_K = {"lookup": 8, "draft": 4}  # guesses a step: llama.cpp's n-gram runs here drafted 8; a draft model pays for few
+
+
+@dataclass(frozen=True)
+class SpeculationOptions:
+    lookup: bool = False  # prompt lookup (n-gram match over the row's own text)
+    draft: Path | None = None  # a draft artifact
+    k: int | None = None  # guesses a step (None: DEFAULT_K of the proposer)
+    lookup_min: int = 2  # the shortest n-gram prompt lookup matches (vLLM's prompt_lookup_min)
+    lookup_max: int = 4  # the longest (prompt_lookup_max)
+
+    def __post_init__(self):
+        if self.lookup and self.draft is not None:
+            raise UsageProblem("--lookup and --draft are two proposers; choose one")
+        if self.k is not None and not self.proposer:
+            raise UsageProblem("--speculate K needs a proposer: add --lookup or --draft ARTIFACT")
+
+    @property
+    def proposer(self) -> str | None:
+        return "lookup" if self.lookup else "draft" if self.draft is not None else None
+
+    @property
+    def guesses(self) -> int:
+        return self.k if self.k is not None else DEFAULT_K.get(self.proposer, 0)
+
+    def describe(self) -> str:
+        if self.proposer == "lookup":
+            return f"prompt lookup (n-grams {self.lookup_min}..{self.lookup_max}), {self.guesses} guesses a step"
+        return f"draft {self.draft}, {self.guesses} guesses a step" if self.draft else "off"
+
+
+def check_draft(target: Path, draft: Path) -> None:
+    """Refuse a draft artifact whose tokenizer is not the target's (one line: what differs)."""
+    from tk.toolkit.textgen import Tokenizer
+
+    mine, theirs = Tokenizer.find(target), Tokenizer.find(draft)
+    if mine is None or theirs is None:
+        raise ArtifactError(f"a draft must share the target's tokenizer, and {target if mine is None else draft} "
+                            "has no tokenizer files to compare")
+    a, b = mine.vocab(), theirs.vocab()
+    if a != b:
+        differ = len(set(a.items()) ^ set(b.items()))
+        raise ArtifactError(f"the draft {draft} has another tokenizer than the target ({len(b)} tokens against "
+                            f"{len(a)}, {differ} token/id pairs differ); a draft must share the target's tokenizer")
+
+
+def open_speculation(target: Path, runtime, so: SpeculationOptions, backend: str = "ort", options=None):
+    """The `Speculation` of these options over the target `runtime` (None where they ask for none);
+    a draft artifact opens on the target's backend (activated when a generation starts)."""
+    from tk.runtimes.decoding.speculative import DraftModel, PromptLookup, Speculation
+
+    if so.proposer is None:
+        return None
+    if so.proposer == "lookup":
+        proposer = PromptLookup(so.lookup_min, so.lookup_max)
+    else:
+        from tk.toolkit.backends import BackendOptions, open_runtime
+
+        check_draft(Path(target), so.draft)
+        options = options or BackendOptions()
+        if backend == "torch":  # the draft's own static cache (rewound after each verdict)
+            options = dataclasses.replace(options, static_cache=True)
+        proposer = DraftModel(open_runtime(so.draft, backend, options), runtime.dims.vocab_size)
+    speculation = Speculation(proposer, so.guesses)
+    speculation.check(runtime)
+    return speculation
