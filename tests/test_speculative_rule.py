@@ -7,7 +7,7 @@ P(chi2_dof(lambda) > CHI2_999[dof]) >= 0.99 once lambda >= 32, 35.5, 38, 40.5, 4
 (numpy's noncentral_chisquare, 4e5 draws). So any output distribution r with
 TV(r, p) >= sqrt(42.5 / (4 N)) is rejected with probability >= 0.99: TV 0.023 for N = 20000
 (temperature 1, draft), 0.033 for N = 10000 (temperature 1, fixed guess), 0.060 for N = 3000 (top-k,
-top-p); 0.030 for the ~12000 bonus tokens of the first. The wrong rules of the negative controls
+top-p); 0.03 for the ~12300 bonus tokens of the first case. The wrong rules of the negative controls
 (WRONG) are off by TV 0.14 .. 0.38 and are rejected at the same N.
 """
 
@@ -19,7 +19,7 @@ from tk.runtimes.decoding.sampling import NO_TOKEN, Sampler, SamplingConfig
 from tk.runtimes.decoding.speculative import PromptLookup, Proposal, Verdict, judge
 
 V = 6
-LOGITS = np.random.default_rng(0).normal(0, 1, (2, V)).astype(np.float32)  # row 0 judges the guess, row 1: bonus
+LOGITS = np.random.default_rng(0).normal(0, 1, (2, V)).astype(np.float32)  # row 0: the guess's; row 1: bonus
 Q = np.array([0.05, 0.30, 0.10, 0.25, 0.20, 0.10])  # the draft's distribution: TV 0.38 .. 0.55 from p
 GUESS = 2  # the deterministic proposer's guess (the argmax of row 0)
 # 0.999 quantiles of chi-square with 1 .. 5 degrees of freedom (standard tables; scipy is not in the venv)

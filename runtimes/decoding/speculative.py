@@ -246,5 +246,5 @@ class SpeculationStats:
         return self.tokens / self.steps if self.steps else float("nan")
 
     def to_dict(self) -> dict:
-        return {"target_steps": self.steps, "proposed": self.proposed, "accepted": self.accepted,
-                "acceptance": self.acceptance, "tokens_per_step": self.tokens_per_step}
+        return {"target_steps": self.steps, "proposed": self.proposed, "accepted": self.accepted,  # (JSON: no NaN)
+                "acceptance": self.acceptance if self.proposed else None, "tokens_per_step": self.tokens_per_step}

@@ -1,0 +1,162 @@
+"""Speculative decoding end to end: a verify run's logits are the plain steps' logits, a rewound row
+attends to nothing it did not keep, and greedy output with prompt lookup or a draft artifact is the
+plain greedy output token for token, on ONNX Runtime (fused and portable graphs) and torch, through
+`tk generate`; a sliding-window model's rings stay right through rejections across its window.
+(The acceptance rule's statistics: tests/test_speculative_rule.py.)"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from clitools import error_line, run
+from conftest import assert_close
+from hf_models import make_checkpoint
+from tk.runtimes.backends.ort import OrtRuntime
+from tk.runtimes.decoding.generate import generate
+from tk.runtimes.decoding.speculative import DraftModel, PromptLookup, Speculation
+from tk.toolkit.backends import BackendOptions, open_runtime
+from tk.toolkit.pipeline.export import export_artifact
+
+CAPACITY = 192
+
+
+def _copy_checkpoint(src: Path, dst: Path, change) -> Path:
+    """A checkpoint folder like `src` (config, tokenizer) whose weights are change(name, tensor) (None: dropped)."""
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors"))
+    weights = {n: t for n, t in ((n, change(n, t)) for n, t in load_file(src / "model.safetensors").items())
+               if t is not None}
+    save_file(weights, dst / "model.safetensors")
+    return dst
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A target (llama, 2 layers), a perturbed copy of it and a one-layer draft, all sharing its
+    tokenizer; each exported --for ort-cpu (the target also --for serve: the portable static graph)."""
+    root = tmp_path_factory.mktemp("spec")
+    target = make_checkpoint("llama", root / "target")
+    gen = torch.Generator().manual_seed(7)
+    perturbed = _copy_checkpoint(target, root / "perturbed",
+                                 lambda n, t: t + 0.08 * t.std() * torch.randn(t.shape, generator=gen))
+    small = _copy_checkpoint(target, root / "small", lambda n, t: None if ".layers.1." in n else t)
+    cfg = json.loads((small / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 1}))
+    out = {}
+    for name, ckpt, profile in [("fused", target, "ort-cpu"), ("portable", target, "serve"),
+                                ("perturbed", perturbed, "ort-cpu"), ("small", small, "ort-cpu")]:
+        out[name] = root / f"art-{name}"
+        export_artifact(ckpt, out[name], profile=profile, max_seq_len=CAPACITY, validate=name in ("fused", "portable"))
+    return out
+
+
+def _prompts(vocab: int = 384) -> list[list[int]]:
+    """Two rows: one that repeats itself (prompt lookup finds it), one that does not."""
+    rng = np.random.default_rng(3)
+    text = rng.integers(2, vocab, 24).tolist()
+    return [text + text[:12], rng.integers(2, vocab, 19).tolist()]
+
+
+@pytest.mark.parametrize("graphs", ["fused", "portable"])
+def test_a_verify_run_is_the_plain_steps_and_a_rewound_row_forgets(models, graphs):
+    """verify([t, g1, g2, g3]) gives the logits of four plain steps fed t, g1, g2, g3; rewound to keep t
+    and g1, the row's next step is the plain run's after t, g1 (what g2, g3 wrote is never attended)."""
+    rt = OrtRuntime(models[graphs]).activate()
+    prompt, feed, other = _prompts()[0], [11, 23, 35, 47], 99
+    _, plain = rt.start(np.array([prompt]), np.ones((1, len(prompt)), np.int64))
+    steps = [rt.step(plain, [t]).logits[0, -1] for t in feed[:2]]
+    after = rt.step(plain, [other]).logits[0, -1]
+    steps += [rt.step(plain, [t]).logits[0, -1] for t in feed[2:]]  # (past `other`: compared below only up to g1)
+    _, spec = rt.start(np.array([prompt]), np.ones((1, len(prompt)), np.int64))
+    logits = rt.verify(spec, np.array([feed]))
+    assert logits.shape == (1, 4, rt.dims.vocab_size)
+    assert_close(logits[0, :2], np.stack(steps[:2]), 1e-4, "verify vs steps")
+    assert np.abs(logits[0, :2]).max() > 1.0  # logits that say something
+    rt.rewind(spec, [len(prompt) + 2])
+    assert int(spec.static.write[0]) == len(prompt) + 2
+    assert_close(rt.step(spec, [other]).logits[0, -1], after, 1e-4, "the step after a rewind")
+
+
+@pytest.mark.parametrize("graphs,proposer", [("fused", "lookup"), ("fused", "self"), ("fused", "perturbed"),
+                                             ("fused", "small"), ("portable", "lookup"), ("portable", "self")])
+def test_greedy_speculation_is_the_plain_output(models, graphs, proposer):
+    rt = OrtRuntime(models[graphs]).activate()
+    prompts = _prompts()
+    plain = generate(rt, prompts, 40, ignore_eos=True)
+    draft = None if proposer == "lookup" else OrtRuntime(models["fused" if proposer == "self" else proposer])
+    chosen = PromptLookup(2, 4) if draft is None else DraftModel(draft, rt.dims.vocab_size)
+    spec = generate(rt, prompts, 40, ignore_eos=True, speculation=Speculation(chosen, 4 if draft else 6))
+    assert [r.tokens for r in spec.rows] == [r.tokens for r in plain.rows]
+    s = spec.speculation
+    assert s.proposed > 0 and s.steps < 40
+    if proposer == "self":  # the target as its own draft: every guess is the target's
+        assert s.accepted == s.proposed
+    if proposer == "perturbed":
+        assert 0 < s.accepted < s.proposed
+
+
+def test_torch_verifies_over_the_static_cache(models):
+    """The reference decoder over the artifact's static cache (every position computed) verifies too."""
+    rt = open_runtime(models["fused"], "torch", BackendOptions(device="cpu", static_cache=True)).activate()
+    prompts = _prompts()[:1]
+    plain = generate(rt, prompts, 16, ignore_eos=True)
+    spec = generate(rt, prompts, 16, ignore_eos=True, speculation=Speculation(PromptLookup(1, 3), 4))
+    assert spec.rows[0].tokens == plain.rows[0].tokens and spec.speculation.proposed > 0
+
+
+def test_a_sliding_window_ring_survives_rejections(tmp_path):
+    """Mistral with a window of 12 and a ring of 12 + 127 slots: 150 new tokens wrap the ring while
+    most guesses of a perturbed draft are rejected; the tokens are the plain run's."""
+    ckpt = make_checkpoint("mistral", tmp_path / "mistral")
+    art = tmp_path / "art"
+    manifest = export_artifact(ckpt, art, profile="ort-cpu", max_seq_len=256, validate=False)
+    assert manifest.dims.ring is not None and manifest.dims.keeps_logits
+    gen = torch.Generator().manual_seed(1)
+    noisy = _copy_checkpoint(ckpt, tmp_path / "noisy", lambda n, t: t + 0.1 * t.std() * torch.randn(t.shape, generator=gen))
+    export_artifact(noisy, tmp_path / "draft", profile="ort-cpu", max_seq_len=256, validate=False)
+    rt = OrtRuntime(art).activate()
+    prompts = [_prompts()[1]]
+    plain = generate(rt, prompts, 150, ignore_eos=True)
+    for proposer in (PromptLookup(1, 2), DraftModel(OrtRuntime(tmp_path / "draft"), rt.dims.vocab_size)):
+        spec = generate(rt, prompts, 150, ignore_eos=True, speculation=Speculation(proposer, 5))
+        assert spec.rows[0].tokens == plain.rows[0].tokens
+        assert spec.speculation.accepted < spec.speculation.proposed  # rejections happened
+
+
+def test_cli_generate_speculates_and_refuses_clearly(models, tmp_path):
+    ids = ",".join(map(str, _prompts()[0]))
+    base = ["generate", models["fused"], "--prompt-ids", ids, "--max-new-tokens", "24", "--ignore-eos", "--json"]
+    plain = json.loads(run(*base).stdout)
+    lookup = ["--lookup", "--lookup-min", "1"]  # a random model's text repeats single tokens, not n-grams
+    for extra in (lookup, ["--draft", models["small"], "--speculate", "3"], [*lookup, "--backend", "torch"]):
+        result = run(*base, *extra)
+        assert result.exit_code == 0, result.output
+        out = json.loads(result.stdout)
+        assert out["rows"][0]["tokens"] == plain["rows"][0]["tokens"]
+        assert out["timings"]["speculation"]["proposed"] > 0
+    # a draft of another tokenizer: one line
+    other = tmp_path / "other"
+    shutil.copytree(models["small"], other)
+    tok = json.loads((other / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    first = next(iter(vocab))
+    vocab[first + "#"] = vocab.pop(first)
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    result = run(*base, "--draft", other)
+    assert result.exit_code == 1
+    assert "another tokenizer than the target" in error_line(result)
+    result = run(*base, "--lookup", "--speculate", str(CAPACITY + 1))
+    assert result.exit_code == 2 and "verifies at most" in error_line(result)
+    result = run(*base, "--speculate", "3")
+    assert result.exit_code == 2 and "needs a proposer" in error_line(result)
+    # an artifact whose decode graph takes one token a step (the default export) cannot verify
+    plain_art = tmp_path / "plain"
+    export_artifact(models["fused"].parent / "target", plain_art, validate=False)
+    result = run("generate", plain_art, "--prompt-ids", ids, "--lookup")
+    assert result.exit_code == 1 and "static-capacity decode graph" in error_line(result)
