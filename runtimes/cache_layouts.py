@@ -274,40 +274,41 @@ class StaticLayout(_Layout):
             st.write[rows] += 1
         return out
 
-    def verify(self, s: Session, tokens: np.ndarray) -> np.ndarray:
+    def verify(self, s: Session, tokens: np.ndarray, row: int | None = None) -> np.ndarray:
         """Run `tokens` (B, n), each row's next n tokens (its last kept token, then what a proposer
         guessed), at each row's write index in one decode run -> each position's logits (B, n, V), a
-        copy. The run writes n positions per row and moves nothing: `rewind` then says how many of
-        them each row keeps, and what it does not keep is never attended (its mask goes back to 0; a
-        ring's slots hold window + run - 1 positions, so what a rejected run wrote there is older
-        than any later query's window: contract.ring_sizes)."""
-        st, n = s.static, tokens.shape[1]
-        write = st.write.copy()
+        copy; with `row`, that row of the session alone ((1, n) tokens). The run writes n positions
+        per row and moves nothing: `rewind` then says how many of them each row keeps, and what it
+        does not keep is never attended (its mask goes back to 0; a ring's slots hold window + run - 1
+        positions, so what a rejected run wrote there is older than any later query's window:
+        contract.ring_sizes)."""
+        n, g = tokens.shape[1], slice(None) if row is None else slice(row, row + 1)
+        write = s.static.write[g].copy()
         if int(write.max()) + n > self.capacity:
             raise InputError(f"verify: {n} tokens past a row's {int(write.max())} do not fit the static cache of "
                              f"{self.capacity} positions; export with a larger --max-seq-len")
         if self.max_run is not None and n > self.max_run:
             raise InputError(f"verify: {n} tokens per row; this decode graph takes at most {self.max_run} a run")
-        for b, w in enumerate(write.tolist()):
+        if row is None and self.fused and s.batch > 1:  # GroupQueryAttention: a run over a past, one row a batch
+            return np.concatenate([self.verify(s, tokens[b:b + 1], b) for b in range(s.batch)])
+        for b, w in zip(range(s.batch)[g], write.tolist()):
             s.mask[b, w:w + n] = 1
-        width, logits = self._width(int(write.max()) + n), []
-        # ONNX Runtime's GroupQueryAttention takes a run of tokens over a past in batches of one row
-        groups = [slice(b, b + 1) for b in range(s.batch)] if self.fused and s.batch > 1 else [slice(None)]
-        for g in groups:
-            feeds = {"input_ids": np.ascontiguousarray(tokens[g], dtype=np.int64), "attention_mask": s.mask[g, :width],
-                     "position_ids": write[g, None] + np.arange(n), "write_indices": write[g],
-                     **({"logits_to_keep": np.arange(n)} if self.keeps else {})}
-            cache = s.cache if len(groups) == 1 else [b[g] for b in s.cache]
-            out, _ = s.runtime.run(contract.DECODE, feeds, cache, None, in_place=True)
-            logits.append(np.array(out.logits, dtype=np.float32))
-        return logits[0] if len(logits) == 1 else np.concatenate(logits)
+        feeds = {"input_ids": np.ascontiguousarray(tokens, dtype=np.int64),
+                 "attention_mask": s.mask[g, :self._width(int(write.max()) + n)],
+                 "position_ids": write[:, None] + np.arange(n), "write_indices": write,
+                 **({"logits_to_keep": np.arange(n)} if self.keeps else {})}
+        cache = s.cache if row is None else [b[g] for b in s.cache]
+        out, _ = s.runtime.run(contract.DECODE, feeds, cache, None, in_place=True)
+        return np.array(out.logits, dtype=np.float32)
 
-    def rewind(self, s: Session, lengths) -> None:
-        """Each row keeps the first `lengths[b]` positions of its cache (at most what its last run
-        wrote): its write index moves there, its mask ends there and its last position is the one
-        before. A row's tokens sit from cache index 0 (decode_prefills), so its position is its index."""
+    def rewind(self, s: Session, lengths, rows=None) -> None:
+        """Each row (of `rows`, default all) keeps the first `lengths[i]` positions of its cache (at
+        most what its last run wrote): its write index moves there, its mask ends there and its last
+        position is the one before. A row's tokens sit from cache index 0 (decode_prefills), so its
+        position is its index."""
         st = s.static
-        for b, n in enumerate(int(x) for x in lengths):
+        for b, n in zip(range(s.batch) if rows is None else rows, (int(x) for x in lengths)):
+            s.mask[b, :n] = 1  # (a row may move back and forth: serving keeps one guess at a time)
             s.mask[b, n:] = 0
             st.write[b] = n
             s.positions[b] = n - 1

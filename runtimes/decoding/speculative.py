@@ -217,6 +217,7 @@ class Speculation:
 
     proposer: Proposer
     k: int = 8
+    max_rows: int | None = None  # serving: speculate while at most this many requests decode (vLLM's disable_by_batch_size)
 
     def check(self, target: Runtime) -> None:
         """Refuse a target that cannot verify, and a k beyond what its decode graph takes in one run."""

@@ -35,6 +35,7 @@ from tk.runtimes.base import InputError, Runtime, RuntimeProblem, check_token_id
 from tk.runtimes.decoding.logits import Processor, TokenLogprob
 from tk.runtimes.decoding.rows import FinishReason, RowPolicy, TokenEvent
 from tk.runtimes.decoding.sampling import SamplingConfig
+from tk.runtimes.decoding.speculative import PromptLookup, Speculation
 from tk.runtimes.serving.prefix_cache import PrefixCache
 from tk.runtimes.serving.prefix_store import PrefixStore
 from tk.runtimes.serving.running import Running
@@ -67,6 +68,7 @@ class Request:
     processors: Sequence[Processor] = ()  # change the logits before the sampler draws, in order
     logprobs: int | None = None  # each new token's log-probability, with this many top alternatives
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (its first has none): `prompt_scores`
+    speculate: bool = True  # where the batcher speculates: this request's guesses are verified (False: opts out)
     id: int = -1
     tokens: list[int] = field(default_factory=list)
     prompt_scores: list[TokenLogprob | None] | None = None  # filled at admission, before the first event
@@ -78,10 +80,18 @@ class Request:
 class Batcher:
     """Start it (or use `with`), `submit` requests, `cancel` them, `close` it. Counters for
     metrics: `running`, `waiting`, `finished[reason]`, `steps`, `prefill_tokens` (computed, not
-    reused), and `prefix` (the PrefixCache, None where off: its hit rate and reused tokens)."""
+    reused), `prefix` (the PrefixCache, None where off: its hit rate and reused tokens), and with
+    `speculation` (prompt lookup; off while more than its max_rows decode) the guesses `proposed`
+    and `accepted`: a request's guesses are verified in one run and its tokens taken one position
+    at a time through its own sampler, so what it gets is what it would get without them."""
 
-    def __init__(self, runtime: Runtime, *, limits: BatcherLimits = BatcherLimits(), eos_ids: Sequence[int] = ()):
-        self.runtime, self.limits, self.eos = runtime, limits, frozenset(eos_ids)
+    def __init__(self, runtime: Runtime, *, limits: BatcherLimits = BatcherLimits(), eos_ids: Sequence[int] = (),
+                 speculation: Speculation | None = None):
+        if speculation is not None:  # (what the runtime can verify is checked at start, once it is loaded)
+            if not isinstance(speculation.proposer, PromptLookup):
+                raise InputError("the batcher speculates with prompt lookup (--lookup); a draft model runs in "
+                                 "tk generate and tk bench")
+        self.runtime, self.limits, self.eos, self.speculation = runtime, limits, frozenset(eos_ids), speculation
         self._cv = threading.Condition()
         self._sched: Scheduler | None = None  # made at start: what the runtime can do is known once it is loaded
         self._seqs: dict[Request, Seq] = {}  # every request submitted and not finished
@@ -98,6 +108,7 @@ class Batcher:
         self.finished = {reason: 0 for reason in FinishReason}
         self.steps = 0
         self.prefill_tokens = 0
+        self.proposed = self.accepted = 0  # speculated tokens guessed, and kept
 
     # --- the front end's side ---
 
@@ -122,6 +133,13 @@ class Batcher:
         except BaseException:
             self.runtime.deactivate()  # what it loaded (device buffers, sessions) goes back
             raise
+        if self.speculation is not None:
+            try:
+                self.speculation.check(self.runtime)
+            except BaseException:
+                self._rows.close()
+                self.runtime.deactivate()
+                raise
         problem = Slots.chunk_problem(self.runtime)
         self.chunked = problem is None
         if problem:
@@ -232,14 +250,52 @@ class Batcher:
             self._fail([seq], e)
 
     def _decode(self, active: list[int]) -> None:
+        guesses = self._guesses(active)
+        plain = [slot for slot in active if slot not in guesses]
+        if plain:
+            try:
+                out = self._rows.step(self._last[: plain[-1] + 1], plain)
+            except Exception as e:  # noqa: BLE001
+                self._fail([self._running[slot].seq for slot in plain], e)
+                return
+            self.steps += 1
+            for slot in plain:
+                self._next(slot, out.logits[slot : slot + 1, -1])
+        for slot, tokens in guesses.items():
+            self._verify(slot, tokens)
+
+    def _guesses(self, active: list[int]) -> dict[int, list[int]]:
+        """The proposer's guesses for the active slots whose requests speculate (none where more
+        requests decode than speculation's max_rows)."""
+        spec = self.speculation
+        if spec is None or (spec.max_rows is not None and len(active) > spec.max_rows):
+            return {}
+        slots = [slot for slot in active if self._running[slot].request.speculate]
+        room = self.runtime.max_context - 1
+        ks = [min(spec.k, self.runtime.max_verify - 1, room - self._rows.written(slot),
+                  self._running[slot].request.max_new_tokens - len(self._running[slot].policy.tokens) - 1)
+              for slot in slots]
+        texts = [[*self._running[slot].request.prompt, *self._running[slot].policy.tokens] for slot in slots]
+        return {slot: g.tokens for slot, g in zip(slots, spec.proposer.propose(texts, ks)) if g.tokens}
+
+    def _verify(self, slot: int, guesses: list[int]) -> None:
+        """One run checks the slot's guesses; the request takes its tokens one position at a time
+        through its own sampler, processors and policy (`_take`), while each equals the guess there.
+        For a guess made without a distribution (prompt lookup) this is speculative sampling's rule:
+        the guess is kept with the target's probability of it, and a rejection draws from the rest."""
+        r, at = self._running[slot], self._rows.written(slot)
         try:
-            out = self._rows.step(self._last[: active[-1] + 1], active)
+            logits = self._rows.verify(slot, [int(self._last[slot]), *guesses])
         except Exception as e:  # noqa: BLE001
-            self._fail([self._running[slot].seq for slot in active], e)
-            return
+            return self._fail([r.seq], e)
         self.steps += 1
-        for slot in active:
-            self._next(slot, out.logits[slot : slot + 1, -1])
+        self.proposed += len(guesses)
+        for j in range(len(guesses) + 1):
+            self._rows.rewind(slot, at + 1 + j)  # what is known so far: the last token, and the j guesses kept
+            self._next(slot, logits[j:j + 1])
+            if self._running.get(slot) is not r or j == len(guesses) or self._last[slot] != guesses[j]:
+                break
+            self.accepted += 1
 
     def _prefill(self, chunk: Chunk) -> None:
         seq = chunk.seq

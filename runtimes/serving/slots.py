@@ -150,6 +150,17 @@ class Slots:
             raise InputError(f"decode: a slot's static cache of {self.layout.capacity} positions is full")
         return self.layout.decode(self.session, tokens, rows, n)
 
+    def verify(self, slot: int, tokens: Sequence[int]) -> np.ndarray:
+        """The slot's last token and the guesses after it, in one run at its write index -> each
+        position's logits (n, V); the slot keeps what `rewind` says (StaticLayout.verify)."""
+        ids = np.asarray(tokens, dtype=np.int64).reshape(1, -1)
+        check_token_ids(ids, self.runtime.dims.vocab_size)
+        return self.layout.verify(self.session, ids, slot)[0]
+
+    def rewind(self, slot: int, length: int) -> None:
+        """The slot keeps its cache's first `length` positions (of what its last verify wrote)."""
+        self.layout.rewind(self.session, [length], [slot])
+
     def close(self) -> None:
         self.session.close()
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from tk.toolkit.backends import BackendOptions
-from tk.toolkit.cli.options import BackendName, backend_options, progress
+from tk.toolkit.cli.options import BackendName, backend_options, progress, speculation_from, speculation_options
 
 
 def batcher_options(f):
@@ -41,9 +41,14 @@ def batcher_options(f):
               help="Host memory for cached prompt prefixes (their keys and values); least recently used go first.")
 @click.option("--no-prefix-cache", is_flag=True, help="Prefill every prompt whole: reuse no cached prefix.")
 @backend_options(prepack=True)
-def serve(artifact: Path, backend: str, host: str, port: int, slots: int, max_queue: int, model_name: str | None,
-          drain: float, api_key: str | None, max_body_bytes: int, step_tokens: int | None, prefix_cache_mib: int,
-          no_prefix_cache: bool, options: BackendOptions) -> None:
+@speculation_options
+@click.option("--speculate-max-rows", default=4, show_default=True, type=click.IntRange(min=1),
+              help="With --lookup: speculate while at most this many requests decode (each verifies in a run of "
+                   "its own; beyond it a batched step pays more), as vLLM's disable_by_batch_size.")
+@click.pass_context
+def serve(ctx: click.Context, artifact: Path, backend: str, host: str, port: int, slots: int, max_queue: int,
+          model_name: str | None, drain: float, api_key: str | None, max_body_bytes: int, step_tokens: int | None,
+          prefix_cache_mib: int, no_prefix_cache: bool, options: BackendOptions, speculate_max_rows: int) -> None:
     """Serve an ARTIFACT (static cache) over the OpenAI API, with continuous batching."""
     from tk.runtimes.errors import InputError
     from tk.runtimes.serving.scheduler import BatcherLimits
@@ -55,12 +60,15 @@ def serve(artifact: Path, backend: str, host: str, port: int, slots: int, max_qu
     except InputError as e:  # (--slots and --max-queue are checked by click)
         raise click.BadParameter(str(e), param_hint="--step-tokens") from None
 
+    speculation = speculation_from(ctx)
+    if speculation.draft is not None:
+        raise click.UsageError("tk serve speculates with --lookup; a draft model runs in tk generate and tk bench", ctx)
     if host not in LOOPBACK:
         click.echo(f"tk serve: warning: --host {host} is reachable from other machines"
                    f"{'' if api_key else ' and no --api-key is set: anyone who reaches it can use it'}; "
                    "--host 127.0.0.1 keeps it on this one", err=True)
     serving = ServeOptions(host=host, port=port, limits=limits, model_name=model_name, drain_s=drain, api_key=api_key,
-                           max_body=max_body_bytes)
+                           max_body=max_body_bytes, speculation=speculation, speculate_rows=speculate_max_rows)
     server, sock = open_server(artifact, backend, options, serving)
     url = f"http://{host}:{sock.getsockname()[1]}"
     click.echo(f"tk serve: {server.model_name} on {url}/v1 ({backend}, {slots} slots); Ctrl-C stops", err=True)

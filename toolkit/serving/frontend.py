@@ -43,6 +43,8 @@ METRICS = {  # every tk metric's name and help; tk serve exports them all, Trito
     "tk_prefix_cache_hits": "Prompt tokens taken from the prefix cache (tokens reused)",
     "tk_prefix_cache_hit_rate": "Prefix cache hits over queries, since start",
     "tk_prefix_cache_bytes": "Memory the prefix cache holds",
+    "tk_spec_decode_draft_tokens": "Speculated tokens proposed (tk serve --lookup)",
+    "tk_spec_decode_accepted_tokens": "Speculated tokens the target accepted",
 }
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)  # seconds
 
@@ -66,6 +68,7 @@ class Params:
     logprobs: int | None = None  # each token's log-probability, with this many alternatives
     prompt_logprobs: int | None = None  # the prompt's tokens' too
     constraint: Constraint | None = None  # a grammar the text must follow (toolkit/serving/openai/structured.py)
+    speculate: bool = True  # where the batcher speculates, this request's guesses are verified (False: it opts out)
 
     def sampling(self, choice: int = 0) -> SamplingConfig:
         """The sampling of one of the request's choices (UsageProblem names a value no API schema
@@ -138,7 +141,8 @@ class Job(ABC):
         processors = params.processors(batcher.runtime.dims.vocab_size, sorted(batcher.eos), self.grammar)
         self.request = Request(self.prompt, params.max_tokens, params.sampling(choice), ignore_eos=params.ignore_eos,
                                on_event=self._on_event, stop=self._stopped, processors=processors,
-                               logprobs=params.logprobs, prompt_logprobs=params.prompt_logprobs)
+                               logprobs=params.logprobs, prompt_logprobs=params.prompt_logprobs,
+                               speculate=params.speculate)
 
     def submit(self) -> Request:
         """Hand the request to the batcher (QueueFull, BatcherClosed, InputError as it raises them)."""

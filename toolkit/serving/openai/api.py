@@ -104,7 +104,7 @@ def params(body, chat: bool, prompt_len: int, max_context: int, constraint) -> f
         repetition_penalty=body.repetition_penalty, seed=body.seed, ignore_eos=body.ignore_eos, stop=stops(body),
         min_tokens=body.min_tokens, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()}, logprobs=logprobs,
-        prompt_logprobs=prompt_logprobs, constraint=constraint)
+        prompt_logprobs=prompt_logprobs, constraint=constraint, speculate=body.speculate)
 
 
 def echo_problem(body, chat: bool, runtime) -> str | None:

@@ -20,6 +20,7 @@ from tk.runtimes.cache_layouts import slots_problem
 from tk.runtimes.serving.batching import Batcher, BatcherLimits
 from tk.toolkit.serving.openai.edge import DEFAULT_BODY_LIMIT
 from tk.toolkit.serving.openai.server import Server, require
+from tk.toolkit.speculation import SpeculationOptions, open_speculation
 from tk.toolkit.textgen import Tokenizer
 
 
@@ -35,6 +36,8 @@ class ServeOptions:
     drain_s: float = 10.0
     api_key: str | None = None
     max_body: int = DEFAULT_BODY_LIMIT
+    speculation: SpeculationOptions = field(default_factory=SpeculationOptions)  # off unless it names a proposer
+    speculate_rows: int | None = 4  # speculate while at most this many requests decode (None: always)
 
 
 def bind(host: str, port: int):
@@ -67,9 +70,13 @@ def open_server(artifact, backend: str, backend_options, options: ServeOptions =
     tokenizer = Tokenizer(artifact)
     tokenizer.hf  # noqa: B018  (loaded now, not on the first chat request's event loop)
     runtime = open_runtime(artifact, backend, dataclasses.replace(backend_options, static_cache=True))
+    speculation = open_speculation(artifact, runtime, options.speculation)
+    if speculation is not None:
+        speculation.max_rows = options.speculate_rows
     sock = bind(options.host, options.port)
     try:
-        batcher = Batcher(runtime, limits=options.limits, eos_ids=manifest.eos_token_ids).start()
+        batcher = Batcher(runtime, limits=options.limits, eos_ids=manifest.eos_token_ids,
+                          speculation=speculation).start()
     except BaseException:
         sock.close()
         raise

@@ -139,6 +139,7 @@ def _body(sizes: _Sizes):
         stop: Stop = None
         seed: Optional[Int(ge=0, le=2**63 - 1)] = None
         ignore_eos: bool = False
+        speculate: bool = True  # tk's: where the server speculates (tk serve --lookup), false opts this request out
         return_token_ids: bool = False
         user: Optional[str] = Field(None, max_length=256)  # OpenAI's end-user id: recorded nowhere
         response_format: Optional[ResponseFormat] = None
