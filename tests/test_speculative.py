@@ -24,7 +24,7 @@ from tk.runtimes.decoding.speculative import DraftModel, PromptLookup, Speculati
 from tk.toolkit.backends import BackendOptions, open_runtime
 from tk.toolkit.pipeline.export import export_artifact
 
-CAPACITY = 192
+CAPACITY = 256
 
 
 def _copy_checkpoint(src: Path, dst: Path, change) -> Path:
@@ -213,3 +213,26 @@ def test_tk_serve_with_prompt_lookup_gives_each_of_eight_clients_its_solo_tokens
     for i, (got, reason, want) in enumerate(results):
         assert got == want and reason == "length", f"request {i}"
     assert proposed == srv.batcher.proposed > 0 and 0 < accepted == srv.batcher.accepted <= proposed
+
+
+def test_tk_bench_workloads_compare_plain_lookup_and_a_draft(models, tmp_path):
+    """tk bench --workloads: every mode's tokens are plain's, the target as its own draft is accepted
+    whole, and the report holds what the issue asks (tokens per step, acceptance, ms/token, speed-up)."""
+    art = tmp_path / "no-tokenizer"  # token ids of each workload's shape (the tiny tokenizer's code-edit is 2k tokens)
+    shutil.copytree(models["fused"], art, ignore=shutil.ignore_patterns("tokenizer*"))
+    report = tmp_path / "bench.json"
+    result = run("bench", art, "--workloads", "all", "--new-tokens", "24", "--repeats", "1", "--draft", art,
+                 "--speculate", "3", "--report", report)
+    assert result.exit_code == 0, result.output
+    data = json.loads(report.read_text())
+    assert list(data["workloads"]) == ["code-edit", "summary", "free"] and data["k"] == {"lookup": 3, "draft": 3}
+    for w in data["workloads"].values():
+        assert list(w["modes"]) == ["plain", "lookup", "draft"]
+        assert all(m["same_tokens"] and m["decode_ms_per_token"]["median"] > 0 for m in w["modes"].values())
+        draft = w["modes"]["draft"]
+        assert draft["acceptance"] == 1.0 and draft["tokens_per_step"] > 3
+    assert "code-edit  draft" in result.stdout
+    result = run("bench", art, "--workloads", "code-edit", "--backends", "torch,ort")
+    assert result.exit_code == 2 and "one backend" in error_line(result)
+    result = run("bench", art, "--draft", art)
+    assert result.exit_code == 2 and "go with --workloads" in error_line(result)

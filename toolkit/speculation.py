@@ -13,6 +13,7 @@ from pathlib import Path
 from tk.models.spec.errors import UsageProblem
 from tk.models.spec.manifest import ArtifactError
 
+WORKLOADS = ("code-edit", "summary", "free")  # tk bench --workloads (toolkit/tools/bench_speculative.py)
 DEFAULT_K = {"lookup": 8, "draft": 4}  # guesses a step: llama.cpp's n-gram runs here drafted 8; a draft model pays for few
 
 
@@ -49,6 +50,14 @@ def check_draft(target: Path, draft: Path) -> None:
     from tk.toolkit.textgen import Tokenizer
 
     mine, theirs = Tokenizer.find(target), Tokenizer.find(draft)
+    if mine is None and theirs is None:  # token ids alone (no tokenizer files): the vocabularies' sizes must agree
+        from tk.models.spec.manifest import Manifest
+
+        sizes = Manifest.read(target).config.vocab_size, Manifest.read(draft).config.vocab_size
+        if sizes[0] != sizes[1]:
+            raise ArtifactError(f"the draft {draft} has a vocabulary of {sizes[1]} tokens and the target {sizes[0]}; "
+                                "a draft must share the target's tokenizer")
+        return
     if mine is None or theirs is None:
         raise ArtifactError(f"a draft must share the target's tokenizer, and {target if mine is None else draft} "
                             "has no tokenizer files to compare")

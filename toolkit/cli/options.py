@@ -38,6 +38,23 @@ class BackendList(click.ParamType):
         return names
 
 
+class WorkloadList(click.ParamType):
+    """A comma-separated list of tk bench's named workloads ('all': every one)."""
+
+    name = "workloads"
+
+    def convert(self, value, param, ctx):
+        from tk.toolkit.speculation import WORKLOADS
+
+        if isinstance(value, list):
+            return value
+        names = list(WORKLOADS) if value.strip() == "all" else [w.strip() for w in value.split(",") if w.strip()]
+        unknown = [w for w in names if w not in WORKLOADS]
+        if unknown or not names:
+            self.fail(f"unknown workload {', '.join(unknown) or '(none)'}; use {', '.join(WORKLOADS)} or all", param, ctx)
+        return names
+
+
 def choices(enum) -> click.Choice:
     return click.Choice([e.value for e in enum])
 

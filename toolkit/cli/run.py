@@ -10,7 +10,8 @@ import click
 
 from tk.models.fixtures.presets import PRESETS
 from tk.toolkit.backends import BackendOptions
-from tk.toolkit.cli.options import BackendName, backend_options, backends_option, speculation_from, speculation_options
+from tk.toolkit.cli.options import (BackendName, WorkloadList, backend_options, backends_option, speculation_from,
+                                   speculation_options)
 
 
 @click.command()
@@ -114,12 +115,35 @@ def eval_(artifact: Path, text_file: Path, backends: list[str], window: int | No
 @backend_options
 @click.option("--report", type=click.Path(dir_okay=False, path_type=Path), help="Write the JSON report here.")
 @click.option("--profile", is_flag=True, help="Also split an ORT decode step into Python, executor and kernel time.")
-def bench(artifact: Path, backends: list[str], prompt_len: int, new_tokens: int, batch: int, repeats: int,
-          options: BackendOptions, report: Path | None, profile: bool) -> None:
-    """Time to first token, decode speed and memory of each backend, side by side in one run."""
+@click.option("--workloads", type=WorkloadList(),
+              help="Speculative decoding instead: plain, prompt lookup (and --draft) on these named workloads "
+                   "(comma-separated: code-edit, summary, free; 'all'), on one backend (ort unless --backends names one).")
+@click.option("--draft", type=click.Path(path_type=Path), help="With --workloads: also speculate with this draft artifact.")
+@click.option("--speculate", "k", type=click.IntRange(min=1),
+              help="With --workloads: guesses a step (default 8 for lookup, 4 for a draft).")
+@click.pass_context
+def bench(ctx: click.Context, artifact: Path, backends: list[str], prompt_len: int, new_tokens: int, batch: int,
+          repeats: int, options: BackendOptions, report: Path | None, profile: bool, workloads: list[str] | None,
+          draft: Path | None, k: int | None) -> None:
+    """Time to first token, decode speed and memory of each backend, side by side in one run; with
+    --workloads, speculative decoding against plain decoding on named workloads."""
     from tk.toolkit.tools.bench import bench as run_bench
     from tk.toolkit.tools.bench import format_bench, format_profile, profile_decode
 
+    if workloads is None and (draft is not None or k is not None):
+        raise click.UsageError("--draft and --speculate go with --workloads", ctx)
+    if workloads is not None:
+        from tk.toolkit.tools.bench_speculative import bench_speculative, format_speculative
+
+        given = ctx.get_parameter_source("backends") is not click.core.ParameterSource.DEFAULT
+        if given and len(backends) != 1:
+            raise click.UsageError("--workloads runs on one backend: give --backends NAME", ctx)
+        result = bench_speculative(artifact, backends[0] if given else "ort", workloads, new_tokens, repeats,
+                                   options, draft, k)
+        click.echo(format_speculative(result))
+        if report is not None:
+            report.write_text(json.dumps(result, indent=2))
+        return
     result = run_bench(artifact, backends, prompt_len, new_tokens, batch, repeats, options)
     click.echo(format_bench(result))
     if profile:
