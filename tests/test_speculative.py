@@ -236,3 +236,14 @@ def test_tk_bench_workloads_compare_plain_lookup_and_a_draft(models, tmp_path):
     assert result.exit_code == 2 and "one backend" in error_line(result)
     result = run("bench", art, "--draft", art)
     assert result.exit_code == 2 and "go with --workloads" in error_line(result)
+
+
+def test_a_backend_whose_rows_cannot_run_alone_refuses_in_one_line(models):
+    """TensorRT's decode takes one token a row (its buffers' rows cannot run alone): it says so
+    before anything loads (no GPU needed); the loop refuses it through the same line."""
+    from tk.runtimes.backends.trt import TrtRuntime
+
+    rt = TrtRuntime(models["portable"])
+    assert rt.verify_problem == "the trt backend cannot run a multi-token verify step (its decode takes one token a row)"
+    with pytest.raises(Exception, match="cannot run a multi-token verify step"):
+        Speculation(PromptLookup(), 4).check(rt)

@@ -131,6 +131,9 @@ class DraftModel(Proposer):
     def propose(self, texts, ks):
         rt, s = self.runtime, self.session
         lengths = [len(t) for t in texts]
+        if max(lengths) + 1 >= rt.max_context:  # the draft's cache is full: the target goes on alone
+            self.drafted = [0] * len(texts)
+            return [Proposal([]) for _ in texts]
         behind = max(L - h for L, h in zip(lengths, self.held))  # >= 1: the target's last token at least
         # each row runs its last `behind` tokens (a row less behind runs a known one again: the same values)
         rt.rewind(s, [L - behind for L in lengths])
