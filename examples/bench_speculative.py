@@ -120,7 +120,7 @@ def llama_bench(work: Path, weights: str, args, prompt: str) -> dict:
     modes = {"plain": [],
              "ngram": ["--spec-type", "ngram-simple", "--spec-draft-n-max", "8", "--spec-ngram-simple-size-m", "8"],
              "draft": ["-md", str(work / f"draft-{suffix}.gguf"), "--spec-type", "draft-simple",
-                       "--spec-draft-n-max", "4", "-td", threads, "-tbd", threads, "-cd", "2048"]}
+                       "--spec-draft-n-max", "4", "-td", threads, "-tbd", threads]}
     servers = {m: Server(args.llama_bin, work / f"ckpt-{suffix}.gguf", extra, args.threads,
                          work / f"llama-server-{weights}-{m}.log") for m, extra in modes.items()}
     runs: dict[str, list] = {m: [] for m in modes}
