@@ -134,7 +134,8 @@ def test_cli_generate_speculates_and_refuses_clearly(models, tmp_path):
     base = ["generate", models["fused"], "--prompt-ids", ids, "--max-new-tokens", "24", "--ignore-eos", "--json"]
     plain = json.loads(run(*base).stdout)
     lookup = ["--lookup", "--lookup-min", "1"]  # a random model's text repeats single tokens, not n-grams
-    for extra in (lookup, ["--draft", models["small"], "--speculate", "3"], [*lookup, "--backend", "torch"]):
+    for extra in (lookup, ["--draft", models["small"], "--speculate", "3"], [*lookup, "--backend", "torch"],
+                  ["--draft", models["small"], "--backend", "torch"]):  # torch: the target's and the draft's reference
         result = run(*base, *extra)
         assert result.exit_code == 0, result.output
         out = json.loads(result.stdout)
