@@ -163,10 +163,11 @@ def test_cli_generate_speculates_and_refuses_clearly(models, tmp_path):
     assert result.exit_code == 1 and "static-capacity decode graph" in error_line(result)
 
 
-def test_tk_serve_with_prompt_lookup_gives_each_of_eight_clients_its_solo_tokens(serve_artifact):
+@pytest.mark.parametrize("proposer", ["lookup", "draft"])
+def test_tk_serve_speculating_gives_each_of_eight_clients_its_solo_tokens(serve_artifact, proposer):
     """Eight concurrent requests (greedy and seeded, streamed or not, one opted out) on a server that
-    speculates with prompt lookup get exactly their solo, non-speculative tokens and finish reasons;
-    /metrics counts the guesses."""
+    speculates with prompt lookup, or with the artifact as its own draft, get exactly their solo,
+    non-speculative tokens and finish reasons; /metrics counts the guesses."""
     pytest.importorskip("fastapi", reason="the serving stack: pip install -e '.[serve]'")
     from concurrent.futures import ThreadPoolExecutor
 
@@ -181,7 +182,8 @@ def test_tk_serve_with_prompt_lookup_gives_each_of_eight_clients_its_solo_tokens
     tok, manifest = Tokenizer(serve_artifact), Manifest.read(serve_artifact)
     solo_rt = open_runtime(serve_artifact, "ort", BackendOptions(static_cache=True))
     options = ServeOptions(port=0, limits=BatcherLimits(slots=8), model_name="tiny", drain_s=1.0,
-                           speculation=SpeculationOptions(lookup=True, lookup_min=1, k=5), speculate_rows=8)
+                           speculation=SpeculationOptions(lookup=True, lookup_min=1, k=5) if proposer == "lookup"
+                           else SpeculationOptions(draft=serve_artifact, k=3), speculate_rows=8)
     srv, sock = open_server(serve_artifact, "ort", BackendOptions(), options)
     sock.close()
     words = "the cat sat on the mat and the dog sat on the log".split()
@@ -213,7 +215,10 @@ def test_tk_serve_with_prompt_lookup_gives_each_of_eight_clients_its_solo_tokens
         srv.batcher.close()
     for i, (got, reason, want) in enumerate(results):
         assert got == want and reason == "length", f"request {i}"
-    assert proposed == srv.batcher.proposed > 0 and 0 < accepted == srv.batcher.accepted <= proposed
+    spec = srv.batcher.speculating
+    assert proposed == spec.proposed > 0 and 0 < accepted == spec.accepted <= proposed
+    if proposer == "draft":  # the target as its own draft: greedy requests keep every guess
+        assert accepted > proposed / 2
 
 
 def test_tk_bench_workloads_compare_plain_lookup_and_a_draft(models, tmp_path):

@@ -35,12 +35,13 @@ from tk.runtimes.base import InputError, Runtime, RuntimeProblem, check_token_id
 from tk.runtimes.decoding.logits import Processor, TokenLogprob
 from tk.runtimes.decoding.rows import FinishReason, RowPolicy, TokenEvent
 from tk.runtimes.decoding.sampling import SamplingConfig
-from tk.runtimes.decoding.speculative import PromptLookup, Speculation
+from tk.runtimes.decoding.speculative import Speculation
 from tk.runtimes.serving.prefix_cache import PrefixCache
 from tk.runtimes.serving.prefix_store import PrefixStore
 from tk.runtimes.serving.running import Running
 from tk.runtimes.serving.scheduler import BatcherLimits, Chunk, QueueFull, Scheduler, Seq, State, StepPlan
 from tk.runtimes.serving.slots import Slots
+from tk.runtimes.serving.speculating import SlotSpeculation
 
 log = logging.getLogger("tk.batcher")
 
@@ -87,11 +88,9 @@ class Batcher:
 
     def __init__(self, runtime: Runtime, *, limits: BatcherLimits = BatcherLimits(), eos_ids: Sequence[int] = (),
                  speculation: Speculation | None = None):
-        if speculation is not None:  # (what the runtime can verify is checked at start, once it is loaded)
-            if not isinstance(speculation.proposer, PromptLookup):
-                raise InputError("the batcher speculates with prompt lookup (--lookup); a draft model runs in "
-                                 "tk generate and tk bench")
         self.runtime, self.limits, self.eos, self.speculation = runtime, limits, frozenset(eos_ids), speculation
+        # its proposer and counters (what the runtime can verify is checked at start, once it is loaded)
+        self.speculating = None if speculation is None else SlotSpeculation(speculation)
         self._cv = threading.Condition()
         self._sched: Scheduler | None = None  # made at start: what the runtime can do is known once it is loaded
         self._seqs: dict[Request, Seq] = {}  # every request submitted and not finished
@@ -108,7 +107,6 @@ class Batcher:
         self.finished = {reason: 0 for reason in FinishReason}
         self.steps = 0
         self.prefill_tokens = 0
-        self.proposed = self.accepted = 0  # speculated tokens guessed, and kept
 
     # --- the front end's side ---
 
@@ -133,9 +131,9 @@ class Batcher:
         except BaseException:
             self.runtime.deactivate()  # what it loaded (device buffers, sessions) goes back
             raise
-        if self.speculation is not None:
+        if self.speculating is not None:
             try:
-                self.speculation.check(self.runtime)
+                self.speculating.open(self.runtime, self.limits.slots)
             except BaseException:
                 self._rows.close()
                 self.runtime.deactivate()
@@ -206,6 +204,8 @@ class Batcher:
             self._thread = None
             self._rows.close()
             self.runtime.deactivate()
+            if self.speculating is not None:
+                self.speculating.close()
 
     # --- the loop ---
 
@@ -265,18 +265,12 @@ class Batcher:
             self._verify(slot, tokens)
 
     def _guesses(self, active: list[int]) -> dict[int, list[int]]:
-        """The proposer's guesses for the active slots whose requests speculate (none where more
-        requests decode than speculation's max_rows)."""
-        spec = self.speculation
-        if spec is None or (spec.max_rows is not None and len(active) > spec.max_rows):
+        if self.speculating is None:
             return {}
-        slots = [slot for slot in active if self._running[slot].request.speculate]
-        room = self.runtime.max_context - 1
-        ks = [min(spec.k, self.runtime.max_verify - 1, room - self._rows.written(slot),
-                  self._running[slot].request.max_new_tokens - len(self._running[slot].policy.tokens) - 1)
-              for slot in slots]
-        texts = [[*self._running[slot].request.prompt, *self._running[slot].policy.tokens] for slot in slots]
-        return {slot: g.tokens for slot, g in zip(slots, spec.proposer.propose(texts, ks)) if g.tokens}
+        room = {slot: min(self.runtime.max_verify - 1, self.runtime.max_context - 1 - self._rows.written(slot),
+                          self._running[slot].request.max_new_tokens - len(self._running[slot].policy.tokens) - 1)
+                for slot in active}
+        return self.speculating.guesses(self._running, active, room, lambda seq, e: self._fail([seq], e))
 
     def _verify(self, slot: int, guesses: list[int]) -> None:
         """One run checks the slot's guesses; the request takes its tokens one position at a time
@@ -289,13 +283,14 @@ class Batcher:
         except Exception as e:  # noqa: BLE001
             return self._fail([r.seq], e)
         self.steps += 1
-        self.proposed += len(guesses)
+        kept = 0
         for j in range(len(guesses) + 1):
             self._rows.rewind(slot, at + 1 + j)  # what is known so far: the last token, and the j guesses kept
             self._next(slot, logits[j:j + 1])
             if self._running.get(slot) is not r or j == len(guesses) or self._last[slot] != guesses[j]:
                 break
-            self.accepted += 1
+            kept += 1
+        self.speculating.verdict(slot, len(guesses), kept)
 
     def _prefill(self, chunk: Chunk) -> None:
         seq = chunk.seq

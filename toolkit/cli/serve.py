@@ -43,8 +43,8 @@ def batcher_options(f):
 @backend_options(prepack=True)
 @speculation_options
 @click.option("--speculate-max-rows", default=4, show_default=True, type=click.IntRange(min=1),
-              help="With --lookup: speculate while at most this many requests decode (each verifies in a run of "
-                   "its own; beyond it a batched step pays more), as vLLM's disable_by_batch_size.")
+              help="With --lookup or --draft: speculate while at most this many requests decode (each verifies in "
+                   "a run of its own; beyond it a batched step pays more), as vLLM's disable_by_batch_size.")
 @click.pass_context
 def serve(ctx: click.Context, artifact: Path, backend: str, host: str, port: int, slots: int, max_queue: int,
           model_name: str | None, drain: float, api_key: str | None, max_body_bytes: int, step_tokens: int | None,
@@ -61,8 +61,6 @@ def serve(ctx: click.Context, artifact: Path, backend: str, host: str, port: int
         raise click.BadParameter(str(e), param_hint="--step-tokens") from None
 
     speculation = speculation_from(ctx)
-    if speculation.draft is not None:
-        raise click.UsageError("tk serve speculates with --lookup; a draft model runs in tk generate and tk bench", ctx)
     if host not in LOOPBACK:
         click.echo(f"tk serve: warning: --host {host} is reachable from other machines"
                    f"{'' if api_key else ' and no --api-key is set: anyone who reaches it can use it'}; "

@@ -152,8 +152,9 @@ class _EngineCounters:
 
         b, cache = self.batcher, self.batcher.prefix
         yield CounterMetricFamily("tk_prefill_tokens", METRICS["tk_prefill_tokens"], value=b.prefill_tokens)
-        if b.speculation is not None:
-            for name, value in (("tk_spec_decode_draft_tokens", b.proposed), ("tk_spec_decode_accepted_tokens", b.accepted)):
+        if (spec := b.speculating) is not None:
+            for name, value in (("tk_spec_decode_draft_tokens", spec.proposed),
+                                ("tk_spec_decode_accepted_tokens", spec.accepted)):
                 yield CounterMetricFamily(name, METRICS[name], value=value)
         if cache is not None:
             for name, value in (("tk_prefix_cache_queries", cache.queried), ("tk_prefix_cache_hits", cache.reused)):

@@ -70,7 +70,7 @@ def open_server(artifact, backend: str, backend_options, options: ServeOptions =
     tokenizer = Tokenizer(artifact)
     tokenizer.hf  # noqa: B018  (loaded now, not on the first chat request's event loop)
     runtime = open_runtime(artifact, backend, dataclasses.replace(backend_options, static_cache=True))
-    speculation = open_speculation(artifact, runtime, options.speculation)
+    speculation = open_speculation(artifact, runtime, options.speculation, backend, backend_options)
     if speculation is not None:
         speculation.max_rows = options.speculate_rows
     sock = bind(options.host, options.port)
