@@ -17,7 +17,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from tk.runtimes.base import InputError, Runtime
+from tk.runtimes.base import Runtime
 from tk.runtimes.decoding.rows import FinishReason, RowPolicy, TokenEvent, left_pad, seen_matrix
 from tk.runtimes.decoding.sampling import Sampler, SamplingConfig
 from tk.runtimes.decoding.speculative import Speculation, SpeculationStats, judge
