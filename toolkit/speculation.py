@@ -47,13 +47,13 @@ class SpeculationOptions:
 
 def check_draft(target: Path, draft: Path) -> None:
     """Refuse a draft artifact whose tokenizer is not the target's (one line: what differs)."""
+    from tk.models.spec.manifest import Manifest
     from tk.toolkit.textgen import Tokenizer
 
+    drafted = Manifest.read(draft)  # (a folder that is no artifact: its one line)
     mine, theirs = Tokenizer.find(target), Tokenizer.find(draft)
     if mine is None and theirs is None:  # token ids alone (no tokenizer files): the vocabularies' sizes must agree
-        from tk.models.spec.manifest import Manifest
-
-        sizes = Manifest.read(target).config.vocab_size, Manifest.read(draft).config.vocab_size
+        sizes = Manifest.read(target).config.vocab_size, drafted.config.vocab_size
         if sizes[0] != sizes[1]:
             raise ArtifactError(f"the draft {draft} has a vocabulary of {sizes[1]} tokens and the target {sizes[0]}; "
                                 "a draft must share the target's tokenizer")
