@@ -54,8 +54,8 @@ def tk_bench(work: Path, weights: str, args) -> dict:
     if not draft.exists():
         draft = work / "tk-draft-f32"
     report = work / f"tk-bench-{weights}.json"
-    cmd = [shutil.which("tk") or "tk", "bench", str(art), "--workloads", "code-edit", "--draft", str(draft),
-           "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats), "--threads", str(args.threads),
+    cmd = [shutil.which("tk") or "tk", "bench", str(art), "--workloads", "code-edit",
+           *([] if args.skip_draft else ["--draft", str(draft)]), "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats), "--threads", str(args.threads),
            "--report", str(report)]
     print("$", " ".join(cmd), flush=True)
     t0 = time.time()
@@ -121,6 +121,8 @@ def llama_bench(work: Path, weights: str, args, prompt: str) -> dict:
              "ngram": ["--spec-type", "ngram-simple", "--spec-draft-n-max", "8", "--spec-ngram-simple-size-m", "8"],
              "draft": ["-md", str(work / f"draft-{suffix}.gguf"), "--spec-type", "draft-simple",
                        "--spec-draft-n-max", "4", "-td", threads, "-tbd", threads]}
+    if args.skip_draft:
+        del modes["draft"]
     servers = {m: Server(args.llama_bin, work / f"ckpt-{suffix}.gguf", extra, args.threads,
                          work / f"llama-server-{weights}-{m}.log") for m, extra in modes.items()}
     runs: dict[str, list] = {m: [] for m in modes}
@@ -180,6 +182,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--skip-draft", action="store_true", help="plain and lookup only (no draft mode)")
     ap.add_argument("--out", type=Path, help="JSON of everything (default WORK/bench_speculative.json)")
     args = ap.parse_args()
     prompt = workload_text("code-edit")

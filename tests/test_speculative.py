@@ -90,7 +90,7 @@ def test_greedy_speculation_is_the_plain_output(models, graphs, proposer):
     prompts = _prompts()
     plain = generate(rt, prompts, 40, ignore_eos=True)
     draft = None if proposer == "lookup" else OrtRuntime(models["fused" if proposer == "self" else proposer])
-    chosen = PromptLookup(2, 4) if draft is None else DraftModel(draft, rt.dims.vocab_size)
+    chosen = PromptLookup(2, 4) if draft is None else DraftModel(draft, rt.dims.vocab_size, p_min=0)
     spec = generate(rt, prompts, 40, ignore_eos=True, speculation=Speculation(chosen, 4 if draft else 6))
     assert [r.tokens for r in spec.rows] == [r.tokens for r in plain.rows]
     s = spec.speculation
@@ -123,7 +123,7 @@ def test_a_sliding_window_ring_survives_rejections(tmp_path):
     rt = OrtRuntime(art).activate()
     prompts = [_prompts()[1]]
     plain = generate(rt, prompts, 150, ignore_eos=True)
-    for proposer in (PromptLookup(1, 2), DraftModel(OrtRuntime(tmp_path / "draft"), rt.dims.vocab_size)):
+    for proposer in (PromptLookup(1, 2), DraftModel(OrtRuntime(tmp_path / "draft"), rt.dims.vocab_size, p_min=0)):
         spec = generate(rt, prompts, 150, ignore_eos=True, speculation=Speculation(proposer, 5))
         assert spec.rows[0].tokens == plain.rows[0].tokens
         assert spec.speculation.accepted < spec.speculation.proposed  # rejections happened
@@ -134,8 +134,8 @@ def test_cli_generate_speculates_and_refuses_clearly(models, tmp_path):
     base = ["generate", models["fused"], "--prompt-ids", ids, "--max-new-tokens", "24", "--ignore-eos", "--json"]
     plain = json.loads(run(*base).stdout)
     lookup = ["--lookup", "--lookup-min", "1"]  # a random model's text repeats single tokens, not n-grams
-    for extra in (lookup, ["--draft", models["small"], "--speculate", "3"], [*lookup, "--backend", "torch"],
-                  ["--draft", models["small"], "--backend", "torch"]):  # torch: the target's and the draft's reference
+    for extra in (lookup, ["--draft", models["small"], "--speculate", "3", "--draft-p-min", "0"], [*lookup, "--backend", "torch"],
+                  ["--draft", models["small"], "--backend", "torch", "--draft-p-min", "0"]):  # torch: the target's and the draft's reference
         result = run(*base, *extra)
         assert result.exit_code == 0, result.output
         out = json.loads(result.stdout)
@@ -183,7 +183,7 @@ def test_tk_serve_speculating_gives_each_of_eight_clients_its_solo_tokens(serve_
     solo_rt = open_runtime(serve_artifact, "ort", BackendOptions(static_cache=True))
     options = ServeOptions(port=0, limits=BatcherLimits(slots=8), model_name="tiny", drain_s=1.0,
                            speculation=SpeculationOptions(lookup=True, lookup_min=1, k=5) if proposer == "lookup"
-                           else SpeculationOptions(draft=serve_artifact, k=3), speculate_rows=8)
+                           else SpeculationOptions(draft=serve_artifact, k=3, draft_p_min=0), speculate_rows=8)
     srv, sock = open_server(serve_artifact, "ort", BackendOptions(), options)
     sock.close()
     words = "the cat sat on the mat and the dog sat on the log".split()
@@ -228,7 +228,7 @@ def test_tk_bench_workloads_compare_plain_lookup_and_a_draft(models, tmp_path):
     shutil.copytree(models["fused"], art, ignore=shutil.ignore_patterns("tokenizer*"))
     report = tmp_path / "bench.json"
     result = run("bench", art, "--workloads", "all", "--new-tokens", "24", "--repeats", "1", "--draft", art,
-                 "--speculate", "3", "--report", report)
+                 "--speculate", "3", "--draft-p-min", "0", "--report", report)
     assert result.exit_code == 0, result.output
     data = json.loads(report.read_text())
     assert list(data["workloads"]) == ["code-edit", "summary", "free"] and data["k"] == {"lookup": 3, "draft": 3}
@@ -253,3 +253,18 @@ def test_a_backend_whose_rows_cannot_run_alone_refuses_in_one_line(models):
     assert rt.verify_problem == "the trt backend cannot run a multi-token verify step (its decode takes one token a row)"
     with pytest.raises(Exception, match="cannot run a multi-token verify step"):
         Speculation(PromptLookup(), 4).check(rt)
+
+
+def test_a_draft_stops_guessing_where_it_is_unsure(models):
+    """p_min (llama.cpp's --draft-p-min): a guess needs that much of the draft's own probability. The
+    tiny random draft is rarely sure: 0 lets every guess through, 0.1 a few, 1 none; the tokens stay plain's."""
+    rt = OrtRuntime(models["fused"]).activate()
+    prompts = _prompts()[:1]
+    plain = generate(rt, prompts, 24, ignore_eos=True).rows[0].tokens
+    counts = {}
+    for p_min in (0.0, 0.1, 1.0):
+        spec = generate(rt, prompts, 24, ignore_eos=True,
+                        speculation=Speculation(DraftModel(OrtRuntime(models["small"]), rt.dims.vocab_size, p_min), 4))
+        assert spec.rows[0].tokens == plain
+        counts[p_min] = spec.speculation.proposed
+    assert counts[0.0] > counts[0.1] > counts[1.0] == 0

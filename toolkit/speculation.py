@@ -24,10 +24,13 @@ class SpeculationOptions:
     k: int | None = None  # guesses a step (None: DEFAULT_K of the proposer)
     lookup_min: int = 2  # the shortest n-gram prompt lookup matches (vLLM's prompt_lookup_min)
     lookup_max: int = 4  # the longest (prompt_lookup_max)
+    draft_p_min: float = 0.75  # a draft's guess needs this much of its probability (llama.cpp's --draft-p-min)
 
     def __post_init__(self):
         if self.lookup and self.draft is not None:
             raise UsageProblem("--lookup and --draft are two proposers; choose one")
+        if not 0 <= self.draft_p_min <= 1:
+            raise UsageProblem(f"--draft-p-min must be in [0, 1], got {self.draft_p_min}")
         if self.k is not None and not self.proposer:
             raise UsageProblem("--speculate K needs a proposer: add --lookup or --draft ARTIFACT")
 
@@ -84,7 +87,7 @@ def open_speculation(target: Path, runtime, so: SpeculationOptions, backend: str
         options = options or BackendOptions()
         if backend == "torch":  # the draft's own static cache (rewound after each verdict)
             options = dataclasses.replace(options, static_cache=True)
-        proposer = DraftModel(open_runtime(so.draft, backend, options), runtime.dims.vocab_size)
+        proposer = DraftModel(open_runtime(so.draft, backend, options), runtime.dims.vocab_size, so.draft_p_min)
     speculation = Speculation(proposer, so.guesses)
     speculation.check(runtime)
     return speculation

@@ -89,19 +89,30 @@ class PromptLookup(Proposer):
         return []
 
 
+P_MIN = 0.75  # a draft's guess needs this much of its own probability (llama.cpp's --draft-p-min default)
+
+
+def confidence(logits: np.ndarray) -> np.ndarray:
+    """(B, V) logits -> (B,) the top token's probability."""
+    peak = logits.max(-1, keepdims=True)
+    return 1.0 / np.exp(logits - peak).sum(-1)
+
+
 class DraftModel(Proposer):
     """A smaller model of the same vocabulary (a tk artifact whose decode graph verifies runs) that
     drafts k tokens a row, one decode step each, from its own static cache. Before drafting, the
     cache catches up on the tokens it has not run (the target's token, and a guess it drafted
-    without running), in one run; after the target's verdict it rewinds to what the row kept."""
+    without running), in one run; after the target's verdict it rewinds to what the row kept. A row
+    stops guessing at the first token the draft gives less than `p_min` of its probability (llama.cpp's
+    --draft-p-min): an unsure draft's guesses cost a draft step and a verified position each."""
 
     name = "draft"
 
-    def __init__(self, runtime: Runtime, vocab_size: int):
+    def __init__(self, runtime: Runtime, vocab_size: int, p_min: float = P_MIN):
         problem = runtime.verify_problem
         if problem:
             raise InputError(f"the draft: {problem}")
-        self.runtime, self.vocab_size = runtime, vocab_size
+        self.runtime, self.vocab_size, self.p_min = runtime, vocab_size, p_min
         self.session = self.sampler = None
         self.held: list[int] = []  # per row, the positions of its cache that are its true text
         self.drafted: list[int] = []  # per row, the guesses of the last proposal
@@ -140,16 +151,19 @@ class DraftModel(Proposer):
         logits = rt.verify(s, np.array([t[-behind:] for t in texts], dtype=np.int64))[:, -1]
         rt.rewind(s, lengths)
         k = min(max(ks), rt.max_context - max(lengths) - 1)
-        guesses, dists = [], []
+        guesses, dists, sure = [], [], np.zeros(len(texts), dtype=np.int64)  # sure: each row's guesses before an unsure one
         for i in range(max(k, 0)):
             token, probs = self._pick(logits)
+            sure += (sure == i) & (confidence(logits) >= self.p_min)
+            if not (sure > i).any():
+                break
             token = np.where(token == NO_TOKEN, 0, token)  # a draft with no possible token guesses anything
             guesses.append(token)
             dists.append(probs)
             if i + 1 < k:
                 logits = rt.step(s, token).logits[:, -1]
         self.held = lengths
-        self.drafted = [min(kb, len(guesses)) for kb in ks]
+        self.drafted = [min(kb, int(n)) for kb, n in zip(ks, sure)]
         out = []
         for b, n in enumerate(self.drafted):
             probs = None if not n or dists[0] is None else np.stack([d[b] for d in dists[:n]])

@@ -3,8 +3,8 @@ and a draft model's slots beside the batcher's (`SlotDraft`).
 
 Slot i of the draft drafts for the request in the batcher's slot i. Its cache catches up lazily on
 what it has not run (a new request's whole prompt the first time, in runs of the decode graph's
-largest; then the target's token and the guess it drafted without running), drafts k tokens
-greedily, and keeps what the target kept. Greedy guesses are deterministic, so the batcher's rule
+largest; then the target's token and the guess it drafted without running), drafts up to k tokens
+greedily (while it is sure of them: `DraftModel`'s p_min), and keeps what the target kept. Greedy guesses are deterministic, so the batcher's rule
 (take the request's own token at each verified position while it equals the guess) is speculative
 sampling's for them: a request's tokens are what they are without the draft, sampled ones too.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from tk.runtimes.base import InputError, Runtime
-from tk.runtimes.decoding.speculative import DraftModel, PromptLookup, Speculation
+from tk.runtimes.decoding.speculative import P_MIN, DraftModel, PromptLookup, Speculation, confidence
 from tk.runtimes.serving.slots import Slots
 
 
@@ -22,10 +22,10 @@ class SlotDraft:
     """`count` draft slots over a draft runtime (activated at `open`); `propose(slot, key, text, k)`
     where `key` names the request (a new one starts the slot over), then `accepted(slot, kept)`."""
 
-    def __init__(self, runtime: Runtime, count: int, vocab_size: int):
+    def __init__(self, runtime: Runtime, count: int, vocab_size: int, p_min: float = P_MIN):
         if problem := runtime.verify_problem:
             raise InputError(f"the draft: {problem}")
-        self.runtime, self.count, self.vocab_size = runtime, count, vocab_size
+        self.runtime, self.count, self.vocab_size, self.p_min = runtime, count, vocab_size, p_min
         self.slots: Slots | None = None
         self.keys: list[object] = [None] * count  # the request each slot drafts for
         self.held = [0] * count  # per slot, the positions of its cache that are its request's text
@@ -58,12 +58,14 @@ class SlotDraft:
         s.mask[slot, :L] = 1
         out = layout.prefill_row(s, slot, np.asarray([text[held:]], dtype=np.int64), at=held)
         slots.rewind(slot, L)
-        guesses = [self._best(out.logits[0, -1])]
+        logits, guesses = out.logits[0, -1], []
         tokens = np.zeros(slot + 1, dtype=np.int64)
-        while len(guesses) < k:
-            tokens[slot] = guesses[-1]
-            guesses.append(self._best(slots.step(tokens, [slot]).logits[slot, -1]))
-        self.held[slot], self.last[slot] = L, (L, k)
+        while len(guesses) < k and confidence(logits[None, : self.vocab_size])[0] >= self.p_min:
+            guesses.append(self._best(logits))
+            if len(guesses) < k:
+                tokens[slot] = guesses[-1]
+                logits = slots.step(tokens, [slot]).logits[slot, -1]
+        self.held[slot], self.last[slot] = L, (L, len(guesses))
         return guesses
 
     def accepted(self, slot: int, kept: int) -> None:
@@ -86,7 +88,7 @@ class SlotSpeculation:
         """Check the loaded target can verify; open the draft's slots (a draft model)."""
         self.speculation.check(runtime)
         if isinstance(draft := self.speculation.proposer, DraftModel):
-            self.draft = SlotDraft(draft.runtime, slots, runtime.dims.vocab_size).open()
+            self.draft = SlotDraft(draft.runtime, slots, runtime.dims.vocab_size, draft.p_min).open()
 
     def close(self) -> None:
         if self.draft is not None:

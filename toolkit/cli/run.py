@@ -121,10 +121,12 @@ def eval_(artifact: Path, text_file: Path, backends: list[str], window: int | No
 @click.option("--draft", type=click.Path(path_type=Path), help="With --workloads: also speculate with this draft artifact.")
 @click.option("--speculate", "k", type=click.IntRange(min=1),
               help="With --workloads: guesses a step (default 8 for lookup, 4 for a draft).")
+@click.option("--draft-p-min", default=0.75, show_default=True, type=click.FloatRange(0, 1),
+              help="With --draft: a draft stops guessing at a token it gives less than this probability.")
 @click.pass_context
 def bench(ctx: click.Context, artifact: Path, backends: list[str], prompt_len: int, new_tokens: int, batch: int,
           repeats: int, options: BackendOptions, report: Path | None, profile: bool, workloads: list[str] | None,
-          draft: Path | None, k: int | None) -> None:
+          draft: Path | None, k: int | None, draft_p_min: float) -> None:
     """Time to first token, decode speed and memory of each backend, side by side in one run; with
     --workloads, speculative decoding against plain decoding on named workloads."""
     from tk.toolkit.tools.bench import bench as run_bench
@@ -139,7 +141,7 @@ def bench(ctx: click.Context, artifact: Path, backends: list[str], prompt_len: i
         if given and len(backends) != 1:
             raise click.UsageError("--workloads runs on one backend: give --backends NAME", ctx)
         result = bench_speculative(artifact, backends[0] if given else "ort", workloads, new_tokens, repeats,
-                                   options, draft, k)
+                                   options, draft, k, draft_p_min=draft_p_min)
         click.echo(format_speculative(result))
         if report is not None:
             report.write_text(json.dumps(result, indent=2))

@@ -59,7 +59,7 @@ def _spread(values: list[float]) -> dict:
 
 def bench_speculative(artifact: Path, backend: str = "ort", workloads=WORKLOADS, new_tokens: int = 128,
                       repeats: int = 3, options: BackendOptions = BackendOptions(), draft: Path | None = None,
-                      k: int | None = None, lookup: tuple[int, int] = (2, 4)) -> dict:
+                      k: int | None = None, lookup: tuple[int, int] = (2, 4), draft_p_min: float = 0.75) -> dict:
     from tk.toolkit.textgen import Tokenizer
 
     if new_tokens < 1 or repeats < 1:
@@ -75,10 +75,10 @@ def bench_speculative(artifact: Path, backend: str = "ort", workloads=WORKLOADS,
     if draft is not None:
         check_draft(Path(artifact), draft)
         draft_rt = open_runtime(draft, backend, options)
-        modes["draft"] = Speculation(DraftModel(draft_rt, rt.dims.vocab_size), k or DEFAULT_K["draft"])
+        modes["draft"] = Speculation(DraftModel(draft_rt, rt.dims.vocab_size, draft_p_min), k or DEFAULT_K["draft"])
     report = {"artifact": str(artifact), "backend": backend, "new_tokens": new_tokens, "repeats": repeats,
               "draft": None if draft is None else str(draft), "k": {m: s.k for m, s in modes.items() if s},
-              "lookup": list(lookup), "workloads": {}}
+              "lookup": list(lookup), "draft_p_min": draft_p_min, "workloads": {}}
     with rt:
         for spec in modes.values():
             if spec is not None:
