@@ -4,7 +4,7 @@ same text to both tools), decode ms/token with time to first token excluded. Mod
 prompt lookup, and a draft model (the same crude draft for both tools).
 
     python examples/bench_speculative.py --checkpoint CKPT --draft DRAFT --llama-bin BIN --work WORK \
-        [--weights f32,int4] [--new-tokens 128] [--repeats 3] [--threads 2] [--out WORK/bench_speculative.json]
+        [--weights f32,int4] [--skip-draft] [--new-tokens 128] [--repeats 3] [--threads 2] [--out WORK/bench_speculative.json]
 
 tk runs `tk bench ART --workloads code-edit --draft DRAFT_ART --report F.json` (its modes alternate
 inside it). llama.cpp runs one `llama-server` per mode on a free 127.0.0.1 port, all three up at
@@ -55,7 +55,8 @@ def tk_bench(work: Path, weights: str, args) -> dict:
         draft = work / "tk-draft-f32"
     report = work / f"tk-bench-{weights}.json"
     cmd = [shutil.which("tk") or "tk", "bench", str(art), "--workloads", "code-edit",
-           *([] if args.skip_draft else ["--draft", str(draft)]), "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats), "--threads", str(args.threads),
+           *([] if args.skip_draft else ["--draft", str(draft)]), "--new-tokens", str(args.new_tokens),
+           "--repeats", str(args.repeats), "--threads", str(args.threads), "--draft-p-min", str(args.draft_p_min),
            "--report", str(report)]
     print("$", " ".join(cmd), flush=True)
     t0 = time.time()
@@ -120,7 +121,8 @@ def llama_bench(work: Path, weights: str, args, prompt: str) -> dict:
     modes = {"plain": [],
              "ngram": ["--spec-type", "ngram-simple", "--spec-draft-n-max", "8", "--spec-ngram-simple-size-m", "8"],
              "draft": ["-md", str(work / f"draft-{suffix}.gguf"), "--spec-type", "draft-simple",
-                       "--spec-draft-n-max", "4", "-td", threads, "-tbd", threads]}
+                       "--spec-draft-n-max", "4", "--spec-draft-p-min", str(args.draft_p_min),
+                       "-td", threads, "-tbd", threads]}
     if args.skip_draft:
         del modes["draft"]
     servers = {m: Server(args.llama_bin, work / f"ckpt-{suffix}.gguf", extra, args.threads,
@@ -183,6 +185,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip-draft", action="store_true", help="plain and lookup only (no draft mode)")
+    ap.add_argument("--draft-p-min", type=float, default=0.75,
+                    help="both tools' draft stops at a guess it is less sure of (tk --draft-p-min, llama.cpp "
+                         "--spec-draft-p-min, whose own default is 0)")
     ap.add_argument("--out", type=Path, help="JSON of everything (default WORK/bench_speculative.json)")
     args = ap.parse_args()
     prompt = workload_text("code-edit")

@@ -24,7 +24,7 @@ class SpeculationOptions:
     k: int | None = None  # guesses a step (None: DEFAULT_K of the proposer)
     lookup_min: int = 2  # the shortest n-gram prompt lookup matches (vLLM's prompt_lookup_min)
     lookup_max: int = 4  # the longest (prompt_lookup_max)
-    draft_p_min: float = 0.75  # a draft's guess needs this much of its probability (llama.cpp's --draft-p-min)
+    draft_p_min: float = 0.75  # a draft's guess needs this much of its probability (speculative.P_MIN)
 
     def __post_init__(self):
         if self.lookup and self.draft is not None:

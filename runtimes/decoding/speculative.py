@@ -89,7 +89,9 @@ class PromptLookup(Proposer):
         return []
 
 
-P_MIN = 0.75  # a draft's guess needs this much of its own probability (llama.cpp's --draft-p-min default)
+# a draft's guess needs this much of its own probability (llama.cpp's --spec-draft-p-min, which defaults to 0
+# there: tk's default spends no draft step or verified position on a guess its draft is unsure of)
+P_MIN = 0.75
 
 
 def confidence(logits: np.ndarray) -> np.ndarray:
@@ -104,7 +106,7 @@ class DraftModel(Proposer):
     cache catches up on the tokens it has not run (the target's token, and a guess it drafted
     without running), in one run; after the target's verdict it rewinds to what the row kept. A row
     stops guessing at the first token the draft gives less than `p_min` of its probability (llama.cpp's
-    --draft-p-min): an unsure draft's guesses cost a draft step and a verified position each."""
+    --spec-draft-p-min): an unsure draft's guesses cost a draft step and a verified position each."""
 
     name = "draft"
 

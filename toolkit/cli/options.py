@@ -107,7 +107,7 @@ def speculation_options(f):
     into = dict(expose_value=False, callback=gather, is_eager=False)
     f = click.option("--draft-p-min", "draft_p_min", default=0.75, show_default=True, type=click.FloatRange(0, 1),
                      help="A draft stops guessing at a token it gives less than this probability (llama.cpp's "
-                          "--draft-p-min).", **into)(f)
+                          "--spec-draft-p-min; 0: never).", **into)(f)
     f = click.option("--lookup-max", "lookup_max", default=4, show_default=True, type=click.IntRange(min=1),
                      help="Prompt lookup: the longest n-gram matched.", **into)(f)
     f = click.option("--lookup-min", "lookup_min", default=2, show_default=True, type=click.IntRange(min=1),
