@@ -52,7 +52,7 @@ def models(tmp_path_factory):
     for name, ckpt, profile in [("fused", target, "ort-cpu"), ("portable", target, "serve"),
                                 ("perturbed", perturbed, "ort-cpu"), ("small", small, "ort-cpu")]:
         out[name] = root / f"art-{name}"
-        export_artifact(ckpt, out[name], profile=profile, max_seq_len=CAPACITY, validate=name in ("fused", "portable"))
+        export_artifact(ckpt, out[name], profile=profile, max_seq_len=CAPACITY, validate=False)  # (parity: elsewhere)
     return out
 
 
@@ -112,24 +112,20 @@ def test_torch_verifies_over_the_static_cache(models):
 
 def test_a_sliding_window_ring_survives_rejections(tmp_path):
     """Mistral with a window of 12 and a ring of 12 + 127 slots: 150 new tokens wrap the ring while
-    most guesses of a perturbed draft are rejected; the tokens are the plain run's."""
+    most guesses (1-grams of a random model's text) are rejected; the tokens are the plain run's."""
     ckpt = make_checkpoint("mistral", tmp_path / "mistral")
     art = tmp_path / "art"
     manifest = export_artifact(ckpt, art, profile="ort-cpu", max_seq_len=256, validate=False)
     assert manifest.dims.ring is not None and manifest.dims.keeps_logits
-    gen = torch.Generator().manual_seed(1)
-    noisy = _copy_checkpoint(ckpt, tmp_path / "noisy", lambda n, t: t + 0.1 * t.std() * torch.randn(t.shape, generator=gen))
-    export_artifact(noisy, tmp_path / "draft", profile="ort-cpu", max_seq_len=256, validate=False)
     rt = OrtRuntime(art).activate()
     prompts = [_prompts()[1]]
     plain = generate(rt, prompts, 150, ignore_eos=True)
-    for proposer in (PromptLookup(1, 2), DraftModel(OrtRuntime(tmp_path / "draft"), rt.dims.vocab_size, p_min=0)):
-        spec = generate(rt, prompts, 150, ignore_eos=True, speculation=Speculation(proposer, 5))
-        assert spec.rows[0].tokens == plain.rows[0].tokens
-        assert spec.speculation.accepted < spec.speculation.proposed  # rejections happened
+    spec = generate(rt, prompts, 150, ignore_eos=True, speculation=Speculation(PromptLookup(1, 2), 5))
+    assert spec.rows[0].tokens == plain.rows[0].tokens
+    assert 0 < spec.speculation.accepted < spec.speculation.proposed  # rejections happened, across the window
 
 
-def test_cli_generate_speculates_and_refuses_clearly(models, tmp_path):
+def test_cli_generate_speculates_and_refuses_clearly(models, tiny_artifact, tmp_path):
     ids = ",".join(map(str, _prompts()[0]))
     base = ["generate", models["fused"], "--prompt-ids", ids, "--max-new-tokens", "24", "--ignore-eos", "--json"]
     plain = json.loads(run(*base).stdout)
@@ -157,68 +153,8 @@ def test_cli_generate_speculates_and_refuses_clearly(models, tmp_path):
     result = run(*base, "--speculate", "3")
     assert result.exit_code == 2 and "needs a proposer" in error_line(result)
     # an artifact whose decode graph takes one token a step (the default export) cannot verify
-    plain_art = tmp_path / "plain"
-    export_artifact(models["fused"].parent / "target", plain_art, validate=False)
-    result = run("generate", plain_art, "--prompt-ids", ids, "--lookup")
+    result = run("generate", tiny_artifact, "--prompt-ids", ids, "--lookup")
     assert result.exit_code == 1 and "static-capacity decode graph" in error_line(result)
-
-
-@pytest.mark.parametrize("proposer", ["lookup", "draft"])
-def test_tk_serve_speculating_gives_each_of_eight_clients_its_solo_tokens(serve_artifact, proposer):
-    """Eight concurrent requests (greedy and seeded, streamed or not, one opted out) on a server that
-    speculates with prompt lookup, or with the artifact as its own draft, get exactly their solo,
-    non-speculative tokens and finish reasons; /metrics counts the guesses."""
-    pytest.importorskip("fastapi", reason="the serving stack: pip install -e '.[serve]'")
-    from concurrent.futures import ThreadPoolExecutor
-
-    from test_serve import _client, _metric
-    from tk.models.spec.manifest import Manifest
-    from tk.runtimes.decoding.sampling import SamplingConfig
-    from tk.runtimes.serving.batching import BatcherLimits
-    from tk.toolkit.serving.openai.process import ServeOptions, in_thread, open_server
-    from tk.toolkit.speculation import SpeculationOptions
-    from tk.toolkit.textgen import Tokenizer, generate_text
-
-    tok, manifest = Tokenizer(serve_artifact), Manifest.read(serve_artifact)
-    solo_rt = open_runtime(serve_artifact, "ort", BackendOptions(static_cache=True))
-    options = ServeOptions(port=0, limits=BatcherLimits(slots=8), model_name="tiny", drain_s=1.0,
-                           speculation=SpeculationOptions(lookup=True, lookup_min=1, k=5) if proposer == "lookup"
-                           else SpeculationOptions(draft=serve_artifact, k=3, draft_p_min=0), speculate_rows=8)
-    srv, sock = open_server(serve_artifact, "ort", BackendOptions(), options)
-    sock.close()
-    words = "the cat sat on the mat and the dog sat on the log".split()
-
-    def one(url, i):
-        text = " ".join(words[i % 5:] + words[: i % 5]) * 2
-        sampled = i % 3 == 2
-        kw = dict(model="tiny", prompt=text, max_tokens=80, temperature=0.9 if sampled else 0, stream=i % 2 == 0,
-                  seed=i, extra_body={"return_token_ids": True, "ignore_eos": True, "speculate": i != 5})
-        resp = _client(url).completions.create(**kw)
-        chunks = [ch for ch in resp if ch.choices] if kw["stream"] else [resp]
-        tokens = [t for ch in chunks for t in (ch.choices[0].model_extra.get("token_ids") or [])]
-        sampling = SamplingConfig(temperature=0.9, seed=i) if sampled else SamplingConfig()
-        with solo_lock:
-            result, _ = generate_text(solo_rt, tok, [tok.encode(text)], 80, sampling, manifest.eos_token_ids,
-                                      ignore_eos=True)
-        return tokens, chunks[-1].choices[0].finish_reason, result.rows[0].tokens
-
-    import threading
-
-    solo_lock = threading.Lock()
-    try:
-        with in_thread(srv) as url:
-            with ThreadPoolExecutor(8) as pool:
-                results = list(pool.map(lambda i: one(url, i), range(8)))
-            proposed, accepted = _metric(url, "tk_spec_decode_draft_tokens_total"), _metric(
-                url, "tk_spec_decode_accepted_tokens_total")
-    finally:
-        srv.batcher.close()
-    for i, (got, reason, want) in enumerate(results):
-        assert got == want and reason == "length", f"request {i}"
-    spec = srv.batcher.speculating
-    assert proposed == spec.proposed > 0 and 0 < accepted == spec.accepted <= proposed
-    if proposer == "draft":  # the target as its own draft: greedy requests keep every guess
-        assert accepted > proposed / 2
 
 
 def test_tk_bench_workloads_compare_plain_lookup_and_a_draft(models, tmp_path):

@@ -125,7 +125,8 @@ def test_every_engine_mismatch_has_an_actionable_message(built):
     rebuild = f"rebuild them here with: tk build-engine {art} --force"
     old = dataclasses.replace(meta, contract_version=0)
     assert engine_problems(old, art, ENV) == [
-        f"the engines follow graph contract version 0 and this tk reads version 4; re-export and {rebuild}"]
+        f"the engines follow graph contract version 0 and this tk reads version {contract.CONTRACT_VERSION}; "
+        f"re-export and {rebuild}"]
     assert engine_problems(meta, art, dict(ENV, tensorrt_version="10.16.0")) == [
         "the engines were built with TensorRT 10.15.1 and this machine has TensorRT 10.16.0; an engine loads only "
         f"in the version that built it: {rebuild}"]
