@@ -26,7 +26,7 @@ import pytest
 
 from chat import add_chat_template
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.readme]  # CI leaves it to `pytest -m readme` (README, "Tests")
 
 ROOT = Path(__file__).resolve().parents[1]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
