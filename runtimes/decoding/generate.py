@@ -154,8 +154,8 @@ class Generation:
             rows = session.rows
             last = np.array([self.rows[b].tokens[-1] for b in rows], dtype=np.int64)
             written = session.static.write
-            room = [min(spec.k, self.max_new_tokens - len(self.rows[b].tokens) - 1,
-                        rt.max_context - int(w) - 1, rt.max_verify - 1) for b, w in zip(rows, written.tolist())]
+            room = [spec.room(rt, w, self.max_new_tokens - len(self.rows[b].tokens))
+                    for b, w in zip(rows, written.tolist())]
             guesses = spec.proposer.propose([self.prompts[b] + self.rows[b].tokens for b in rows], room)
             n = 1 + max(len(g.tokens) for g in guesses)
             stats.steps += 1

@@ -238,6 +238,11 @@ class Speculation:
     k: int = 8
     max_rows: int | None = None  # serving: speculate while at most this many requests decode (vLLM's disable_by_batch_size)
 
+    def room(self, target: Runtime, written: int, left: int) -> int:
+        """The most guesses a row may take: k, its `left` token budget after the target's own token,
+        the static cache's room past its `written` positions, and one verify run."""
+        return min(self.k, left - 1, target.max_context - written - 1, target.max_verify - 1)
+
     def check(self, target: Runtime) -> None:
         """Refuse a target that cannot verify, and a k beyond what its decode graph takes in one run."""
         problem = target.verify_problem

@@ -267,8 +267,8 @@ class Batcher:
     def _guesses(self, active: list[int]) -> dict[int, list[int]]:
         if self.speculating is None:
             return {}
-        room = {slot: min(self.runtime.max_verify - 1, self.runtime.max_context - 1 - self._rows.written(slot),
-                          self._running[slot].request.max_new_tokens - len(self._running[slot].policy.tokens) - 1)
+        room = {slot: self.speculation.room(self.runtime, self._rows.written(slot),
+                                            self._running[slot].request.max_new_tokens - len(self._running[slot].policy.tokens))
                 for slot in active}
         return self.speculating.guesses(self._running, active, room, lambda seq, e: self._fail([seq], e))
 

@@ -29,7 +29,7 @@ class SlotDraft:
         self.slots: Slots | None = None
         self.keys: list[object] = [None] * count  # the request each slot drafts for
         self.held = [0] * count  # per slot, the positions of its cache that are its request's text
-        self.last: list[tuple[int, int]] = [(0, 0)] * count  # per slot, (its text's length, guesses) of the last proposal
+        self.guessed = [0] * count  # per slot, how many guesses its last proposal made
 
     def open(self) -> "SlotDraft":
         self.runtime.activate()
@@ -51,8 +51,8 @@ class SlotDraft:
         if self.keys[slot] is not key:
             self.keys[slot], self.held[slot] = key, 0
         L, held = len(text), self.held[slot]
-        if k <= 0 or L + k >= layout.capacity:
-            self.last[slot] = (L, 0)
+        if k <= 0 or L + k >= layout.capacity:  # (no catch-up ran: what the slot holds stays as it was)
+            self.guessed[slot] = 0
             return []
         s = slots.session
         s.mask[slot, :L] = 1
@@ -65,13 +65,12 @@ class SlotDraft:
             if len(guesses) < k:
                 tokens[slot] = guesses[-1]
                 logits = slots.step(tokens, [slot]).logits[slot, -1]
-        self.held[slot], self.last[slot] = L, (L, len(guesses))
+        self.held[slot], self.guessed[slot] = L, len(guesses)
         return guesses
 
     def accepted(self, slot: int, kept: int) -> None:
         """The target kept `kept` of the slot's last guesses: its cache ran every guess but the last."""
-        L, k = self.last[slot]
-        self.held[slot] = L + min(kept, max(k - 1, 0))
+        self.held[slot] += min(kept, max(self.guessed[slot] - 1, 0))
 
 
 class SlotSpeculation:
@@ -102,7 +101,7 @@ class SlotSpeculation:
             return {}
         slots = [slot for slot in slots if running[slot].request.speculate]
         texts = [[*running[slot].request.prompt, *running[slot].policy.tokens] for slot in slots]
-        ks = [min(spec.k, room[slot]) for slot in slots]
+        ks = [room[slot] for slot in slots]
         if self.draft is None:
             return {slot: g.tokens for slot, g in zip(slots, spec.proposer.propose(texts, ks)) if g.tokens}
         out = {}
