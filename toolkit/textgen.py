@@ -71,10 +71,11 @@ class Tokenizer:
                 self._hf = AutoTokenizer.from_pretrained(str(self.folder))
         return self._hf
 
-    def chat_messages(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def chat_messages(self, messages: list[dict], add_generation_prompt: bool = True,
+                      tools: list[dict] | None = None) -> list[int]:
         """The prompt ids of a conversation as the checkpoint's chat template renders it, ready for
-        the assistant's reply: transformers' apply_chat_template with add_generation_prompt, from
-        chat_template.jinja or tokenizer_config.json."""
+        the assistant's reply: transformers' apply_chat_template with add_generation_prompt (and the
+        tools the reply may call, as OpenAI's tool dicts), from chat_template.jinja or tokenizer_config.json."""
         if not self.hf.chat_template:
             raise InputError(f"{self.folder} has no chat template (no chat_template.jinja, and no chat_template in "
                              "tokenizer_config.json): it is not an instruction-tuned checkpoint; use --prompt")
@@ -82,9 +83,25 @@ class Tokenizer:
 
         try:
             return list(self._hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                     tokenize=True, return_dict=False))
+                                                     tokenize=True, return_dict=False,
+                                                     **({"tools": tools} if tools else {})))
         except TemplateError as e:  # the template's own raise_exception: roles out of order, say
             raise InputError(f"the chat template refused these messages: {e}") from None
+        except (TypeError, KeyError, AttributeError, ValueError) as e:  # a template that reads a field a turn lacks
+            raise InputError(f"the chat template could not render these messages ({type(e).__name__}: {e})") from None
+
+    @functools.cached_property
+    def renders_tools(self) -> bool:
+        """Whether the chat template shows the model the tools it may call (a probe tool's name
+        appears in the rendered prompt), as llama.cpp's server asks of a template before it takes `tools`."""
+        probe = {"type": "function", "function": {"name": "tk_probe_tool", "description": "probe",
+                                                  "parameters": {"type": "object", "properties": {}}}}
+        try:
+            text = self.hf.apply_chat_template([{"role": "user", "content": "hi"}], tools=[probe], tokenize=False,
+                                               add_generation_prompt=True)
+        except Exception:  # noqa: BLE001: a template that fails on tools does not render them
+            return False
+        return isinstance(text, str) and "tk_probe_tool" in text
 
     def info(self, max_context: int) -> dict:
         """vLLM's /tokenizer_info: the tokenizer's class and settings (tokenizer_config.json's), the
@@ -127,8 +144,9 @@ class TextStream:
     the tokens since the last complete piece, so a row of n tokens costs O(n), not O(n^2). Holds back
     an incomplete UTF-8 sequence, and whatever could still become a stop string."""
 
-    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str] = ()):
+    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str] = (), special_tokens: bool = False):
         self.tokenizer, self.stops = tokenizer, [s for s in stops if s]
+        self.skip = not special_tokens  # special tokens are left out of the text unless asked for
         self.tokens: list[int] = []
         self.prefix = self.read = 0  # tokens[prefix:read] decode to the text's last complete piece
         self.text = ""  # decoded so far
@@ -139,9 +157,8 @@ class TextStream:
         """The new text this token makes safe to show ("" while it is pending); sets `stopped` when a
         stop string appears (the text is then cut before it), unless `check_stops` is off."""
         self.tokens.append(token)
-        decode = self.tokenizer.decode
-        before = decode(self.tokens[self.prefix : self.read])
-        now = decode(self.tokens[self.prefix :])
+        before = self._decode(self.tokens[self.prefix : self.read])
+        now = self._decode(self.tokens[self.prefix :])
         if len(now) > len(before) and not now.endswith("\ufffd"):
             self.text += now[len(before):]
             self.prefix, self.read = self.read, len(self.tokens)
@@ -157,10 +174,13 @@ class TextStream:
     def finish(self) -> str:
         """Everything not yet shown (at the end of the row)."""
         if not self.stopped:
-            rest = self.tokenizer.decode(self.tokens[self.prefix :])
-            self.text += rest[len(self.tokenizer.decode(self.tokens[self.prefix : self.read])):]
+            rest = self._decode(self.tokens[self.prefix :])
+            self.text += rest[len(self._decode(self.tokens[self.prefix : self.read])):]
             self.text = stop_at(self.text, self.stops)[0]
         return self._take(len(self.text))
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, self.skip)
 
     def _take(self, upto: int) -> str:
         out = self.text[self.shown : max(upto, self.shown)]

@@ -9,6 +9,7 @@ import click
 
 from tk.toolkit.backends import BackendOptions
 from tk.toolkit.cli.options import BackendName, backend_options, progress, speculation_from, speculation_options
+from tk.toolkit.serving.openai.tools import PARSERS
 
 
 def batcher_options(f):
@@ -45,11 +46,31 @@ def batcher_options(f):
 @click.option("--speculate-max-rows", default=4, show_default=True, type=click.IntRange(min=1),
               help="With --lookup or --draft: speculate while at most this many requests decode (each verifies in "
                    "a run of its own; beyond it a batched step pays more), as vLLM's disable_by_batch_size.")
+@click.option("--tool-call-parser", type=click.Choice(list(PARSERS)),
+              help="How the model writes tool calls (vLLM's names) [default: what the chat template teaches: "
+                   "<tool_call> is hermes, [TOOL_CALLS] mistral, <|tool_call|> granite, <|python_tag|> llama3_json].")
+@click.option("--enable-auto-tool-choice", is_flag=True, hidden=True,
+              help="vLLM's flag, accepted so that its command lines run: tk answers tool_choice auto whenever the "
+                   "format is known.")
 @click.pass_context
 def serve(ctx: click.Context, artifact: Path, backend: str, host: str, port: int, slots: int, max_queue: int,
           model_name: str | None, drain: float, api_key: str | None, max_body_bytes: int, step_tokens: int | None,
-          prefix_cache_mib: int, no_prefix_cache: bool, options: BackendOptions, speculate_max_rows: int) -> None:
-    """Serve an ARTIFACT (static cache) over the OpenAI API, with continuous batching."""
+          prefix_cache_mib: int, no_prefix_cache: bool, options: BackendOptions, speculate_max_rows: int,
+          tool_call_parser: str | None, enable_auto_tool_choice: bool) -> None:
+    """Serve an ARTIFACT (static cache) over the OpenAI API, with continuous batching.
+
+    \b
+    Agents (tool calling): send `tools` to /v1/chat/completions and read `tool_calls`; the model's
+    own chat template renders the tools, and tool_choice auto, required, none or a named function
+    work as OpenAI's do (required and named run under a grammar, so their arguments always
+    validate). An agent's loop, with the openai client:
+      tools = [{"type": "function", "function": {"name": "get_weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+      reply = client.chat.completions.create(model=M, messages=msgs, tools=tools)
+      call = reply.choices[0].message.tool_calls[0]        # finish_reason "tool_calls"
+      msgs += [reply.choices[0].message, {"role": "tool", "tool_call_id": call.id, "content": "18C"}]
+      answer = client.chat.completions.create(model=M, messages=msgs, tools=tools)
+    """
     from tk.runtimes.errors import InputError
     from tk.runtimes.serving.scheduler import BatcherLimits
     from tk.toolkit.serving.openai.process import ServeOptions, open_server, run
@@ -66,7 +87,8 @@ def serve(ctx: click.Context, artifact: Path, backend: str, host: str, port: int
                    f"{'' if api_key else ' and no --api-key is set: anyone who reaches it can use it'}; "
                    "--host 127.0.0.1 keeps it on this one", err=True)
     serving = ServeOptions(host=host, port=port, limits=limits, model_name=model_name, drain_s=drain, api_key=api_key,
-                           max_body=max_body_bytes, speculation=speculation, speculate_rows=speculate_max_rows)
+                           max_body=max_body_bytes, speculation=speculation, speculate_rows=speculate_max_rows,
+                           tool_parser=tool_call_parser)
     server, sock = open_server(artifact, backend, options, serving)
     url = f"http://{host}:{sock.getsockname()[1]}"
     click.echo(f"tk serve: {server.model_name} on {url}/v1 ({backend}, {slots} slots); Ctrl-C stops", err=True)

@@ -69,6 +69,7 @@ class Params:
     prompt_logprobs: int | None = None  # the prompt's tokens' too
     constraint: Constraint | None = None  # a grammar the text must follow (toolkit/serving/openai/structured.py)
     speculate: bool = True  # where the batcher speculates, this request's guesses are verified (False: it opts out)
+    special_tokens: bool = False  # the text keeps special tokens (a tool-call format whose marker is one)
 
     def sampling(self, choice: int = 0) -> SamplingConfig:
         """The sampling of one of the request's choices (UsageProblem names a value no API schema
@@ -135,7 +136,7 @@ class Job(ABC):
         if params.stop and tokenizer is None:
             raise InputError("stop needs the artifact's tokenizer")
         self.batcher, self.prompt, self.metrics, self.min_tokens = batcher, list(prompt), metrics, params.min_tokens
-        self.text = TextStream(tokenizer, params.stop) if tokenizer is not None else None
+        self.text = TextStream(tokenizer, params.stop, params.special_tokens) if tokenizer is not None else None
         self.last = time.perf_counter()  # the last token's time (at first: submission)
         self.grammar = params.constraint.start() if params.constraint is not None else None
         processors = params.processors(batcher.runtime.dims.vocab_size, sorted(batcher.eos), self.grammar)

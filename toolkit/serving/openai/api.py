@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -23,7 +24,7 @@ from tk.toolkit.serving import frontend
 
 # Caps on what one request may list (each a 400 beyond; the schemas say them): OpenAI's own are lower for `stop` (4).
 LIMITS = {"prompts": 1024, "n": 128, "stop": 16, "stop_chars": 512, "messages": 1024, "logit_bias": 1024,
-          "choices": 512, "logprobs": 20}
+          "choices": 512, "logprobs": 20, "tools": 128}
 FINISH = {FinishReason.EOS: "stop", FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}  # as OpenAI's
 _TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none"}
 
@@ -65,11 +66,12 @@ class Prompt:
     text: str | None = None
 
 
-def prompts(body, chat: bool, tokenizer) -> list[Prompt]:
-    """The request's prompts: the chat template over the messages, or each prompt encoded (or given as ids)."""
+def prompts(body, chat: bool, tokenizer, tools: list[dict] | None = None) -> list[Prompt]:
+    """The request's prompts: the chat template over the messages (and the tools the reply may
+    call), or each prompt encoded (or given as ids)."""
     try:
         if chat:
-            return [Prompt(tokenizer.chat_messages(messages(body.messages)))]
+            return [Prompt(tokenizer.chat_messages(messages(body.messages), tools=tools))]
         given = body.prompt
         if isinstance(given, str) or (given and isinstance(given[0], int)):
             given = [given]
@@ -79,16 +81,37 @@ def prompts(body, chat: bool, tokenizer) -> list[Prompt]:
 
 
 def messages(given) -> list[dict]:
-    """Chat messages as the template takes them (text parts joined)."""
-    return [{"role": m.role, "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content),
-             **({"name": m.name} if m.name else {})} for m in given]
+    """Chat messages as the template takes them: text parts joined (no content: ""), an assistant
+    turn's tool calls with their arguments as objects (templates write them with `tojson`, as vLLM
+    hands them over), a tool turn's call id."""
+    out = []
+    for m in given:
+        content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
+        message = {"role": m.role, "content": content, **({"name": m.name} if m.name else {})}
+        if m.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function",
+                                      "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                                     for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
+    return out
+
+
+def _arguments(text: str):
+    """A call's arguments as an object where they are JSON of one (else the text as sent)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
 
 
 def stops(body) -> list[str]:
     return [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
 
 
-def params(body, chat: bool, prompt_len: int, max_context: int, constraint) -> frontend.Params:
+def params(body, chat: bool, prompt_len: int, max_context: int, constraint, special_tokens: bool = False) -> frontend.Params:
     """What the body asks of each of its generations, OpenAI's defaults where it gives none (16 new
     tokens for completions, or fewer where the context has less room; the rest of the context for chat)."""
     room = max(1, max_context - prompt_len)
@@ -104,7 +127,7 @@ def params(body, chat: bool, prompt_len: int, max_context: int, constraint) -> f
         repetition_penalty=body.repetition_penalty, seed=body.seed, ignore_eos=body.ignore_eos, stop=stops(body),
         min_tokens=body.min_tokens, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()}, logprobs=logprobs,
-        prompt_logprobs=prompt_logprobs, constraint=constraint, speculate=body.speculate)
+        prompt_logprobs=prompt_logprobs, constraint=constraint, speculate=body.speculate, special_tokens=special_tokens)
 
 
 def echo_problem(body, chat: bool, runtime) -> str | None:
@@ -138,6 +161,8 @@ class Choice:
     offset: int = 0  # characters of text before the next token (completions' text_offset)
     echoed: bool = False  # a stream sent its prompt (echo)
     eos: int | None = None  # the EOS token that ended it, where its log-probability was asked for (not kept)
+    calls: int = 0  # tool calls its stream has sent
+    parsing: object | None = None  # its stream's tool-call parser (tools.StreamParser), where tools are parsed
 
     def before(self, newest: int = 0) -> list[int]:
         """The CONTEXT tokens before its `newest` last ones (what their texts are read after)."""
@@ -155,8 +180,9 @@ class Reply:
     CONTEXT: a SentencePiece token keeps its leading space, a special token reads as ""), so that
     `text_offset` follows the returned text; its alternatives are named the same way."""
 
-    def __init__(self, ident: str, model: str, chat: bool, body, tokenizer):
+    def __init__(self, ident: str, model: str, chat: bool, body, tokenizer, calls=None):
         self.ident, self.model, self.chat, self.tokenizer = ident, model, chat, tokenizer
+        self.calls = calls  # the calling module's Calls: tools are parsed out of the reply (None: none)
         self.token_ids, self.echo = body.return_token_ids, (not chat and body.echo)
         self.logprobs = (body.logprobs if chat else body.logprobs is not None)
 
@@ -223,10 +249,14 @@ class Reply:
         out = []
         for c in choices:
             head, head_scores, head_ids = self.head(c, prompt_scores.get(c.index))
-            body = {"message": {"role": "assistant", "content": c.text}} if self.chat else {"text": head + c.text}
+            body, called = {"text": head + c.text}, False
+            if self.chat:
+                content, calls = self.calls.parse(c.text) if self.calls is not None else (c.text, [])
+                body = {"message": {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}}
+                called = bool(calls)
             before = [] if self.echo else c.prompt.ids
             lp = self._logprobs(c, before, [*head_ids, *c.scored()], [*head_scores, *c.scores])
-            choice = {"index": c.index, **body, "logprobs": lp, "finish_reason": FINISH[c.reason]}
+            choice = {"index": c.index, **body, "logprobs": lp, "finish_reason": finish(c.reason, called)}
             if self.token_ids:
                 choice["token_ids"] = c.tokens
                 if self.echo:
@@ -247,13 +277,45 @@ class Reply:
         `prompt`, the echoed prompt's; at a finish by EOS, that EOS, scored but not kept)."""
         body = {"delta": {"content": text} if text else {}} if self.chat else {"text": text}
         choice = {"index": c.index, **body, "logprobs": self._logprobs(c, before, tokens, scores),
-                  "finish_reason": None if reason is None else FINISH[reason]}
+                  "finish_reason": None if reason is None else finish(reason, c.calls > 0)}
         if self.token_ids:
             choice["prompt_token_ids" if prompt else "token_ids"] = tokens if reason is None else []
         return sse({**self._envelope(True, [choice]), **({"usage": usage} if usage else {})})
 
+    def text_and_calls(self, c: Choice, piece: str, final: bool) -> tuple[str, list[str]]:
+        """A streamed chat choice's new text where tools are parsed: its content, held back while it
+        may open a call, and the chunks of each call that closed (OpenAI's shape: the id, type and
+        name, then the arguments), numbered in the choice's order."""
+        if c.parsing is None:
+            return piece, []
+        deltas = c.parsing.feed(piece) + (c.parsing.finish() if final else [])
+        text, chunks = "", []
+        for d in deltas:
+            if d.call is None:
+                text += d.content
+            elif self.calls.parallel or c.calls == 0:
+                head = {"index": c.calls, "id": call_id(), "type": "function",
+                        "function": {"name": d.call.name, "arguments": ""}}
+                chunks += [self._call_chunk(c, head), self._call_chunk(c, {"index": c.calls,
+                                                                           "function": {"arguments": d.call.arguments}})]
+                c.calls += 1
+        return text, chunks
+
+    def _call_chunk(self, c: Choice, call: dict) -> str:
+        return sse(self._envelope(True, [{"index": c.index, "delta": {"tool_calls": [call]}, "logprobs": None,
+                                          "finish_reason": None}]))
+
     def usage_chunk(self, usage: dict) -> str:
         return sse({**self._envelope(True, []), "usage": usage})
+
+
+def finish(reason: FinishReason, called: bool) -> str:
+    """OpenAI's finish_reason: tool_calls where a reply that ended on its own made calls."""
+    return "tool_calls" if called and reason in (FinishReason.EOS, FinishReason.STOP) else FINISH[reason]
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"  # OpenAI's shape: call_ and 24 characters
 
 
 def sse(obj: dict) -> str:

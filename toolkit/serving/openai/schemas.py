@@ -3,7 +3,7 @@ in /openapi.json): OpenAI's completions and chat completions, vLLM's extras (`to
 `repetition_penalty`, `min_tokens`, `ignore_eos`, `return_token_ids`, `structured_outputs` and
 the older `guided_*`), and vLLM's tokenizer endpoints.
 
-Every body forbids fields it does not name: a field tk does not implement (`tools`, `suffix`,
+Every body forbids fields it does not name: a field tk does not implement (`suffix`, `audio`,
 `best_of`, ...) gets a 400 naming it, never a silent 200. The served model's name, its vocabulary
 and context are in the schemas (an enum, token id ranges, token budgets), and every list has a cap
 (LIMITS), so the document says what the server accepts; every number is bounded there (floats finite:
@@ -89,10 +89,63 @@ class TextPart(Strict):
     text: str
 
 
+FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")]  # OpenAI's rule (and a dot)
+
+
+class FunctionCall(Strict):
+    name: FunctionName
+    arguments: str  # JSON text, as OpenAI returns it
+
+
+class ToolCall(Strict):  # an assistant turn's call, sent back in the conversation
+    id: str = Field(max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Union[str, list[TextPart]]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None] = None  # None only where an assistant turn calls tools
     name: Optional[str] = Field(None, max_length=256)
+    tool_calls: Optional[Annotated[list[ToolCall], Field(max_length=LIMITS["tools"])]] = None
+    tool_call_id: Optional[str] = Field(None, max_length=256)  # a tool turn's: the call it answers
+    refusal: Optional[str] = None  # an assistant turn's, as OpenAI's clients send it back
+
+    @model_validator(mode="after")
+    def _roles(self):
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls belong to an assistant message")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise ValueError("a tool message answers one call: tool_call_id is required there, and only there")
+        if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.refusal is not None)):
+            raise ValueError("content is required (null only for an assistant message with tool_calls)")
+        return self
+
+
+class Function(Strict):
+    name: FunctionName
+    description: Optional[str] = None
+    parameters: Optional[dict] = None  # a JSON schema of the arguments object (none: any object)
+    strict: Optional[bool] = None  # OpenAI's; tk holds required and named calls to the schema either way
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: Function
+
+
+class NamedFunction(Strict):
+    name: FunctionName
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Union[Literal["none", "auto", "required"], NamedToolChoice, None]
+Tools = Optional[Annotated[list[Tool], Field(min_length=1, max_length=LIMITS["tools"])]]
+
 
 
 Messages = Annotated[list[Message], Field(min_length=1, max_length=LIMITS["messages"])]
@@ -186,6 +239,9 @@ def _chat(body):
         messages: Messages
         logprobs: bool = False
         top_logprobs: Optional[Int(ge=0, le=LIMITS["logprobs"])] = None
+        tools: Tools = None
+        tool_choice: ToolChoice = None  # OpenAI's default: auto where tools are given, else none
+        parallel_tool_calls: bool = True
 
         @field_validator("top_logprobs")
         @classmethod
@@ -212,6 +268,7 @@ def _tokenize_chat(sizes: _Sizes):
         model: sizes.model = None
         messages: Messages
         add_generation_prompt: bool = True
+        tools: Tools = None  # rendered by the chat template, as in a chat request
         return_token_strs: bool = False
 
     return TokenizeChat

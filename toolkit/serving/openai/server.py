@@ -25,6 +25,7 @@ from tk.runtimes.serving.batching import Batcher, BatcherClosed, QueueFull
 from tk.toolkit.serving.openai import api
 from tk.toolkit.serving.openai import structured
 from tk.toolkit.serving.openai.api import ApiError
+from tk.toolkit.serving.openai.calling import Calls, ToolCalling
 from tk.toolkit.serving.openai.edge import (DEFAULT_BODY_LIMIT, BodyLimit, CountRequests, PrometheusMetrics,
                                             bearer_check, documented)
 from tk.toolkit.serving.openai.run import HttpJob, Run
@@ -91,7 +92,7 @@ class Server:
     """The FastAPI app over one batcher (`app`); the process module serves it."""
 
     def __init__(self, batcher: Batcher, tokenizer: Tokenizer, model_name: str, *, drain_s: float = 10.0,
-                 api_key: str | None = None, max_body: int = DEFAULT_BODY_LIMIT):
+                 api_key: str | None = None, max_body: int = DEFAULT_BODY_LIMIT, tool_parser: str | None = None):
         require()
         from tk.toolkit.serving.openai.schemas import schemas  # (pydantic: once the serving stack is known there)
 
@@ -101,6 +102,7 @@ class Server:
         self.schemas = schemas(model_name, batcher.runtime.dims.vocab_size, batcher.runtime.max_context)
         self.metrics = PrometheusMetrics(batcher)
         self.constraints = structured.Compiler(tokenizer, batcher.runtime.dims.vocab_size, sorted(batcher.eos))
+        self.tools = ToolCalling(tokenizer, tool_parser)
         self.app = self._app()
 
     # --- the app ---
@@ -169,7 +171,8 @@ class Server:
         """vLLM's /tokenize: a prompt's ids (or a conversation's, through the chat template)."""
         try:
             if hasattr(body, "messages"):
-                ids = self.tokenizer.chat_messages(api.messages(body.messages), body.add_generation_prompt)
+                tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+                ids = self.tokenizer.chat_messages(api.messages(body.messages), body.add_generation_prompt, tools)
             else:
                 ids = self.tokenizer.encode(body.prompt, body.add_special_tokens)
         except InputError as e:
@@ -178,11 +181,13 @@ class Server:
         return {"count": len(ids), "max_model_len": self.batcher.runtime.max_context, "tokens": ids,
                 "token_strs": strs}
 
-    def _prepare(self, body, chat: bool, loop, queue) -> tuple[list[api.Prompt], list[HttpJob]]:
-        """The request's prompts and its jobs, submitted (on a worker thread: tokenizing, chat
-        templates, compiling a grammar and starting its matchers take time the event loop must not
-        spend). The batcher's submit checks each prompt."""
-        prompts, constraint = api.prompts(body, chat, self.tokenizer), self.constraints.compile(body)
+    def _prepare(self, body, chat: bool, loop, queue) -> tuple[list[api.Prompt], list[HttpJob], Calls | None]:
+        """The request's prompts, its jobs, submitted, and its tool calling (on a worker thread:
+        tokenizing, chat templates, compiling a grammar and starting its matchers take time the
+        event loop must not spend). The batcher's submit checks each prompt."""
+        calls = self.tools.request(body) if chat else None
+        prompts = api.prompts(body, chat, self.tokenizer, calls.template_tools if calls else None)
+        constraint = self.constraints.compile(body, calls.grammar if calls else None)
         limits = self.batcher.limits
         if problem := api.choices_problem(len(prompts) * body.n, limits.slots + limits.max_queue):
             raise ApiError(400, problem, "n")
@@ -191,7 +196,8 @@ class Server:
         jobs = []
         try:
             for i, prompt in enumerate(prompts):
-                params = api.params(body, chat, len(prompt.ids), self.batcher.runtime.max_context, constraint)
+                params = api.params(body, chat, len(prompt.ids), self.batcher.runtime.max_context, constraint,
+                                    special_tokens=calls is not None and calls.keep_special)
                 jobs += [HttpJob(self.batcher, prompt.ids, params, tokenizer=self.tokenizer, metrics=self.metrics,
                                  loop=loop, queue=queue, index=i * body.n + j, choice=j) for j in range(body.n)]
             self._submit(jobs)
@@ -199,16 +205,17 @@ class Server:
             raise ApiError(400, str(e), "messages" if chat else "prompt") from None
         except TkError as e:  # a sampling value the schema let through
             raise ApiError(400, str(e)) from None
-        return prompts, jobs
+        return prompts, jobs, calls
 
     async def _generate(self, http, body, chat: bool):
         from fastapi.responses import JSONResponse, StreamingResponse
 
         queue = asyncio.Queue()
-        prompts, jobs = await run_in_threadpool(self._prepare, body, chat, asyncio.get_running_loop(), queue)
-        choices = [api.Choice(job.index, prompts[job.index // body.n]) for job in jobs]
+        prompts, jobs, calls = await run_in_threadpool(self._prepare, body, chat, asyncio.get_running_loop(), queue)
+        choices = [api.Choice(job.index, prompts[job.index // body.n], parsing=calls.stream() if calls else None)
+                   for job in jobs]
         reply = api.Reply(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", self.model_name, chat, body,
-                                 self.tokenizer)
+                          self.tokenizer, calls)
         run = Run(jobs, choices, queue, sum(len(p.ids) for p in prompts))
         if body.stream:
             options = body.stream_options
@@ -275,12 +282,15 @@ class Server:
                     run.cancel()
                     break
                 usage = run.usage() if continuous else None
+                text, calls = reply.text_and_calls(c, piece, event.token is None)
+                for chunk in calls:
+                    yield chunk
                 if event.token is None:
                     eos = [] if c.eos is None else [c.eos]
-                    yield reply.chunk(c, piece, event.finish_reason, c.before(), eos, c.scores[-1:] if eos
+                    yield reply.chunk(c, text, event.finish_reason, c.before(), eos, c.scores[-1:] if eos
                                       else [], usage)
-                elif piece or reply.token_ids or reply.logprobs:
-                    yield reply.chunk(c, piece, None, c.before(1), [event.token], [event.logprob], usage)
+                elif text or reply.token_ids or reply.logprobs:
+                    yield reply.chunk(c, text, None, c.before(1), [event.token], [event.logprob], usage)
             else:
                 if usage_at_end:
                     yield reply.usage_chunk(run.usage())

@@ -82,8 +82,15 @@ class Compiler:
 
         return from_tokenizer(self.tokenizer.hf, n_vocab=self.vocab_size, eos_token=self.eos_ids)
 
-    def compile(self, body) -> "Constraint | None":
+    def compile(self, body, tool_grammar: str | None = None) -> "Constraint | None":
+        """The body's constraint, or `tool_grammar` (a required or named tool call's, in llguidance's
+        Lark dialect: the calling module's), which admits no other."""
         found = requested(body)
+        if tool_grammar is not None:
+            if found is not None:
+                raise ApiError(400, f"{found[0]}: a required or named tool call (tool_choice) runs under a grammar of "
+                                    "its own; leave this constraint out", found[0])
+            found = ("tool_choice", "grammar", tool_grammar)
         if found is None:
             return None
         field, kind, spec = found
