@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from tk.models.fixtures.presets import train_tokenizer
@@ -162,3 +163,10 @@ def hf_model_logits(folder: Path, ids: list[int]):
     hf = load_hf(folder)
     with torch.no_grad():
         return hf(torch.tensor([ids])).logits[0].float().numpy()
+
+
+def ci_picks(values, keep) -> list:
+    """`values` as parameters of which CI runs those in `keep`; the rest are marked `families` (the
+    matrix `pytest -m families` runs: README, "Tests"), so that every case still runs somewhere."""
+    return [v if v in keep else pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=pytest.mark.families)
+            for v in values]

@@ -16,7 +16,7 @@ import onnx
 import pytest
 import torch
 
-from hf_models import EXPORTED_ONCE, MULTIMODAL, WINDOWED, hf_greedy
+from hf_models import EXPORTED_ONCE, MULTIMODAL, WINDOWED, ci_picks, hf_greedy
 from test_batching import SLOTS, _mix, _solo
 from test_ort_target import PROMPTS, _decode_both
 from tk.exporters.onnx_export import traced_layers
@@ -97,7 +97,7 @@ def _validated_with_probes(artifact) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", NEW)
+@pytest.mark.parametrize("family", ci_picks(NEW, {"olmo2"}))  # Granite and SmolLM3: -m families
 def test_exports_validate_and_generate_transformers_tokens(checkpoints, artifacts, fused, family):
     """Portable and fused exports both pass export validation (ONNX Runtime against torch) and tk
     parity with its probes, and greedy decoding through ONNX Runtime (each artifact) and the torch backend gives transformers'

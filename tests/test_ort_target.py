@@ -13,7 +13,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from hf_models import hf_greedy
+from hf_models import ci_picks, hf_greedy
 from test_parity import _drop_mask
 from tk.models.spec import contract
 from tk.models.reference import ort_kernels
@@ -197,9 +197,9 @@ def test_fused_parity_and_probes_pass(fused_llama):
     assert "the cache at 0..5 compared" in probes["future_leak"].detail
 
 
-@pytest.mark.parametrize("family, static", [("mistral", False), ("gemma", False), ("qwen2", False),
-                                            ("llama-linear-tied-mqa", False), ("mistral", True),
-                                            ("llama-linear-tied-mqa", True)])
+@pytest.mark.parametrize("family, static", ci_picks(  # CI: one dynamic, one static (the rest: -m families)
+    [("mistral", False), ("gemma", False), ("qwen2", False), ("llama-linear-tied-mqa", False), ("mistral", True),
+     ("llama-linear-tied-mqa", True)], {("gemma", False), ("llama-linear-tied-mqa", True)}))
 def test_fused_graphs_on_other_families(checkpoints, tmp_path, family, static):
     """Mistral's window is GroupQueryAttention's local_window_size (12 + 16 steps cross it), also
     with the unpadded static cache a decode graph that prefills reads; Gemma brings GeGLU, a norm

@@ -16,6 +16,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from conftest import FAMILY_NAMES
+from hf_models import ci_picks
 from tk.models.reference.decoder import RMSNorm
 from tk.models.checkpoint.loading import load_decoder
 from tk.models.spec.config import DecoderConfig
@@ -40,7 +41,7 @@ def run(*args):
     return CliRunner().invoke(main, [str(a) for a in args])
 
 
-@pytest.mark.parametrize("family", FAMILY_NAMES)
+@pytest.mark.parametrize("family", ci_picks(FAMILY_NAMES, {"llama", "gemma"}))  # the rest: -m families
 def test_fp32_ort_passes_on_every_family(artifacts, family):
     report = parity(artifacts(family), ["ort"], steps=8)
     ort = report.backends["ort"]

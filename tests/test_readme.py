@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from chat import add_chat_template
+from chat import TOOLS_TEMPLATE, add_chat_template
 
 pytestmark = [pytest.mark.slow, pytest.mark.readme]  # CI leaves it to `pytest -m readme` (README, "Tests")
 
@@ -135,10 +135,11 @@ def test_every_readme_block_runs_verbatim_in_one_fresh_folder(tmp_path):
     from tk.models.fixtures.presets import CORPUS, write_preset
 
     # the tiny preset with a real context, and sizes whose every K a block of 32, 64 or 128 divides
-    # (int4 for ONNX Runtime and for TensorRT), and a chat template (tk generate --chat)
+    # (int4 for ONNX Runtime and for TensorRT), and a chat template that renders tools (tk generate --chat,
+    # the agent's loop against tk serve)
     ckpt = write_preset("tiny", tmp_path / "path" / "to" / "hf-checkpoint", hidden_size=128, intermediate_size=256,
                         max_position_embeddings=4096)
-    add_chat_template(ckpt)
+    add_chat_template(ckpt, template=TOOLS_TEMPLATE)
     (tmp_path / "held-out.txt").write_text(CORPUS)  # tk eval --text held-out.txt: the user's own text
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     server, took, said = None, [], []

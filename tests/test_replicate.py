@@ -10,14 +10,14 @@ from hf_models import make_checkpoint
 
 LAYERS = 6
 VARIANTS = {  # family, export flags: together they cover both caches, both targets and the debug outputs, and
-    # (with -m families: ~90 s) experts, whose sizes are data-dependent in every layer, with rings (Mixtral's window
-    # of 8: every layer's cache)
+    # experts, whose sizes are data-dependent in every layer, with rings (Mixtral's window of 8: every layer's
+    # cache). CI grows the fused ORT graphs; -m families every variant (about 8 minutes on 2 cores)
     "llama-dynamic-debug-last": ("llama", dict(debug_outputs=True, prefill_logits="last")),
     "mistral-ort-fused": ("mistral", dict(target="ort")),
     "qwen3-static-fp16": ("qwen3", dict(kv_cache="static", max_seq_len=48, dtype="fp16")),
     "mixtral-static-fp16": ("mixtral", dict(kv_cache="static", max_seq_len=48, dtype="fp16")),
 }
-MATRIX = {"mixtral-static-fp16"}  # run by pytest -m families (CI's time)
+MATRIX = {"mixtral-static-fp16", "qwen3-static-fp16", "llama-dynamic-debug-last"}  # pytest -m families (CI's time)
 
 
 def _run(artifact, steps: int = 5):

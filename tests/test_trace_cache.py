@@ -27,10 +27,11 @@ def _export(checkpoint: Path, out: Path, cache: Path | None, *flags: str) -> dic
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family, flags", [
-    ("tiny", ()),
+@pytest.mark.parametrize("family, flags", [  # CI: the fused graphs, whose trace is the longest; -m families: all
+    pytest.param("tiny", (), marks=pytest.mark.families),
     ("tiny", ("--for", "ort-cpu", "--max-seq-len", "64")),
-    ("gemma", ("--for", "ort-cpu")),  # constants the trace makes (the embedding's scale) beside meta weights
+    pytest.param("gemma", ("--for", "ort-cpu"), marks=pytest.mark.families),  # constants the trace makes (the
+    # embedding's scale) beside meta weights
 ], ids=["portable", "ort-cpu", "gemma-ort-cpu"])
 def test_cached_traces_write_the_same_graphs(tiny, checkpoints, tmp_path, family, flags):
     checkpoint = tiny if family == "tiny" else checkpoints(family)
