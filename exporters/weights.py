@@ -151,12 +151,21 @@ def plan_weights(view: Decoder, precision: Precision | None = None) -> dict[str,
     return table
 
 
+def planned_size(table: dict[str, tuple]) -> tuple[int, int]:
+    """(bytes, tensors) `write_weights` writes for plan `table`: what its progress counts up to (a
+    quantized weight is one tensor of two or three entries; BYTES aliases take no bytes of their own)."""
+    return (sum(e[1] for n, e in table.items() if not n.endswith(BYTES)),
+            sum(not n.endswith((SCALE, ZERO, BYTES)) for n in table))
+
+
 def write_weights(reader: CheckpointReader, view: Decoder, path: Path, dtype: torch.dtype,
                   stop: threading.Event | None = None, precision: Precision | None = None,
-                  calibration: Calibration | None = None) -> dict[str, tuple] | None:
+                  calibration: Calibration | None = None, task=None) -> dict[str, tuple] | None:
     """Stream every parameter and buffer of the view into `path`, at the places `plan_weights` gives
     (quantizing where `precision` says, models/quant/quantize.py, with `calibration`'s channel scales and
-    importance); -> that plan, or None when `stop` was set before the end (the caller failed meanwhile)."""
+    importance); -> that plan, or None when `stop` was set before the end (the caller failed meanwhile).
+    `task` (a tk.toolkit.progress.Task, or None) is advanced by each tensor's bytes as it lands, up to
+    `planned_size`."""
     table, bufs = plan_weights(view, precision), (ReusableBuffer(), ReusableBuffer())  # read, transposed
     schemes = quant_table(view, precision)
     with open(path, "wb") as out:
@@ -182,12 +191,16 @@ def write_weights(reader: CheckpointReader, view: Decoder, path: Path, dtype: to
                     elif suffix == SCALE:
                         values = torch.from_numpy(values).to(e_dtype)
                     _write(out, e_offset, values, e_length, base + suffix)
+                if task is not None:
+                    task.advance(sum(table[base + s][1] for s in (QUANT, SCALE, ZERO) if base + s in table), 1)
                 continue
             t = _tensor(reader, name.removeprefix(PREFIX), dtype, bufs, calibration).contiguous()
             if t.dtype != want_dtype or tuple(t.shape) != shape:
                 raise AssertionError(f"{name}: wrote {t.dtype} {tuple(t.shape)}, planned {want_dtype} {shape}")
             _write(out, offset, t, length, name)
             del t
+            if task is not None:
+                task.advance(length, 1)
     return table
 
 

@@ -1,5 +1,5 @@
 """`tk export` and `tk build-engine`: the artifact and its TensorRT engines. Option parsing only;
-tk.toolkit.pipeline does the work."""
+tk.toolkit.pipeline does the work, and its progress goes to stderr (stdout: the folder written)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from tk.models.spec.variant import CacheLayout, PrefillLogits, Target
 from tk.models.spec.options import PROFILE_CAPACITY, PROFILES
 from tk.models.spec import contract
 from tk.models.spec.dtypes import DTYPE_CHOICES
-from tk.toolkit.cli.options import choices, progress
+from tk.toolkit.cli.options import choices, interruptible, reporter
 
 
 def _profiles_help() -> str:
@@ -67,6 +67,7 @@ def _profiles_help() -> str:
                    "layer that costs most when rounded [default: --block-size].")
 @click.option("--calibration", type=click.Path(path_type=Path),
               help="A text file: its activation statistics on the model weight the scale search per input channel.")
+@interruptible
 def export(model_dir: Path, out: Path, profile: str | None, dtype: str | None, opset: int, no_validate: bool,
            force: bool, kv_cache: str | None, max_seq_len: int | None, debug_outputs: bool, target: str | None,
            prefill_logits: str | None, weights: str | None, block_size: int | None, quantize_lm_head: bool,
@@ -84,7 +85,7 @@ def export(model_dir: Path, out: Path, profile: str | None, dtype: str | None, o
     from tk.toolkit.pipeline.export import export_artifact
 
     click.echo(f"tk export {model_dir} -> {out}", err=True)
-    manifest = export_artifact(model_dir, out, options, progress)
+    manifest = export_artifact(model_dir, out, options, reporter())
     decode_opset = manifest.graphs[contract.DECODE].opset
     if click.get_current_context().get_parameter_source("opset") is ParameterSource.COMMANDLINE and decode_opset != opset:
         click.echo(f"  note: decode.onnx is opset {decode_opset}, not --opset {opset}: its static cache is written "
@@ -115,6 +116,7 @@ def export(model_dir: Path, out: Path, profile: str | None, dtype: str | None, o
                    "the artifact is unchanged). Without it, a build that fails on attention is retried this way.")
 @click.option("--verbose", is_flag=True, help="Show TensorRT's verbose log (the layers and tactics it chose).")
 @click.option("--force", is_flag=True, help="Replace existing engines.")
+@interruptible
 def build_engine(artifact: Path, precision: str | None, max_batch: int, max_input_len: int | None,
                  max_seq_len: int | None, timing_cache: Path | None, workspace: float | None,
                  decomposable_attention: bool, verbose: bool, force: bool) -> None:
@@ -122,6 +124,6 @@ def build_engine(artifact: Path, precision: str | None, max_batch: int, max_inpu
     from tk.toolkit.pipeline.build_engine import build
 
     build(artifact, precision=precision, max_batch=max_batch, max_input_len=max_input_len, max_seq_len=max_seq_len,
-          timing_cache=timing_cache, workspace=workspace, force=force, progress=progress,
+          timing_cache=timing_cache, workspace=workspace, force=force, progress=reporter(),
           decomposable_attention=decomposable_attention, verbose=verbose)
     click.echo(str(artifact))

@@ -3,7 +3,8 @@
 Commands live in one module per group (export, run, check, serve: tk.toolkit.cli.*); they parse
 options, call library functions and format results, nothing else. Library code raises `TkError`s
 (models/spec/errors.py), each carrying its exit code (1 error, 2 usage, 3 a check ran and failed);
-`TkGroup` prints their first line, once, here. Option values come from the typed tables (dtypes,
+`TkGroup` prints their first line, once, here, and an interruption's (Ctrl-C: exit 130; SIGTERM,
+during the commands that do long work: 143). Option values come from the typed tables (dtypes,
 export variants and profiles, the backend registry), so a bad one is a usage error at parse
 time. `--debug` shows tracebacks. Only the standard library, click and tk's stdlib-only modules
 are imported here: `tk --help` and `tk generate --backend ort` never pay for torch.
@@ -17,16 +18,23 @@ import click
 
 from tk.models.spec.errors import CheckFailed, TkError
 from tk.toolkit.cli import check, export, run, serve
+from tk.toolkit.cli.options import Terminated
 from tk.toolkit.versions import package_version
 
 
 class TkGroup(click.Group):
-    """Maps a TkError to its one-line message and exit code (1 error, 2 usage, 3 a check failed).
-    Anything else is a bug and keeps its traceback."""
+    """Maps a TkError to its one-line message and exit code (1 error, 2 usage, 3 a check failed), and
+    an interruption to one line and 130 (SIGTERM: 143). Anything else is a bug and keeps its traceback."""
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
+        except KeyboardInterrupt as exc:
+            if (ctx.obj or {}).get("debug"):
+                raise
+            terminated = isinstance(exc, Terminated)
+            click.echo(f"Error: {'terminated (SIGTERM)' if terminated else 'interrupted'}", err=True)
+            ctx.exit(143 if terminated else 130)
         except TkError as exc:
             if ctx.obj.get("debug"):
                 raise

@@ -1,15 +1,21 @@
 """What several `tk` commands share: typed option values (a registered backend, a list of them, an
-enum's values), the --backends option and the backend options. Standard library, click and tk's
-stdlib-only modules only."""
+enum's values), the --backends option and the backend options, progress on stderr (a terminal's
+bars, else plain lines: tk.toolkit.progress) and SIGTERM ending long work as Ctrl-C does. Standard
+library, click and tk's stdlib-only modules only."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import signal
+import sys
+import threading
 from pathlib import Path
 
 import click
 
 from tk.toolkit.backends import BACKENDS, PROVIDERS, BackendOptions
+from tk.toolkit.progress import StderrProgress
 
 
 class BackendName(click.ParamType):
@@ -61,6 +67,36 @@ def choices(enum) -> click.Choice:
 
 def progress(msg: str) -> None:
     click.echo(f"  {msg}", err=True)
+
+
+def reporter() -> StderrProgress:
+    """What a long command shows on stderr: steps, notes and tasks (bars on a terminal, else lines)."""
+    return StderrProgress(sys.stderr)  # read now: click's test runner swaps it
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread like Ctrl-C's KeyboardInterrupt, so that what cleans up after
+    an interruption (an export's temporary folder, a child process) runs for it too; tk exits 143."""
+
+
+def interruptible(f):
+    """The command's work ends on SIGTERM as on Ctrl-C (Terminated, a KeyboardInterrupt); a second
+    SIGTERM while it cleans up is ignored (SIGKILL still ends it). Off the main thread, as it was."""
+    @functools.wraps(f)
+    def run(*args, **kwargs):
+        if threading.current_thread() is not threading.main_thread():
+            return f(*args, **kwargs)
+
+        def terminated(signum, frame):
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            raise Terminated()
+        before = signal.signal(signal.SIGTERM, terminated)
+        try:
+            return f(*args, **kwargs)
+        finally:
+            signal.signal(signal.SIGTERM, before)
+
+    return run
 
 
 def backends_option(default: str):

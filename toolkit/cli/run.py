@@ -1,4 +1,5 @@
-"""`tk generate`, `tk eval`, `tk bench`, `tk demo`: running an artifact. Option parsing and output only."""
+"""`tk generate`, `tk eval`, `tk bench`, `tk demo`: running an artifact. Option parsing and output only;
+eval's and bench's progress goes to stderr, so their stdout (--json) is the result alone."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import click
 
 from tk.models.fixtures.presets import PRESETS
 from tk.toolkit.backends import BackendOptions
-from tk.toolkit.cli.options import (BackendName, WorkloadList, backend_options, backends_option, speculation_from,
-                                   speculation_options)
+from tk.toolkit.cli.options import (BackendName, WorkloadList, backend_options, backends_option, interruptible,
+                                   reporter, speculation_from, speculation_options)
 
 
 @click.command()
@@ -93,15 +94,23 @@ def generate(ctx: click.Context, artifact: Path, backend: str, prompts: tuple[st
 @click.option("--baseline/--no-baseline", default=True, show_default=True,
               help="With quantized weights (or fp16/bf16), also the full-precision float32 reference: the row "
                    "each backend's KL divergence and top-1 agreement are measured against.")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--score", default="all", show_default=True, type=click.Choice(["all", "second-half"]),
+              help="Which predictions count, for perplexity, KL and top-1: all (every position of each window, the "
+                   "last shorter window too) or second-half (llama-perplexity's, comparable with its numbers: full "
+                   "windows only, in each the predictions of tokens window/2+1 .. window-1 from positions window/2 "
+                   ".. window-2, the first half context only; each window's first token replaced by the BOS where "
+                   "the tokenizer adds one, as llama.cpp does).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (progress goes to stderr).")
 @backend_options
-def eval_(artifact: Path, text_file: Path, backends: list[str], window: int | None, baseline: bool, as_json: bool,
-          options: BackendOptions) -> None:
+@interruptible
+def eval_(artifact: Path, text_file: Path, backends: list[str], window: int | None, baseline: bool, score: str,
+          as_json: bool, options: BackendOptions) -> None:
     """Perplexity of a text on each backend of ARTIFACT, and each backend's KL divergence and top-1
     agreement with the full-precision model (what quantization costs, on your text)."""
     from tk.toolkit.verify.perplexity import evaluate, format_eval
 
-    result = evaluate(artifact, text_file.read_text(encoding="utf-8"), backends, window, options, baseline)
+    result = evaluate(artifact, text_file.read_text(encoding="utf-8"), backends, window, options, baseline, score,
+                      reporter())
     click.echo(json.dumps(result, indent=2) if as_json else format_eval(result))
 
 
@@ -124,6 +133,7 @@ def eval_(artifact: Path, text_file: Path, backends: list[str], window: int | No
 @click.option("--draft-p-min", default=0.75, show_default=True, type=click.FloatRange(0, 1),
               help="With --draft: a draft stops guessing at a token it gives less than this probability.")
 @click.pass_context
+@interruptible
 def bench(ctx: click.Context, artifact: Path, backends: list[str], prompt_len: int, new_tokens: int, batch: int,
           repeats: int, options: BackendOptions, report: Path | None, profile: bool, workloads: list[str] | None,
           draft: Path | None, k: int | None, draft_p_min: float) -> None:
@@ -146,9 +156,11 @@ def bench(ctx: click.Context, artifact: Path, backends: list[str], prompt_len: i
         if report is not None:
             report.write_text(json.dumps(result, indent=2))
         return
-    result = run_bench(artifact, backends, prompt_len, new_tokens, batch, repeats, options)
+    progress = reporter()
+    result = run_bench(artifact, backends, prompt_len, new_tokens, batch, repeats, options, progress=progress)
     click.echo(format_bench(result))
     if profile:
+        progress.step("profile")
         result["decode_profile"] = profile_decode(artifact, prompt_len, new_tokens, options.threads)
         click.echo(format_profile(result["decode_profile"]))
     if report is not None:

@@ -1,5 +1,6 @@
 """`tk build-engine`: composing the TensorRT build layer (exporters/trt_build.py) with the
-environment probe (runtimes/backends/trt.py), and writing engines atomically."""
+environment probe (runtimes/backends/trt.py), and writing engines atomically. Progress: the steps
+check, build (one engine a graph, counted as each is built) and write."""
 
 from __future__ import annotations
 
@@ -15,14 +16,17 @@ from tk.models.spec.engine import EngineMeta, Limits
 from tk.models.spec.manifest import ArtifactError, Manifest
 from tk.models.spec.variant import Target
 from tk.models.spec.errors import UsageProblem, FilesystemProblem
+from tk.toolkit.progress import Progress
 
 
 def build(artifact: Path, *, precision: str | None, max_batch: int, max_input_len: int | None,
           max_seq_len: int | None, timing_cache: Path | None, workspace: float | None, force: bool,
-          progress: Callable[[str], None], decomposable_attention: bool = False,
+          progress: Progress | Callable[[str], None], decomposable_attention: bool = False,
           verbose: bool = False) -> EngineMeta:
     """Unset lengths default to the model's context (at most 2048) and half of it for prompts; an
     unset workspace is TensorRT's own default."""
+    progress = Progress.of(progress)
+    progress.step("check")
     manifest = Manifest.read(artifact)
     if manifest.variant.target is not Target.PORTABLE:
         raise ArtifactError(f"{artifact} was exported with --target {manifest.variant.target.value} (ONNX Runtime's "
@@ -43,9 +47,15 @@ def build(artifact: Path, *, precision: str | None, max_batch: int, max_input_le
     from tk.runtimes.backends.trt import trt_environment
 
     env = trt_environment()  # says what is missing (TensorRT, a GPU) before any work
-    meta, engines = build_engines(artifact, manifest, env, precision, limits, workspace_gib=workspace,
-                                  timing_cache=timing_cache, decomposable=decomposable_attention, verbose=verbose,
-                                  progress=progress)
+    progress.step("build")
+    with progress.task("build", len(contract.GRAPHS), "engines") as task:
+        def note(msg: str) -> None:  # trt_build says "built NAME.engine (N MiB)" as each engine is done
+            progress(msg)
+            task.advance(int(msg.startswith("built ")))
+        meta, engines = build_engines(artifact, manifest, env, precision, limits, workspace_gib=workspace,
+                                      timing_cache=timing_cache, decomposable=decomposable_attention, verbose=verbose,
+                                      progress=note)
+    progress.step("write")
     # engine.json goes first and comes back last: while the engines are replaced, none of them loads,
     # and each engine's sha256 in it refuses a pair that was not built together
     meta_path.unlink(missing_ok=True)

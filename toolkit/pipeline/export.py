@@ -3,8 +3,11 @@ engine, and only then publish the folder.
 
 Every option, and every refusal that depends on the model, is checked from config.json before a
 weight is read (`ExportOptions.check`). Everything is written to a temporary folder beside OUT
-(OUT's missing parents are created); any failure removes what this export created, so OUT either
-does not exist or holds a complete, validated artifact.
+(OUT's missing parents are created); any failure, an interruption included (Ctrl-C, or SIGTERM
+where the CLI turns it into one), removes what this export created, so OUT either does not exist or
+holds a complete, validated artifact. Progress: the steps load, trace, quantize (or weights, for
+float weights: streamed beside tracing, counted by bytes and tensors), write and validate
+(tk.toolkit.progress).
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from tk.exporters.contract_check import check_graph_file
 from tk.exporters.onnx_util import opset_of
 from tk.exporters.onnx_export import CONTRIB_OPS, finish_graph, trace_graph
 from tk.exporters.trt_lint import lint_graphs
-from tk.exporters.weights import WEIGHTS_FILE, export_view, quant_table, weights_record, write_weights
+from tk.exporters.weights import (WEIGHTS_FILE, export_view, plan_weights, planned_size, quant_table, weights_record,
+                                  write_weights)
 from tk.models.spec import contract
 from tk.models.spec.contract import GraphDims
 from tk.models.spec.manifest import GraphFile, Manifest, Source, sha256_file
@@ -41,6 +45,7 @@ from tk.models.checkpoint.loading import CheckpointReader, read_config, torch_dt
 from tk.toolkit.pipeline.background import Background
 from tk.toolkit.pipeline.calibrate import calibrate
 from tk.toolkit.pipeline.validate import reference_run, run_validation
+from tk.toolkit.progress import Progress
 from tk.toolkit.versions import package_version
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -90,7 +95,7 @@ def _move_into_place(tmp: Path, out: Path) -> None:
     move_into_place(tmp, out)
 
 
-def _export_graphs(model_dir: Path, tmp: Path, config, options: ExportOptions, progress: Callable[[str], None],
+def _export_graphs(model_dir: Path, tmp: Path, config, options: ExportOptions, progress: Progress,
                    calibration: Calibration | None = None) -> tuple[dict[str, GraphFile], dict]:
     """Write the artifact's one weights file on a thread while both graphs are traced on the meta
     device (exporters/weights.py: the weights are never in memory whole, and tracing needs none),
@@ -99,15 +104,21 @@ def _export_graphs(model_dir: Path, tmp: Path, config, options: ExportOptions, p
     dtype = torch_dtype(p.activations if p.quantized else p.weights)  # the view's: quantized weights are traced in it
     view = export_view(config, dtype)  # on the meta device
     stop = threading.Event()
-    writer = Background.thread(write_weights, CheckpointReader(model_dir, config), view, tmp / WEIGHTS_FILE, dtype,
-                               stop=stop, precision=options.precision, calibration=calibration)
     dims = GraphDims.of(config, options.precision, options.variant)
-    try:
-        traced = {g: trace_graph(view, g, dims) for g in contract.GRAPHS}
-        table = writer.result()
-    finally:
-        stop.set()  # a failed trace stops the writer at its next tensor
-        writer.close()
+    progress.step("trace")
+    weighing = "quantize" if p.quantized else "weights"
+    size, tensors = planned_size(plan_weights(view, options.precision))
+    with progress.task(weighing, size, "B", tensors, "tensors") as task:  # begins now, beside tracing
+        writer = Background.thread(write_weights, CheckpointReader(model_dir, config), view, tmp / WEIGHTS_FILE,
+                                   dtype, stop=stop, precision=options.precision, calibration=calibration, task=task)
+        try:
+            traced = {g: trace_graph(view, g, dims) for g in contract.GRAPHS}
+            progress.step(weighing)
+            table = writer.result()
+        finally:
+            stop.set()  # a failed trace stops the writer at its next tensor
+            writer.close()
+    progress.step("write")
     data_bytes = (tmp / WEIGHTS_FILE).stat().st_size
     progress(f"write {WEIGHTS_FILE} from {model_dir} ({p.describe()}, {data_bytes / 2**20:,.1f} MiB, "
              f"streamed, beside tracing): {writer.seconds:.1f} s")
@@ -124,11 +135,14 @@ def _export_graphs(model_dir: Path, tmp: Path, config, options: ExportOptions, p
 
 
 def export_artifact(model_dir: str | Path, out: str | Path, options: ExportOptions | None = None,
-                    progress: Callable[[str], None] = lambda msg: None, **flags) -> Manifest:
+                    progress: Progress | Callable[[str], None] | None = None, **flags) -> Manifest:
     """Write a complete artifact to `out` and return its manifest. `options`, or the keywords of
     `ExportOptions.from_flags` (profile, dtype, opset, kv_cache, max_seq_len, target, prefill_logits,
-    debug_outputs, validate, force, weights, block_size, quantize_lm_head)."""
+    debug_outputs, validate, force, weights, block_size, quantize_lm_head). `progress`: a Progress,
+    or a callable that gets the notes only."""
     model_dir, out = Path(model_dir), Path(out)
+    progress = Progress.of(progress)
+    progress.step("load")
     options = options or ExportOptions.from_flags(**flags)
     config = read_config(model_dir)  # a bad checkpoint fails before the filesystem is touched
     prequantized = read_prequantized(model_dir)

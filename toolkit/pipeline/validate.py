@@ -20,6 +20,7 @@ from tk.models.spec.options import ExportOptions
 from tk.models.spec.errors import CheckFailed
 from tk.toolkit.backends import reference_runtime, torch_reference
 from tk.toolkit.pipeline.background import Background
+from tk.toolkit.progress import Progress
 from tk.toolkit.verify.compare import ParityReport, ReferenceRun, compare_backends, run_reference
 from tk.toolkit.verify.metrics import random_cases
 from tk.toolkit.verify.tolerance import tolerance_for
@@ -99,7 +100,9 @@ def reference_run(model_dir: Path, config, options: ExportOptions, calibration=N
         quantized=p if quantized else None, calibration=calibration), p, random_cases(dims.vocab_size), steps, tol)
 
 
-def run_validation(tmp: Path, manifest: Manifest, reference: "Background", progress: Callable[[str], None]) -> None:
+def run_validation(tmp: Path, manifest: Manifest, reference: "Background",
+                   progress: Progress | Callable[[str], None]) -> None:
+    Progress.of(progress).step("validate")
     t = time.perf_counter()
     ref = reference.result()
     progress(f"reference: torch float32 on the checkpoint, in a child process beside the export: "

@@ -4,7 +4,8 @@ side in one run.
 Backends are loaded once and run alternately (A B A B ...) after a warm-up, so a shift in machine
 load hits all of them alike; the report gives medians and spreads and flags runs during which
 other processes used a noticeable share of the CPUs. Peak memory is sampled from /proc while
-each backend runs and set beside `tk inspect`'s prediction (weights + KV cache).
+each backend runs and set beside `tk inspect`'s prediction (weights + KV cache). Progress: the
+steps load, warm-up and measure, the runs counted in tokens generated (tk.toolkit.progress).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from tk.models.spec.errors import UsageProblem
 from tk.runtimes.base import BackendUnavailable
 from tk.runtimes.decoding.generate import generate
 from tk.toolkit.backends import BackendOptions, open_runtime
+from tk.toolkit.progress import Progress
 from tk.toolkit.tools.describe import describe_profile, matching_profiles, memory_plan
 
 BUSY_CORES = 0.25  # other processes using more than this many cores on average: the run is flagged
@@ -74,11 +76,14 @@ def _spread(values: list[float]) -> dict:
 
 
 def bench(artifact: Path, backends: list[str], prompt_len: int = 128, new_tokens: int = 128, batch: int = 1,
-          repeats: int = 3, options: BackendOptions = BackendOptions(), seed: int = 0) -> dict:
+          repeats: int = 3, options: BackendOptions = BackendOptions(), seed: int = 0,
+          progress: Progress | None = None) -> dict:
+    progress = Progress.of(progress)
     for name, value in (("--prompt-len", prompt_len), ("--new-tokens", new_tokens), ("--batch", batch),
                         ("--repeats", repeats)):
         if value < 1:
             raise UsageProblem(f"{name} must be at least 1, got {value}")
+    progress.step("load")
     with contextlib.ExitStack() as active:  # every loaded runtime is closed, whatever happens
         runtimes, skipped, loaded = {}, {}, {}
         for name in backends:
@@ -91,10 +96,12 @@ def bench(artifact: Path, backends: list[str], prompt_len: int = 128, new_tokens
                 skipped[name] = str(e)
         if not runtimes:
             raise BackendUnavailable("no backend could run: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
-        return _bench(artifact, runtimes, skipped, loaded, prompt_len, new_tokens, batch, repeats, options, seed)
+        return _bench(artifact, runtimes, skipped, loaded, prompt_len, new_tokens, batch, repeats, options, seed,
+                      progress)
 
 
-def _bench(artifact, runtimes, skipped, loaded, prompt_len, new_tokens, batch, repeats, options, seed) -> dict:
+def _bench(artifact, runtimes, skipped, loaded, prompt_len, new_tokens, batch, repeats, options, seed,
+           progress: Progress) -> dict:
     first = next(iter(runtimes.values()))
     manifest = Manifest.read(artifact)
     cfg = manifest.config
@@ -105,15 +112,20 @@ def _bench(artifact, runtimes, skipped, loaded, prompt_len, new_tokens, batch, r
     prompts = rng.integers(0, first.dims.vocab_size, (batch, prompt_len)).tolist()
     runs: dict[str, list] = {name: [] for name in runtimes}
     growth = dict.fromkeys(runtimes, 0)  # peak RSS over the RSS before a run: activations, KV cache, outputs
+    progress.step("warm-up")
     for rt in runtimes.values():  # warm-up: allocator, thread pools, first-call paths
         generate(rt, prompts, min(new_tokens, 8), ignore_eos=True)
-    for _ in range(repeats):
-        for name, rt in runtimes.items():
-            before = _rss()
-            with _Watch() as w:
-                result = generate(rt, prompts, new_tokens, ignore_eos=True)
-            growth[name] = max(growth[name], w.peak - before)
-            runs[name].append({**result.timings(), "other_cores": w.other_cores})
+    progress.step("measure")
+    total = repeats * len(runtimes)
+    with progress.task("measure", total * batch * new_tokens, "tokens", total, "runs") as task:
+        for _ in range(repeats):
+            for name, rt in runtimes.items():
+                before = _rss()
+                with _Watch() as w:
+                    result = generate(rt, prompts, new_tokens, ignore_eos=True)
+                growth[name] = max(growth[name], w.peak - before)
+                runs[name].append({**result.timings(), "other_cores": w.other_cores})
+                task.advance(batch * new_tokens, 1)
     data = {g.data_file: g.data_bytes for g in manifest.graphs.values() if g.data_file}  # the weights as stored
     plan = memory_plan(cfg, manifest.precision, batch, prompt_len + new_tokens, sum(data.values()) or None,
                        manifest.dims)
