@@ -38,7 +38,8 @@ from tk.models.reference.positions import rope_inv_freq
 from tk.models.spec.manifest import Precision, WeightEntry
 from tk.models.quant.calibration import Calibration
 from tk.models.checkpoint.loading import CheckpointReader, ReusableBuffer
-from tk.models.quant.quantize import Scheme, blocks_of, pack_int4, quant_plan, quantize
+from tk.models.quant.plan import quant_plan
+from tk.models.quant.quantize import Scheme, blocks_of, pack_int4, quantize
 
 WEIGHTS_FILE = "weights.onnx.data"
 ALIGN = 4096  # a page: ONNX Runtime maps page-aligned external data instead of reading it
@@ -96,7 +97,7 @@ def _tensor(reader: CheckpointReader, name: str, dtype: torch.dtype,
 
 def quant_table(view: Decoder, precision: Precision | None) -> dict[str, Scheme]:
     """The view's initializers a quantized export stores as integers (QUANT, SCALE and, with zero
-    points, ZERO entries), each with its scheme (models/quant/quantize.py `quant_plan`): `W_t` for a linear
+    points, ZERO entries), each with its scheme (models/quant/plan.py `quant_plan`): `W_t` for a linear
     layer's weight; `model.embed.weight_t` for an untied quantized embedding (a tied one is gathered
     from the LM head's table, and the float table is not written)."""
     if precision is None or not precision.quantized:

@@ -26,7 +26,7 @@ from tk.models.spec.manifest import Manifest
 from tk.models.spec.options import ExportOptions
 from tk.models.spec.config import DecoderConfig
 from tk.models.checkpoint.loading import load_decoder, read_config
-from tk.models.quant.quantize import quantized_layers
+from tk.models.quant.plan import quantized_layers
 from tk.runtimes.backends.torch import TorchRuntime
 from tk.toolkit.tools.describe import inspect_path
 from tk.runtimes.serving.batching import Batcher, BatcherLimits, Request, wait_all

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from tk.models.spec.manifest import Precision
-from tk.models.quant.quantize import QTensor, Scheme, dequantize, pack_int4, quant_plan, quantize, sensitive_layers, unpack_int4
+from tk.models.quant.plan import quant_plan, sensitive_layers
+from tk.models.quant.quantize import QTensor, Scheme, dequantize, pack_int4, quantize, unpack_int4
 
 
 def heavy(k: int, n: int, seed: int = 0) -> np.ndarray:

@@ -263,7 +263,7 @@ def test_mixed_precision_and_the_tied_table(checkpoints, tmp_path):
     in uint8, the rest uint4, every MatMul fused, the graphs equal to their reference, and tk inspect
     counts the bytes by type."""
     from tk.models.spec.manifest import Manifest
-    from tk.models.quant.quantize import sensitive_layers
+    from tk.models.quant.plan import sensitive_layers
     from tk.toolkit.pipeline.export import export_artifact
     from tk.toolkit.tools.describe import weight_bytes_by_dtype
 

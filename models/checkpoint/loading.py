@@ -28,7 +28,8 @@ from tk.models.spec.dtypes import canonical_dtype
 from tk.models.spec.errors import CheckpointError, read_json  # CheckpointError: callers import it from here too
 from tk.models.reference.decoder import Decoder
 from tk.models.reference.positions import rope_inv_freq
-from tk.models.quant.quantize import QTensor, dequantize, quant_plan, quantize, quantized_layers
+from tk.models.quant.plan import quant_plan, quantized_layers
+from tk.models.quant.quantize import QTensor, dequantize, quantize
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -30,7 +30,7 @@ def calibrate(model_dir: Path, config, precision, text_file: Path) -> tuple[Cali
     import torch
 
     from tk.models.checkpoint.loading import load_decoder
-    from tk.models.quant.quantize import quant_plan
+    from tk.models.quant.plan import quant_plan
     from tk.toolkit.textgen import Tokenizer
 
     try:

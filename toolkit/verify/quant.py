@@ -56,7 +56,7 @@ def fused_matmuls(artifact: Path, manifest) -> dict[str, tuple[int, list[str]]]:
 
 
 def expected_quantized(manifest) -> int:
-    from tk.models.quant.quantize import quant_plan
+    from tk.models.quant.plan import quant_plan
 
     return len(set(quant_plan(manifest.config, manifest.precision)) - {"embed.weight"})
 
