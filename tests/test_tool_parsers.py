@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from tk.toolkit.serving.openai.tools import (PARSERS, Delta, Parsed, StreamParser, ToolCall, detect, grammar,
-                                            specials_of, tool_names)
+from tk.toolkit.serving.openai.tool_grammar import grammar, specials_of
+from tk.toolkit.serving.openai.tools import PARSERS, Delta, Parsed, StreamParser, ToolCall, detect, tool_names
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.", "parameters": {

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tk.toolkit.serving.openai import tool_grammar
 from tk.toolkit.serving.openai import tools as formats
 from tk.toolkit.serving.openai.api import ApiError, call_id
 
@@ -68,7 +69,7 @@ class ToolCalling:
         template = template if isinstance(template, str) else ""
         self.parser_name = parser or formats.detect(template)
         self.renders = bool(template) and tokenizer.renders_tools
-        self.specials = formats.specials_of(tokenizer.hf) if template else {}
+        self.specials = tool_grammar.specials_of(tokenizer.hf) if template else {}
         parser = formats.PARSERS.get(self.parser_name)
         marks = [*getattr(parser, "markers", ()), *getattr(parser, "heads", ())]
         # a marker the text would lose (a special token, skipped when decoding): the text keeps special tokens
@@ -94,7 +95,7 @@ class ToolCalling:
         grammar = None
         if choice != "auto":
             try:
-                grammar = formats.grammar(self.parser_name, given, name=named, parallel=body.parallel_tool_calls
+                grammar = tool_grammar.grammar(self.parser_name, given, name=named, parallel=body.parallel_tool_calls
                                           and named is None, specials=self.specials)
             except ValueError as e:
                 raise ApiError(400, f"tool_choice: {e}", "tool_choice") from None

@@ -15,10 +15,8 @@ whatever text follows, so a reply split into any pieces gives the same content a
 whole (the tests check every split). Content streams as it comes, except a tail that could begin a
 call marker, whitespace that `strip()` could still remove, and call blocks until they end.
 
-`grammar` writes the llguidance Lark grammar that forces a call (`tool_choice: "required"` or a
-named function): `%json` for the call objects, so the arguments follow each function's JSON schema,
-compact as the models were trained (`, ` and `: `, nothing else), and `<[id]>` for a marker that is
-one token. No web framework here (the server module turns a ValueError into a 400).
+Each format also writes its piece of the grammar that forces a call (`Parser.grammar`); the
+tool_grammar module puts the functions' schemas into it. No web framework here.
 """
 
 from __future__ import annotations
@@ -373,44 +371,3 @@ class StreamParser:
         self.blank = text[len(kept):]
         if kept:
             out.append(Delta(content=kept))
-
-
-def _relocate(schema, base: str):
-    """A schema's local `$ref`s ("#/$defs/X") as pointers from the root of the schema it is put in at `base`."""
-    if isinstance(schema, dict):
-        return {k: "#" + base + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#")
-                else _relocate(v, base) for k, v in schema.items()}
-    return [_relocate(v, base) for v in schema] if isinstance(schema, list) else schema
-
-
-def grammar(parser_name: str, tools: list[dict], *, name: str | None = None, parallel: bool = False,
-            specials: dict[str, int] | None = None) -> str:
-    """A Lark grammar (llguidance's dialect) whose every text is a call of `name` (else of any of the
-    tools), several where `parallel`, in the format of `parser_name`. `specials`: marker text -> id of
-    the one token it is (`specials_of`). ValueError for a format with no grammar or an unknown name."""
-    if parser_name not in PARSERS:
-        raise ValueError(f"unknown tool-call parser {parser_name!r}; known: {', '.join(PARSERS)}")
-    fmt = PARSERS[parser_name]
-    functions = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
-    if not functions:
-        raise ValueError(f"no function named {name!r} among the tools" if name else "no tools to call")
-    # One branch a function, `name` first as every format writes it; where the list formats nest the
-    # branches under "items", `_JsonList.grammar` moves them, so its refs are relocated under /items.
-    base = "/items" if isinstance(fmt, _JsonList) else ""
-    branches = [{"type": "object", "properties": {
-        "name": {"const": f["name"]},
-        fmt.args_key: _relocate({"type": "object", **(f.get("parameters") or {})},  # (arguments are an object)
-                                f"{base}/anyOf/{i}/properties/{fmt.args_key}")},
-        "required": ["name", fmt.args_key], "additionalProperties": False} for i, f in enumerate(functions)]
-    return fmt.grammar({"x-guidance": dict(_JSON_OPTIONS), "anyOf": branches}, parallel, specials or {})
-
-
-def specials_of(hf_tokenizer) -> dict[str, int]:
-    """Text -> id of the added tokens llguidance takes as special, which a grammar can only name by id:
-    the special ones and, as llguidance reads tokenizer.json, any `<...>` (Qwen's `<tool_call>` is not
-    special in its tokenizer, yet a quoted "<tool_call>" could never match that token). Takes a
-    transformers tokenizer or a `tokenizers.Tokenizer`."""
-    added = getattr(hf_tokenizer, "added_tokens_decoder", None)
-    added = hf_tokenizer.get_added_tokens_decoder() if added is None else added
-    return {t.content: i for i, t in added.items()
-            if t.special or (t.content.startswith("<") and t.content.endswith(">"))}
