@@ -285,6 +285,7 @@ def test_openapi_documents_every_body_and_the_key(server):
     for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
         op = doc["paths"][path]["post"]
         assert op["requestBody"]["required"] and "401" in op["responses"] and "400" in op["responses"], path
+        assert "422" not in op["responses"], path  # FastAPI's, which tk answers with OpenAI's 400
         assert op["security"]
     completion = doc["components"]["schemas"]["Completion"]
     assert completion["additionalProperties"] is False and "logprobs" in completion["properties"]
@@ -356,3 +357,76 @@ def test_a_number_within_bounds_never_breaks_a_row(server, extra):
         text = c["message"]["content"] if "message" in c else c["text"]
         assert c["finish_reason"] in ("stop", "length") and (text in extra.get("guided_choice", [text])), reply
     assert _call(url, "/v1/completions", {"prompt": "the cat", "max_tokens": 2})[0] == 200  # still up
+
+
+def _validator(url, name: str):
+    """The JSON-schema validator of body `name` as /openapi.json documents it (OpenAPI 3.1: JSON Schema 2020-12)."""
+    doc = json.loads(urllib.request.urlopen(url + "/openapi.json", timeout=10).read())
+    return jsonschema.Draft202012Validator({"$ref": f"#/components/schemas/{name}", "components": doc["components"]})
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+CALLED = {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+AGREE = [  # (path, a body the document admitted and the server refused, its fix): both refuse it, accept the fixed one
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, {"stream": True}),
+    ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, {"logprobs": True}),
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_schema"}},
+     {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "string"}}}}),
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "text", "json_schema": {"schema": {}}}},
+     {"response_format": {"type": "text"}}),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "18C"}]},
+     {"messages": [{"role": "tool", "content": "18C", "tool_call_id": "call_1"}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "tool_call_id": "call_1"}]}, CHAT),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, CHAT),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "tool_calls": []}]}, {"messages": [CALLED]}),
+    ("/v1/chat/completions", {"messages": [{**CALLED, "role": "user", "content": "hi"}]}, CHAT),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"x": 1}}, {"logit_bias": {"5": 1}}),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"512": 1}}, {"logit_bias": {"511": 1}}),
+    ("/v1/completions", {"prompt": "hi", "seed": 2**63}, {"seed": 2**63 - 1}),
+]
+
+
+@pytest.mark.parametrize("path, bad, fix", AGREE, ids=[str(i) for i in range(len(AGREE))])
+def test_the_document_refuses_what_the_server_refuses(server, path, bad, fix):
+    """Issue 36's fuzz run (schemathesis) found bodies /openapi.json admits and the server refuses:
+    rules between fields (now `if`/`then` in the document), logit_bias keys beyond the vocabulary
+    (pydantic's patternProperties admitted any other key), and the seed's bound (FastAPI writes
+    bounds as floats: 2**63 - 1 read as 9223372036854776000)."""
+    srv, url = server
+    validator = _validator(url, "Completion" if path == "/v1/completions" else "Chat")
+    body = {"max_tokens": 2, **bad}
+    assert not validator.is_valid(body), body
+    status, reply = _call(url, path, body)
+    assert status == 400, reply
+    body = {**body, **fix}
+    assert validator.is_valid(body), list(validator.iter_errors(body))
+    assert _call(url, path, body)[0] == 200
+
+
+def test_the_document_writes_whole_bounds_as_integers_and_n_as_the_server_takes_it(server):
+    srv, url = server
+    text = urllib.request.urlopen(url + "/openapi.json", timeout=10).read().decode()
+    assert '"exclusiveMaximum":9223372036854775808' in text.replace(" ", "") and "e+18" not in text
+    n = json.loads(text)["components"]["schemas"]["Completion"]["properties"]["n"]
+    limits = srv.batcher.limits
+    assert n["maximum"] == min(128, 512, limits.slots + limits.max_queue) and isinstance(n["maximum"], int)
+
+
+def test_prompts_and_n_are_bounded_by_the_choices_the_server_takes():
+    """A server of 8 slots and a queue of 64 takes 72 choices a request: n and the prompt lists say so."""
+    from tk.toolkit.serving.openai.schemas import schemas
+
+    completion = schemas("tiny", 512, 128, max_choices=72).Completion
+    assert completion.model_json_schema()["properties"]["n"]["maximum"] == 72
+    completion.model_validate({"prompt": ["a"] * 72, "n": 72})
+    for body in ({"prompt": "a", "n": 73}, {"prompt": ["a"] * 73}, {"prompt": [[1]] * 73}):
+        with pytest.raises(ValueError):
+            completion.model_validate(body)
+
+
+def test_a_tokenize_error_names_the_field_not_the_union_member(server):
+    _, url = server
+    status, reply = _call(url, "/tokenize", {"messages": [{"role": "tool", "content": "x"}]})
+    assert status == 400 and reply["error"]["param"] == "messages", reply
+    assert "TokenizeChat" not in reply["error"]["message"] and "tool_call_id" in reply["error"]["message"]

@@ -244,3 +244,24 @@ def test_the_parser_comes_from_the_template_or_the_flag(tools_artifact):
     tokenizer = Tokenizer(tools_artifact)
     assert ToolCalling(tokenizer).parser_name == "hermes" and tokenizer.renders_tools
     assert ToolCalling(tokenizer, "mistral").parser_name == "mistral"
+
+
+def test_the_document_says_tool_choice_needs_tools_and_a_tool_turn_its_call(server):
+    """Issue 36's fuzz run: /openapi.json admitted bodies the server refuses (a tool message without
+    tool_call_id, tool_choice required with no tools); its `if`/`then` rules now refuse them too, and
+    admit what the server takes (an assistant turn of calls and no content, the tool's answer)."""
+    import urllib.request
+
+    url = server[1]
+    doc = json.loads(urllib.request.urlopen(url + "/openapi.json", timeout=10).read())
+    chat = jsonschema.Draft202012Validator({"$ref": "#/components/schemas/Chat", "components": doc["components"]})
+    named = {"type": "function", "function": {"name": "add"}}
+    for choice in ("required", named):
+        assert not chat.is_valid({"messages": ASK, "tool_choice": choice})
+        assert chat.is_valid({"messages": ASK, "tool_choice": choice, "tools": TOOLS})
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+    turns = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+             {"role": "tool", "tool_call_id": "call_1", "content": "3"}]
+    assert chat.is_valid({"messages": turns, "tools": TOOLS})
+    assert not chat.is_valid({"messages": [*turns[:2], {"role": "tool", "content": "3"}], "tools": TOOLS})
+    assert not chat.is_valid({"messages": [*ASK, {"role": "assistant", "content": None}]})

@@ -46,7 +46,10 @@ def invalid(errors: list[dict], model_name: str) -> ApiError:
     if not errors:
         return ApiError(400, "the body is not valid")
     err = next((e for e in errors if not e["type"].endswith("_type") and e["type"] != "literal_error"), errors[0])
-    loc = [str(p) for p in err["loc"] if p != "body" and not ("[" in str(p) or str(p).lower() in _TYPE_NAMES)]
+    # a union's member is named in the path by its type: a builtin's name, a generic's (`list[int]`), or a
+    # model's class (/tokenize's TokenizeChat), CapWords as no field of a body is
+    loc = [str(p) for p in err["loc"] if p != "body" and not ("[" in str(p) or str(p).lower() in _TYPE_NAMES
+                                                               or str(p)[:1].isupper() and str(p).isidentifier())]
     where, param = ".".join(loc), (loc[0] if loc else None)
     if err["type"] == "json_invalid":
         return ApiError(400, f"the body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}")
@@ -137,8 +140,13 @@ def echo_problem(body, chat: bool, runtime) -> str | None:
     return Slots.prompt_logits_problem(runtime)
 
 
+def max_choices(capacity: int) -> int:
+    """The choices (prompts x n) one request may ask of a batcher that holds `capacity` requests (slots and queue)."""
+    return min(LIMITS["choices"], capacity)
+
+
 def choices_problem(count: int, capacity: int) -> str | None:
-    cap = min(LIMITS["choices"], capacity)
+    cap = max_choices(capacity)
     if count > cap:
         return (f"this request asks for {count} choices (prompts x n); this server takes at most {cap} per request: "
                 "send fewer prompts or a smaller n")

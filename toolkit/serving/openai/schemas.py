@@ -6,11 +6,18 @@ the older `guided_*`), and vLLM's tokenizer endpoints.
 Every body forbids fields it does not name: a field tk does not implement (`suffix`, `audio`,
 `best_of`, ...) gets a 400 naming it, never a silent 200. The served model's name, its vocabulary
 and context are in the schemas (an enum, token id ranges, token budgets), and every list has a cap
-(LIMITS), so the document says what the server accepts; every number is bounded there (floats finite:
-no NaN or infinity) or handled exactly (a `top_k` beyond the vocabulary is all of it; a tiny
-`repetition_penalty`'s overflow is the sampler's to make finite). The parts that do not depend on
-the model are classes here; a body that does is made by a small factory per schema from the model's
-`_Sizes` (`schemas` makes them all). Imported once the serving stack is known to be installed (pydantic).
+(LIMITS, and the choices the server takes at once), so the document says what the server accepts;
+every number is bounded there (floats finite: no NaN or infinity) or handled exactly (a `top_k`
+beyond the vocabulary is all of it; a tiny `repetition_penalty`'s overflow is the sampler's to make
+finite). A rule between fields of one object (a tool message's `tool_call_id`, `stream_options`
+only with `stream`, ...) is in the document too, as `if`/`then` (OpenAPI 3.1 is JSON Schema
+2020-12), so that a fuzzer (issue 36: schemathesis) finds no body the document admits and the
+server refuses. What no JSON schema can say is in the fields' descriptions (RULES): the prompt and
+its budget within the context (tokens, not characters), prompts x n within the choices, one
+constraint per request, a grammar, regex or JSON schema llguidance compiles, a named tool_choice
+among the tools, tool names distinct. The parts that do not depend on the model are classes here; a
+body that does is made by a small factory per schema from the model's `_Sizes` (`schemas` makes
+them all). Imported once the serving stack is known to be installed (pydantic).
 No `from __future__ import annotations`: pydantic and FastAPI read the annotations of classes made
 inside functions as objects.
 """
@@ -18,7 +25,7 @@ inside functions as objects.
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
 from tk.toolkit.serving.openai.api import LIMITS
 
@@ -39,6 +46,24 @@ def _integral(value):
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
+def _below(n: int) -> str:
+    """A regex of the decimal numbers 0 .. n - 1, no leading zeros (logit_bias' keys: token ids as JSON keys)."""
+    def digits(low: int, high: int) -> str:
+        return str(low) if low == high else f"[{low}-{high}]"
+
+    def any_digits(k: int) -> str:
+        return "" if k == 0 else "[0-9]" if k == 1 else f"[0-9]{{{k}}}"
+
+    top = str(n - 1)
+    if len(top) == 1:
+        return f"^{digits(0, n - 1)}$"
+    alternatives = ["[0-9]"] + [f"[1-9]{any_digits(k - 1)}" for k in range(2, len(top))]  # the shorter numbers
+    for i, d in enumerate(top):  # as long as top: equal to it before digit i, below it there
+        if int(d) > (low := 1 if i == 0 else 0):
+            alternatives.append(f"{top[:i]}{digits(low, int(d) - 1)}{any_digits(len(top) - i - 1)}")
+    return f"^({'|'.join([*alternatives, top])})$"
+
+
 def Int(**bounds):  # the bounds inside, so that the JSON schema says minimum/maximum (not pydantic's ge/le)
     return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
 
@@ -51,6 +76,42 @@ Stop = Union[Annotated[str, Field(max_length=LIMITS["stop_chars"])],
 
 class Strict(BaseModel):  # no coercion either: `"seed": false` or `"max_tokens": "5"` is a 400, as the schema says
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+NOT_NULL, ABSENT = {"not": {"type": "null"}}, {"type": "null"}  # (ABSENT: a field left out, or null)
+
+
+def _when(condition: dict, then: dict, otherwise: dict | None = None) -> dict:
+    """A rule between an object's fields, in JSON Schema (the validators that enforce it are pydantic's)."""
+    return {"if": condition, "then": then, **({"else": otherwise} if otherwise is not None else {})}
+
+
+def _given(field: str, schema: dict) -> dict:
+    """An object whose `field` is present and matches `schema`."""
+    return {"properties": {field: schema}, "required": [field]}
+
+
+def _rules(*clauses: dict) -> ConfigDict:
+    """A model's cross-field rules in its JSON schema."""
+    return ConfigDict(json_schema_extra={"allOf": list(clauses)})
+
+
+# What no JSON schema can say, said where a client reads the field (the server's 400s name the field)
+RULES = {
+    "prompt": "Each prompt's tokens plus max_tokens fit the model's context (a prompt as long as the context leaves "
+              "no room), or the request is a 400. Prompts x n is at most the choices the server takes at once (n's "
+              "maximum).",
+    "messages": "The conversation's tokens as the chat template renders them (with the tools) plus max_tokens fit "
+                "the model's context, or the request is a 400.",
+    "n": "Prompts x n is at most this maximum, the choices the server takes at once.",
+    "constraint": "One constraint per request: at most one of response_format (json_object or json_schema), "
+                  "structured_outputs' fields, guided_json, guided_regex, guided_choice, guided_grammar, and none "
+                  "with a required or named tool_choice. A regex, a Lark grammar (llguidance's dialect) or a JSON "
+                  "schema that llguidance cannot compile is a 400.",
+    "tools": "Each function named once; a required or named tool_choice holds the reply to a grammar built from "
+             "the functions' parameters, which llguidance compiles or the request is a 400.",
+    "tool_choice": "required needs tools; a named function must be one of the tools.",
+}
 
 
 class StreamOptions(Strict):
@@ -66,8 +127,11 @@ class JsonSchema(Strict):
 
 
 class ResponseFormat(Strict):
+    model_config = _rules(_when(_given("type", {"const": "json_schema"}), _given("json_schema", NOT_NULL),
+                               {"properties": {"json_schema": {"type": "null"}}}))
+
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: Optional[JsonSchema] = None
+    json_schema: Optional[JsonSchema] = Field(None, description=RULES["constraint"])
 
     @model_validator(mode="after")
     def _schema_given(self):
@@ -77,6 +141,8 @@ class ResponseFormat(Strict):
 
 
 class StructuredOutputs(Strict):  # vLLM's: exactly one of them
+    model_config = ConfigDict(json_schema_extra={"description": RULES["constraint"]})
+
     json_: Union[dict, str, None] = Field(None, alias="json")
     regex: Optional[str] = None
     choice: Optional[list[Text]] = Field(None, min_length=1, max_length=LIMITS["prompts"])
@@ -104,6 +170,18 @@ class ToolCall(Strict):  # an assistant turn's call, sent back in the conversati
 
 
 class Message(Strict):
+    # the roles' rules (_roles), by role: a tool turn answers a call with content; an assistant turn has content,
+    # calls or a refusal; the other turns have content, and no calls
+    model_config = _rules(
+        _when(_given("role", {"const": "tool"}), {"properties": {
+            "tool_call_id": {"type": "string"}, "content": NOT_NULL, "tool_calls": ABSENT}, "required": [
+            "tool_call_id", "content"]}),
+        _when(_given("role", {"const": "assistant"}), {"properties": {"tool_call_id": ABSENT}, "anyOf": [
+            _given("content", NOT_NULL), _given("tool_calls", {"type": "array", "minItems": 1}),
+            _given("refusal", {"type": "string"})]}),
+        _when(_given("role", {"enum": ["system", "developer", "user"]}), {"properties": {
+            "content": NOT_NULL, "tool_calls": ABSENT, "tool_call_id": ABSENT}, "required": ["content"]}))
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None  # None only where an assistant turn calls tools
     name: Optional[str] = Field(None, max_length=256)
@@ -145,31 +223,34 @@ class NamedToolChoice(Strict):
 
 ToolChoice = Union[Literal["none", "auto", "required"], NamedToolChoice, None]
 Tools = Optional[Annotated[list[Tool], Field(min_length=1, max_length=LIMITS["tools"])]]
-
-
-
 Messages = Annotated[list[Message], Field(min_length=1, max_length=LIMITS["messages"])]
 
 
 @dataclass(frozen=True)
 class _Sizes:
     """What the served model puts in its bodies' schemas: its name (`model`: optional, vLLM's default is
-    the one served), its token ids and its context."""
+    the one served), its token ids and its context; and the server's choices per request (prompts x n)."""
 
     model: Any
     token_id: Any
     vocab_size: int
     max_context: int
+    max_choices: int
 
     @classmethod
-    def of(cls, model_name: str, vocab_size: int, max_context: int) -> "_Sizes":
-        return cls(Optional[Literal[model_name]], Int(ge=0, lt=vocab_size), vocab_size, max_context)
+    def of(cls, model_name: str, vocab_size: int, max_context: int, max_choices: int) -> "_Sizes":
+        return cls(Optional[Literal[model_name]], Int(ge=0, lt=vocab_size), vocab_size, max_context, max_choices)
 
 
 def _body(sizes: _Sizes):
     """What completions and chat completions share."""
     Budget = Int(ge=1, le=max(1, sizes.max_context - 1))
     vocab_size = sizes.vocab_size
+    # keys as digits (the 400 names the key beyond the vocabulary: _bias_keys); documented as the ids' range
+    # (propertyNames: pydantic's patternProperties would admit any other key)
+    bias_doc = {"type": "object", "propertyNames": {"pattern": _below(vocab_size)},
+                "maxProperties": LIMITS["logit_bias"],
+                "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}
 
     class Body(Strict):
         model: sizes.model = None
@@ -185,22 +266,24 @@ def _body(sizes: _Sizes):
         frequency_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
         logit_bias: Optional[Annotated[dict[Annotated[str, Field(pattern=r"^(0|[1-9][0-9]*)$")],
                                             Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]],
-                                       Field(max_length=LIMITS["logit_bias"])]] = None
-        n: Int(ge=1, le=LIMITS["n"]) = 1
+                                       Field(max_length=LIMITS["logit_bias"]), WithJsonSchema(bias_doc)]] = None
+        n: Int(ge=1, le=min(LIMITS["n"], sizes.max_choices)) = Field(1, description=RULES["n"])
         stream: bool = False
         stream_options: Optional[StreamOptions] = None
         stop: Stop = None
-        seed: Optional[Int(ge=0, le=2**63 - 1)] = None
+        # below 2**63 (int64), said as lt: FastAPI's document writes bounds as floats, and 2**63 is one, 2**63 - 1 not
+        seed: Optional[Int(ge=0, lt=2**63)] = None
         ignore_eos: bool = False
         speculate: bool = True  # tk's: where the server speculates (tk serve --lookup), false opts this request out
         return_token_ids: bool = False
         user: Optional[str] = Field(None, max_length=256)  # OpenAI's end-user id: recorded nowhere
         response_format: Optional[ResponseFormat] = None
         structured_outputs: Optional[StructuredOutputs] = None
-        guided_json: Union[dict, str, None] = None  # vLLM's older names for structured_outputs
-        guided_regex: Optional[str] = None
-        guided_choice: Optional[list[Text]] = Field(None, min_length=1, max_length=LIMITS["prompts"])
-        guided_grammar: Optional[str] = None
+        guided_json: Union[dict, str, None] = Field(None, description=RULES["constraint"])  # vLLM's older names
+        guided_regex: Optional[str] = Field(None, description=RULES["constraint"])  # for structured_outputs
+        guided_choice: Optional[list[Text]] = Field(None, min_length=1, max_length=LIMITS["prompts"],
+                                                    description=RULES["constraint"])
+        guided_grammar: Optional[str] = Field(None, description=RULES["constraint"])
 
         @field_validator("stream_options")  # (field validators: the 400 names the field; `stream` comes first)
         @classmethod
@@ -220,14 +303,20 @@ def _body(sizes: _Sizes):
     return Body
 
 
+STREAM_OPTIONS = _when(_given("stream_options", NOT_NULL), _given("stream", {"const": True}))  # _options_need_a_stream
+
+
 def _completion(body, sizes: _Sizes):
     TokenId, max_context = sizes.token_id, sizes.max_context
+    prompts = min(LIMITS["prompts"], sizes.max_choices)  # each prompt a choice at least
 
     class Completion(body):
-        prompt: Union[Text, Annotated[list[Text], Field(min_length=1, max_length=LIMITS["prompts"])],
+        model_config = _rules(STREAM_OPTIONS)
+
+        prompt: Union[Text, Annotated[list[Text], Field(min_length=1, max_length=prompts)],
                       Annotated[list[TokenId], Field(min_length=1, max_length=max_context)],
                       Annotated[list[Annotated[list[TokenId], Field(min_length=1, max_length=max_context)]],
-                                Field(min_length=1, max_length=LIMITS["prompts"])]]
+                                Field(min_length=1, max_length=prompts)]] = Field(description=RULES["prompt"])
         echo: bool = False
         logprobs: Optional[Int(ge=0, le=LIMITS["logprobs"])] = None
 
@@ -236,11 +325,18 @@ def _completion(body, sizes: _Sizes):
 
 def _chat(body):
     class Chat(body):
-        messages: Messages
+        model_config = _rules(
+            STREAM_OPTIONS, _when(_given("top_logprobs", {"type": "integer", "minimum": 1}),  # _top_needs_logprobs
+                                  _given("logprobs", {"const": True})),
+            _when(_given("tool_choice", {"anyOf": [{"const": "required"}, {"type": "object"}]}),  # calling._agree
+                  _given("tools", NOT_NULL)))
+
+        messages: Messages = Field(description=RULES["messages"])
         logprobs: bool = False
         top_logprobs: Optional[Int(ge=0, le=LIMITS["logprobs"])] = None
-        tools: Tools = None
-        tool_choice: ToolChoice = None  # OpenAI's default: auto where tools are given, else none
+        tools: Tools = Field(None, description=RULES["tools"])
+        # OpenAI's default: auto where tools are given, else none
+        tool_choice: ToolChoice = Field(None, description=RULES["tool_choice"])
         parallel_tool_calls: bool = True
 
         @field_validator("top_logprobs")
@@ -282,7 +378,8 @@ def _detokenize(sizes: _Sizes):
     return Detokenize
 
 
-def schemas(model_name: str, vocab_size: int, max_context: int) -> Schemas:
-    sizes = _Sizes.of(model_name, vocab_size, max_context)
+def schemas(model_name: str, vocab_size: int, max_context: int, max_choices: int = LIMITS["choices"]) -> Schemas:
+    """The bodies of a server of `model_name` taking `max_choices` choices (prompts x n) per request."""
+    sizes = _Sizes.of(model_name, vocab_size, max_context, max_choices)
     body = _body(sizes)
     return Schemas(_completion(body, sizes), _chat(body), _tokenize(sizes), _tokenize_chat(sizes), _detokenize(sizes))

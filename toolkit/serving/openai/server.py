@@ -99,7 +99,9 @@ class Server:
         self.batcher, self.tokenizer, self.model_name, self.drain_s = batcher, tokenizer, model_name, drain_s
         self.api_key, self.max_body = api_key, max_body
         self.created = int(time.time())
-        self.schemas = schemas(model_name, batcher.runtime.dims.vocab_size, batcher.runtime.max_context)
+        limits = batcher.limits
+        self.schemas = schemas(model_name, batcher.runtime.dims.vocab_size, batcher.runtime.max_context,
+                               api.max_choices(limits.slots + limits.max_queue))
         self.metrics = PrometheusMetrics(batcher)
         self.constraints = structured.Compiler(tokenizer, batcher.runtime.dims.vocab_size, sorted(batcher.eos))
         self.tools = ToolCalling(tokenizer, tool_parser)
@@ -119,6 +121,12 @@ class Server:
         for path, endpoint, method, options in self._routes((401,) if self.api_key else ()):
             app.add_api_route(path, endpoint, methods=[method], dependencies=guard if path != "/health" else None,
                               **options)
+
+        def openapi() -> dict:  # FastAPI's, its bounds as the schemas give them and no 422 (invalid bodies get 400s)
+            if app.openapi_schema is None:
+                app.openapi_schema = _as_served(FastAPI.openapi(app))
+            return app.openapi_schema
+        app.openapi = openapi
         return app
 
     def _routes(self, keyed: tuple) -> list[tuple]:
@@ -298,6 +306,30 @@ class Server:
         finally:  # the client went away mid-stream (or the stream ended): its slots are freed
             watch.cancel()
             run.cancel()
+
+
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+
+
+def _as_served(doc: dict) -> dict:
+    """FastAPI's /openapi.json as this server answers: without the 422 (and its schemas) FastAPI declares for
+    every body, which `_handle_errors` answers with OpenAI's 400, and with whole bounds (`_whole_bounds`)."""
+    for operation in (op for path in doc.get("paths", {}).values() for op in path.values()):
+        operation.get("responses", {}).pop("422", None)
+    for name in ("HTTPValidationError", "ValidationError"):
+        doc.get("components", {}).get("schemas", {}).pop(name, None)
+    return _whole_bounds(doc)
+
+
+def _whole_bounds(schema):
+    """/openapi.json with its whole-number bounds written as integers. FastAPI's OpenAPI model holds every
+    bound as a float, and a float's shortest text is not always its value: 2**63 is written 9.223372036854776e+18,
+    which a reader takes for 9223372036854776000 (schemathesis did: it sent seeds the server refuses). Exact for
+    bounds a float holds exactly (the schemas' are: the seed's is `lt=2**63`, not `le=2**63 - 1`)."""
+    if isinstance(schema, dict):
+        return {k: int(v) if k in _BOUNDS and isinstance(v, float) and v.is_integer() else _whole_bounds(v)
+                for k, v in schema.items()}
+    return [_whole_bounds(v) for v in schema] if isinstance(schema, list) else schema
 
 
 async def _disconnected(request) -> None:
