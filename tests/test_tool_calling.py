@@ -265,3 +265,18 @@ def test_the_document_says_tool_choice_needs_tools_and_a_tool_turn_its_call(serv
     assert chat.is_valid({"messages": turns, "tools": TOOLS})
     assert not chat.is_valid({"messages": [*turns[:2], {"role": "tool", "content": "3"}], "tools": TOOLS})
     assert not chat.is_valid({"messages": [*ASK, {"role": "assistant", "content": None}]})
+
+
+def test_an_assistant_message_appended_as_a_client_dumps_it_is_taken(client):
+    """`message.model_dump()` carries refusal, annotations, audio and function_call (null): the
+    conversation goes on, as llama-server takes it (openai-agents and hand loops send it so)."""
+    turn = {"role": "assistant", "content": None, "refusal": None, "annotations": [], "audio": None,
+            "function_call": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                "name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+    reply = _chat(client, messages=[*ASK, turn, {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}],
+                  max_tokens=1)
+    assert reply.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError) as e:
+        _chat(client, messages=[*ASK, {**turn, "function_call": {"name": "get_weather", "arguments": "{}"}}],
+              max_tokens=1)
+    assert e.value.body["param"] == "messages" and "function_call" in e.value.body["message"]

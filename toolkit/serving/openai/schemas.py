@@ -188,6 +188,11 @@ class Message(Strict):
     tool_calls: Optional[Annotated[list[ToolCall], Field(max_length=LIMITS["tools"])]] = None
     tool_call_id: Optional[str] = Field(None, max_length=256)  # a tool turn's: the call it answers
     refusal: Optional[str] = None  # an assistant turn's, as OpenAI's clients send it back
+    # what else a reply's message carries when a client appends it as is (`message.model_dump()`), as
+    # llama-server takes it: no template reads these (a legacy function_call is refused: send tool_calls)
+    annotations: Optional[Annotated[list[dict], Field(max_length=LIMITS["tools"])]] = None
+    audio: Optional[dict] = None
+    function_call: Literal[None] = None
 
     @model_validator(mode="after")
     def _roles(self):
