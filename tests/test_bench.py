@@ -50,7 +50,9 @@ def test_bench_bad_input(tiny_artifact):
     assert result.exit_code == 2 and result.stderr.strip() == "Error: --new-tokens must be at least 1, got 0"
     result = run("bench", tiny_artifact, "--prompt-len", "1000", "--new-tokens", "100")
     assert result.exit_code == 2
-    assert result.stderr.strip() == ("Error: --prompt-len 1000 + --new-tokens 100 exceeds the model's context of 1024")
+    # the steps it took before the check (progress, on stderr), then the one-line error
+    assert result.stderr.strip().splitlines() == ["[load]", "Error: --prompt-len 1000 + --new-tokens 100 exceeds the "
+                                                            "model's context of 1024"]
     result = run("bench", tiny_artifact, "--backends", "tpu")
     assert result.exit_code == 2 and "unknown backend tpu" in result.stderr
 

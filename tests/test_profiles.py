@@ -143,4 +143,4 @@ def test_for_ort_cpu_writes_the_graphs_of_the_long_recipe(tiny, tmp_path):
     assert "profile: none (explicit flags; the same graphs as --for ort-cpu)" in run("inspect", recipe).output
     bench = run("bench", recipe, "--backends", "ort", "--prompt-len", "4", "--new-tokens", "4", "--repeats", "1")
     assert bench.exit_code == 0, bench.output
-    assert bench.output.startswith(f"{recipe}: profile none (explicit flags; the same graphs as --for ort-cpu)")
+    assert bench.stdout.startswith(f"{recipe}: profile none (explicit flags; the same graphs as --for ort-cpu)")
