@@ -118,3 +118,20 @@ def serve_artifact(tmp_path_factory, tiny):
     export_artifact(ckpt, out, kv_cache="static", max_seq_len=128)
     return out
 
+
+
+@pytest.fixture(scope="session")
+def tools_artifact(tmp_path_factory, tiny):
+    """The tiny preset with a hermes-format chat template that renders tools (tests/chat.py), static
+    cache, a context long enough for tool prompts and calls (tests/test_tool_calling.py, test_fuzz.py)."""
+    import shutil
+
+    from chat import TOOLS_TEMPLATE, add_chat_template
+    from tk.toolkit.pipeline.export import export_artifact
+
+    ckpt = tmp_path_factory.mktemp("tools-ckpt") / "checkpoint"
+    shutil.copytree(tiny, ckpt)
+    add_chat_template(ckpt, template=TOOLS_TEMPLATE)
+    out = tmp_path_factory.mktemp("tools-art") / "artifact"
+    export_artifact(ckpt, out, kv_cache="static", max_seq_len=512, validate=False)
+    return out

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -80,21 +79,6 @@ if os.environ.get("SCHEMATHESIS_HOOKS") == __name__:  # loaded by the schemathes
             with open(log, "a") as f:
                 f.write(f"{rule}\n")
         return rule is None
-
-
-@pytest.fixture(scope="module")
-def tools_artifact(tmp_path_factory, tiny):
-    """The tiny preset with a hermes-format chat template that renders tools, static cache
-    (tests/test_tool_calling.py's)."""
-    from chat import TOOLS_TEMPLATE, add_chat_template
-    from tk.toolkit.pipeline.export import export_artifact
-
-    ckpt = tmp_path_factory.mktemp("fuzz-ckpt") / "checkpoint"
-    shutil.copytree(tiny, ckpt)
-    add_chat_template(ckpt, template=TOOLS_TEMPLATE)
-    out = tmp_path_factory.mktemp("fuzz-art") / "artifact"
-    export_artifact(ckpt, out, kv_cache="static", max_seq_len=512, validate=False)
-    return out
 
 
 def test_schemathesis_finds_no_failure_on_any_operation(tools_artifact, tmp_path):

@@ -9,7 +9,6 @@ server and client on 127.0.0.1."""
 from __future__ import annotations
 
 import json
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -39,20 +38,6 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 CALL_ADD = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
-
-
-@pytest.fixture(scope="module")
-def tools_artifact(tmp_path_factory, tiny):
-    """The tiny preset with a hermes-format chat template that renders tools, static cache."""
-    from chat import TOOLS_TEMPLATE, add_chat_template
-    from tk.toolkit.pipeline.export import export_artifact
-
-    ckpt = tmp_path_factory.mktemp("tools-ckpt") / "checkpoint"
-    shutil.copytree(tiny, ckpt)
-    add_chat_template(ckpt, template=TOOLS_TEMPLATE)
-    out = tmp_path_factory.mktemp("tools-art") / "artifact"
-    export_artifact(ckpt, out, kv_cache="static", max_seq_len=512, validate=False)
-    return out
 
 
 @pytest.fixture(scope="module")
