@@ -13,9 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tk.runtimes.serving.scheduler import BatcherLimits
-from tk.toolkit.backends import BackendOptions
-from tk.toolkit.serving.openai.process import ServeOptions, in_thread, open_server
+from test_serve_api import _serve
+from tk.toolkit.serving.openai.process import in_thread
 
 pytest.importorskip("fastapi", reason="the serving stack: pip install -e '.[serve]'")
 pytest.importorskip("llguidance", reason="tool grammars need llguidance: pip install -e '.[serve]'")
@@ -42,10 +41,7 @@ CALL_ADD = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_
 
 @pytest.fixture(scope="module")
 def server(tools_artifact):
-    srv, sock = open_server(tools_artifact, "ort", BackendOptions(),
-                            ServeOptions(port=0, limits=BatcherLimits(slots=8, max_queue=128), model_name="tiny",
-                                         drain_s=1.0))
-    sock.close()  # in_thread binds its own
+    srv = _serve(tools_artifact, "ort")
     with in_thread(srv) as url:
         yield srv, url
     srv.batcher.close()
