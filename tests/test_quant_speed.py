@@ -1,7 +1,8 @@
-"""The quantizer's chunked, threaded search (models/quant/quantize.py) against a verbatim copy of the
-whole-tensor algorithm it replaced (`reference_quantize` below, kept as the specification): the same
+"""The quantizer's tiled, threaded, compiled search (models/quant/quantize.py, models/quant/kernel.py)
+against a verbatim copy of the numpy whole-tensor algorithm it replaced (`reference_quantize` below, kept as the specification): the same
 q, scales and zero points, bit for bit, on odd shapes, partial last blocks, zero blocks and columns,
-outlier channels, importance weights, int4 and int8, with and without zero points, one thread or many."""
+outlier channels, importance weights, int4 and int8, with and without zero points, blocks of 16 to 256
+(a lone column's sums pairwise, as numpy's), one thread or many."""
 
 from __future__ import annotations
 
@@ -163,6 +164,8 @@ def _same(a: QTensor, b: QTensor):
 
 SCHEMES = [Scheme(bits, block, method, zp) for bits in ("int4", "int8") for method in ("search", "rtn")
            for zp in (True, False) for block in (32, 16)]
+# numpy sums a lone column pairwise: eight accumulators up to 128 rows, two halves beyond
+SCHEMES += [Scheme("int4", block, "search", zp) for block in (128, 256) for zp in (True, False)]
 
 
 @pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: f"{s.bits}-{s.block}-{s.method}-{'zp' if s.zero_points else 'sym'}")
@@ -225,3 +228,8 @@ def test_bit_identical_on_a_real_sized_matrix(zero_points):
     imp = np.random.default_rng(12).uniform(0.5, 2.0, 512).astype(np.float32)
     _same(quantize(w, scheme, threads=2), reference_quantize(w, scheme))
     _same(quantize(w, scheme, imp, threads=2), reference_quantize(w, scheme, imp))
+
+
+def test_blocks_beyond_what_matmulnbits_takes_are_refused():
+    with pytest.raises(ValueError, match="blocks of 1 to 256 rows"):
+        quantize(np.zeros((512, 4), np.float32), Scheme("int4", 512, "search", True))
