@@ -15,8 +15,14 @@ zero points, bit for bit. `--llama-quantize PATH --gguf F32.gguf` runs llama.cpp
 `--int8-gain` measures what the search gains over round-to-nearest for int8 (the weighted error the
 search minimizes, and the plain squared error).
 
+`--checkpoint DIR` times instead what `tk export DIR --weights int4` spends on the weights, alone: the
+export's writer (exporters/weights.py `write_weights`: read the safetensors, transpose, quantize, write
+the weights file) on a real checkpoint, against `llama-quantize` of a GGUF of the same checkpoint
+(`--gguf`), alternated (llama.cpp, tk, llama.cpp, ...) `--repeats` times.
+
     python examples/bench_quantize.py --layers 2 --reference
     python examples/bench_quantize.py --llama-quantize .../build/bin/llama-quantize --gguf tiny11-f32.gguf
+    python examples/bench_quantize.py --checkpoint qwen05 --llama-quantize .../llama-quantize --gguf qwen05-f32.gguf
 """
 
 from __future__ import annotations
@@ -125,6 +131,40 @@ def bench_llama(path: str, gguf: str) -> dict:
             "llama_quantize_says": said[-1].strip() if said else None}
 
 
+def bench_writer(checkpoint: str, out_dir: str) -> dict:
+    """The export's writer alone, with `tk export --weights int4`'s defaults, into a file in out_dir."""
+    from tk.exporters.weights import WEIGHTS_FILE, export_view, write_weights
+    from tk.models.checkpoint.loading import CheckpointReader, read_config, torch_dtype
+    from tk.models.spec.options import ExportOptions
+
+    config = read_config(checkpoint)
+    precision = ExportOptions.from_flags(weights="int4").for_model(config).precision
+    dtype = torch_dtype(precision.activations)
+    path = Path(out_dir) / WEIGHTS_FILE
+    _, wall, cpu = timed(lambda: write_weights(CheckpointReader(checkpoint, config), export_view(config, dtype), path,
+                                               dtype, precision=precision))
+    size = path.stat().st_size
+    path.unlink()
+    return {"tk_writer_wall_s": round(wall, 1), "tk_writer_cpu_s": round(cpu, 1), "tk_weights_bytes": size,
+            "precision": precision.describe()}
+
+
+def compare_checkpoint(args) -> dict:
+    """llama-quantize Q4_K_M and tk's writer on the same checkpoint, alternated."""
+    runs = []
+    with tempfile.TemporaryDirectory(dir=Path(args.gguf).parent) as tmp:
+        for i in range(args.repeats):
+            lq = bench_llama(args.llama_quantize, args.gguf)
+            tk = bench_writer(args.checkpoint, tmp)
+            runs.append({**lq, **tk})
+            print(f"  run {i + 1}: llama-quantize Q4_K_M {lq['llama_quantize_q4_k_m_wall_s']} s wall "
+                  f"({lq['llama_quantize_q4_k_m_cpu_s']} s cpu); tk writer ({tk['precision']}) {tk['tk_writer_wall_s']} s "
+                  f"wall ({tk['tk_writer_cpu_s']} s cpu): {tk['tk_writer_wall_s'] / lq['llama_quantize_q4_k_m_wall_s']:.2f}x",
+                  flush=True)
+    ratios = sorted(r["tk_writer_wall_s"] / r["llama_quantize_q4_k_m_wall_s"] for r in runs)
+    return {"checkpoint": args.checkpoint, "runs": runs, "tk_over_llama_quantize_wall_median": ratios[len(ratios) // 2]}
+
+
 def int8_gain(args) -> dict:
     """What the int8 search gains over round-to-nearest, on the sampled layers' weights."""
     from tk.models.quant.quantize import Scheme, dequantize, quantize
@@ -161,9 +201,20 @@ def main() -> None:
     ap.add_argument("--llama-quantize", help="llama.cpp's llama-quantize binary")
     ap.add_argument("--gguf", help="an F32 GGUF of the same shape, for --llama-quantize")
     ap.add_argument("--int8-gain", action="store_true")
+    ap.add_argument("--checkpoint", help="a Hugging Face checkpoint: time the export's writer on it (needs "
+                    "--llama-quantize and --gguf of the same checkpoint)")
+    ap.add_argument("--repeats", type=int, default=3, help="alternated runs of each, with --checkpoint")
     ap.add_argument("--json", help="write the results here too")
     args = ap.parse_args()
     result = {}
+    if args.checkpoint:
+        if not (args.llama_quantize and args.gguf):
+            ap.error("--checkpoint needs --llama-quantize and --gguf")
+        result = compare_checkpoint(args)
+        print(f"tk writer / llama-quantize (wall, median of {args.repeats}): {result['tk_over_llama_quantize_wall_median']:.2f}")
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=2))
+        return
     if args.llama_quantize:
         if not args.gguf:
             ap.error("--llama-quantize needs --gguf")

@@ -233,3 +233,14 @@ def test_bit_identical_on_a_real_sized_matrix(zero_points):
 def test_blocks_beyond_what_matmulnbits_takes_are_refused():
     with pytest.raises(ValueError, match="blocks of 1 to 256 rows"):
         quantize(np.zeros((512, 4), np.float32), Scheme("int4", 512, "search", True))
+
+
+def test_any_layout_is_read_as_it_is():
+    """The quantized reference hands over a transposed view (`weight.T`): no copy, the same result."""
+    w = _weight(96, 70, 8)
+    scheme = Scheme("int4", 32, "search", True)
+    want = reference_quantize(w, scheme)
+    _same(quantize(np.asfortranarray(w), scheme), want)
+    strided = np.zeros((96, 140), np.float32)
+    strided[:, ::2] = w
+    _same(quantize(strided[:, ::2], scheme, threads=2), want)

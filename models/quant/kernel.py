@@ -78,7 +78,7 @@ def _colsum(p, out, pairwise):
 
 @njit(nogil=True, cache=True, error_model="numpy")
 def quantize_tile(w, imp, b0, b1, c0, c1, block, search, zero_points, qmax, top, dens, q, scales, zeros):
-    """Quantize blocks b0..b1 of columns c0..c1 of w [K, N] (float32, C order) into q, scales and
+    """Quantize blocks b0..b1 of columns c0..c1 of w [K, N] (float32, any layout) into q, scales and
     zeros. imp: [blocks * block] row weights (zero-length for none; padding rows weigh 0).
     Symmetric: q in [-qmax - 1, qmax]; with zero points q and z in [0, top]. dens: the search's
     candidate denominators (float32); search False: round to nearest only."""

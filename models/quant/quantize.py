@@ -93,7 +93,7 @@ def quantize(w_t: np.ndarray, scheme: Scheme, importance: np.ndarray | None = No
 
     if not 1 <= scheme.block <= MAX_BLOCK:
         raise ValueError(f"block {scheme.block}: the quantizer takes blocks of 1 to {MAX_BLOCK} rows")
-    w_t = np.ascontiguousarray(w_t, dtype=np.float32)
+    w_t = np.asarray(w_t, dtype=np.float32)  # any layout: the kernel copies each block into its own buffer
     k, n = w_t.shape
     nb, b = blocks_of(k, scheme.block), scheme.block
     imp = np.zeros(0, np.float32)
