@@ -87,8 +87,9 @@ def test_mixed_precision_plan():
                   mixed="sensitive", quantized_embedding=True)
     plan = quant_plan(cfg, p)
     int8 = {n for n, s in plan.items() if s.bits == "int8"}
-    assert int8 == {"lm_head.weight", "embed.weight"} | {f"layers.{i}.{w}" for i in sensitive_layers(24)
-                                                         for w in ("attn.wqkv.weight", "ffn.w_down.weight")}
+    assert int8 == {"lm_head.weight"} | {f"layers.{i}.{w}" for i in sensitive_layers(24)
+                                         for w in ("attn.wqkv.weight", "ffn.w_down.weight")}
+    assert plan["embed.weight"] == Scheme("int4", 32, "search", True)  # untied: 4 bits, as llama.cpp keeps token_embd
     assert plan["layers.3.attn.wo.weight"] == Scheme("int4", 32, "search", True)
     tied = quant_plan(DecoderConfig(**{**cfg.to_dict(), "tie_embeddings": True}), p)
     assert "embed.weight" not in tied  # a tied embedding is read from the LM head's table

@@ -42,7 +42,10 @@ def quant_plan(cfg, precision) -> dict[str, Scheme]:
     if precision.quantized_embedding and not cfg.tie_embeddings:
         names.append("embed.weight")
     plan = {name: base for name in names}
-    upgrade = {"lm_head.weight", "embed.weight"} if precision.mixed in ("lm-head", "sensitive") else set()
+    # the LM head (and so a tied embedding, its table): an untied quantized embedding keeps the base scheme, as
+    # llama.cpp's Q4_0 and Q4_K_M keep token_embd at 4 bits and raise only the output matrix (a row a token,
+    # read once, costs little when rounded; README "Quantized weights" has the measurement)
+    upgrade = {"lm_head.weight"} if precision.mixed in ("lm-head", "sensitive") else set()
     if precision.mixed == "sensitive":
         upgrade |= {f"layers.{i}.{w}" for i in sensitive_layers(cfg.num_layers)
                     for w in ("attn.wqkv.weight", "ffn.w_down.weight")}

@@ -57,8 +57,8 @@ def _profiles_help() -> str:
 @click.option("--zero-points/--symmetric", default=None,
               help="Blocks with zero points (asymmetric) or without [default: zero points; --for trt: symmetric].")
 @click.option("--mixed-precision", type=click.Choice(MIXED),
-              help="Keep some weights in int8 with --weights int4: lm-head (the LM head and embedding) or sensitive "
-                   "(also the QKV and down projections of llama.cpp's Q4_K_M layers) [default: none].")
+              help="Keep some weights in int8 with --weights int4: lm-head (the LM head, and a tied embedding with "
+                   "it) or sensitive (also the QKV and down projections of llama.cpp's Q4_K_M layers) [default: none].")
 @click.option("--quantize-embedding/--no-quantize-embedding", default=None,
               help="Quantize the embedding too (a tied one is read from the LM head's table) [default: a tied "
                    "embedding with the LM head, an untied one not; --for trt: no].")
