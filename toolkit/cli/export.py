@@ -60,8 +60,8 @@ def _profiles_help() -> str:
               help="Keep some weights in int8 with --weights int4: lm-head (the LM head, and a tied embedding with "
                    "it) or sensitive (also the QKV and down projections of llama.cpp's Q4_K_M layers) [default: none].")
 @click.option("--quantize-embedding/--no-quantize-embedding", default=None,
-              help="Quantize the embedding too (a tied one is read from the LM head's table) [default: a tied "
-                   "embedding with the LM head, an untied one not; --for trt: no].")
+              help="Quantize the embedding too (a tied one is read from the LM head's table) [default: with the "
+                   "LM head, unless the vocabulary is odd with int4; --for trt and GPTQ/AWQ checkpoints: no].")
 @click.option("--lm-head-block-size", type=int,
               help="The LM head's (and a quantized embedding's) own block with --weights: smaller blocks for the "
                    "layer that costs most when rounded [default: --block-size].")
