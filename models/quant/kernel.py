@@ -20,6 +20,13 @@ from numba import njit
 F0, F1 = np.float32(0), np.float32(1)
 
 
+@njit(nogil=True, cache=True, error_model="numpy", inline="always")
+def _clip(v, lo, hi):
+    """min(max(v, lo), hi), as numpy's maximum then minimum (a NaN v stays NaN)."""
+    v = lo if v < lo else v
+    return hi if v > hi else v
+
+
 @njit(nogil=True, cache=True, error_model="numpy")
 def _pairwise8(p, c, start, n):
     """numpy's pairwise sum of p[start:start + n, c], n <= 128: eight accumulators."""
@@ -127,9 +134,7 @@ def quantize_tile(w, imp, b0, b1, c0, c1, block, search, zero_points, qmax, top,
             s = s if s > F0 else F1
             s0[c] = s
             if zero_points:
-                z = np.rint(-lo[c] / s)
-                z = F0 if z < F0 else z
-                z0[c] = ftop if z > ftop else z
+                z0[c] = _clip(np.rint(-lo[c] / s), F0, ftop)
             else:
                 z0[c] = F0
         if not search:
@@ -152,10 +157,7 @@ def quantize_tile(w, imp, b0, b1, c0, c1, block, search, zero_points, qmax, top,
         # round to nearest is the first candidate
         for i in range(b):
             for c in range(cols):
-                v = np.rint(x[i, c] * (F1 / s0[c])) + z0[c]
-                v = qlo if v < qlo else v
-                v = qhi if v > qhi else v
-                d[i, c] = v - z0[c]
+                d[i, c] = _clip(np.rint(x[i, c] * (F1 / s0[c])) + z0[c], qlo, qhi) - z0[c]
         _error(x, wt, d, s0, pa, best_e, pairwise)
         for c in range(cols):
             best_s[c], best_z[c] = s0[c], z0[c]
@@ -173,9 +175,7 @@ def quantize_tile(w, imp, b0, b1, c0, c1, block, search, zero_points, qmax, top,
                 s = s if s > F0 else F1
                 sj[c] = s
                 if zero_points:
-                    z = np.rint(-lo[c] / s)
-                    z = F0 if z < F0 else z
-                    z = ftop if z > ftop else z
+                    z = _clip(np.rint(-lo[c] / s), F0, ftop)
                     zj[c] = z
                     nzj[c] = -z * s
             if zero_points:
@@ -183,9 +183,7 @@ def quantize_tile(w, imp, b0, b1, c0, c1, block, search, zero_points, qmax, top,
                 # x ~ a q + c, its offset then put on the grid
                 for i in range(b):
                     for c in range(cols):
-                        v = np.rint(x[i, c] * (F1 / sj[c])) + zj[c]
-                        v = F0 if v < F0 else v
-                        v = ftop if v > ftop else v
+                        v = _clip(np.rint(x[i, c] * (F1 / sj[c])) + zj[c], F0, ftop)
                         wq = wt[i, c] * v
                         pa[i, c] = wq
                         pb[i, c] = wq * v
@@ -202,9 +200,7 @@ def quantize_tile(w, imp, b0, b1, c0, c1, block, search, zero_points, qmax, top,
                     av = av if ok else sj[c]
                     cv = cv if ok else nzj[c]
                     av = av if av > F0 else sj[c]
-                    z = np.rint(-cv / av)
-                    z = F0 if z < F0 else z
-                    z = ftop if z > ftop else z
+                    z = _clip(np.rint(-cv / av), F0, ftop)
                     za[c], lq[c], hq[c], a[c] = z, -z, ftop - z, av
                 _clip_round(x, a, lq, hq, d)  # d = q - z
             else:
@@ -237,9 +233,7 @@ def _clip_round(x, a, lo, hi, out):
     b, cols = x.shape
     for i in range(b):
         for c in range(cols):
-            v = np.rint(x[i, c] * (F1 / a[c]))
-            v = lo[c] if v < lo[c] else v
-            out[i, c] = hi[c] if v > hi[c] else v
+            out[i, c] = _clip(np.rint(x[i, c] * (F1 / a[c])), lo[c], hi[c])
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
@@ -259,10 +253,7 @@ def _store(x, s, z, rows, r0, c0, blk, qlo, qhi, zero_points, q, scales, zeros):
     cols = x.shape[1]
     for i in range(rows):
         for c in range(cols):
-            v = np.rint(x[i, c] * (F1 / s[c])) + z[c]
-            v = qlo if v < qlo else v
-            v = qhi if v > qhi else v
-            q[r0 + i, c0 + c] = v
+            q[r0 + i, c0 + c] = _clip(np.rint(x[i, c] * (F1 / s[c])) + z[c], qlo, qhi)
     for c in range(cols):
         scales[blk, c0 + c] = s[c]
         if zero_points:
