@@ -102,27 +102,32 @@ def quantize_tile(w, imp, b0, b1, c0, c1, block, search, zero_points, qmax, top,
     best_e, best_s, best_z = np.empty(cols, np.float32), np.empty(cols, np.float32), np.empty(cols, np.float32)
     sj, zj, nzj = np.empty(cols, np.float32), np.empty(cols, np.float32), np.empty(cols, np.float32)
     za, lq, hq, a = np.empty(cols, np.float32), np.empty(cols, np.float32), np.empty(cols, np.float32), np.empty(cols, np.float32)
+    inv = np.empty(cols, np.float32)  # 1 / a scale, once a column (numpy's `(1 / s)[:, None]`): no division a weight
     has_imp = imp.shape[0] > 0
     fb, ftop, fqmax = np.float32(b), np.float32(top), np.float32(qmax)
     qlo, qhi = (F0, ftop) if zero_points else (np.float32(-qmax - 1), fqmax)
     for blk in range(b0, b1):
         r0 = blk * b
         rows = min(k, r0 + b) - r0
-        for i in range(b):  # a partial last block is padded with zeros, as numpy's tile was
+        for i in range(rows):
             for c in range(cols):
-                x[i, c] = w[r0 + i, c0 + c] if i < rows else F0
+                x[i, c] = w[r0 + i, c0 + c]
+        for i in range(rows, b):  # a partial last block is padded with zeros, as numpy's tile was
+            for c in range(cols):
+                x[i, c] = F0
         # round to nearest: the range's scale (and zero point)
         for c in range(cols):
             lo[c] = x[0, c]
             hi[c] = x[0, c] if zero_points else abs(x[0, c])
         for i in range(1, b):
-            for c in range(cols):
-                v = x[i, c]
-                if zero_points:
+            if zero_points:
+                for c in range(cols):
+                    v = x[i, c]
                     lo[c] = v if v < lo[c] else lo[c]
                     hi[c] = v if v > hi[c] else hi[c]
-                else:
-                    av = abs(v)
+            else:
+                for c in range(cols):
+                    av = abs(x[i, c])
                     hi[c] = av if av > hi[c] else hi[c]
         for c in range(cols):
             if zero_points:
@@ -138,7 +143,7 @@ def quantize_tile(w, imp, b0, b1, c0, c1, block, search, zero_points, qmax, top,
             else:
                 z0[c] = F0
         if not search:
-            _store(x, s0, z0, rows, r0, c0, blk, qlo, qhi, zero_points, q, scales, zeros)
+            _store(x, s0, z0, inv, rows, r0, c0, blk, qlo, qhi, zero_points, q, scales, zeros)
             continue
         # the error weights: av|x| + |x| (llama.cpp's k-quants), or imp * sqrt(2 av(x^2) + x^2)
         for i in range(b):
@@ -148,16 +153,18 @@ def quantize_tile(w, imp, b0, b1, c0, c1, block, search, zero_points, qmax, top,
         for c in range(cols):
             m[c] = m[c] / fb
         for i in range(b):
-            iw = imp[r0 + i] if has_imp else F0
-            for c in range(cols):
-                if has_imp:
+            if has_imp:
+                iw = imp[r0 + i]
+                for c in range(cols):
                     wt[i, c] = iw * np.sqrt(np.float32(2) * m[c] + pa[i, c])
-                else:
+            else:
+                for c in range(cols):
                     wt[i, c] = np.sqrt(m[c]) + abs(x[i, c])
         # round to nearest is the first candidate
+        _recip(s0, inv)
         for i in range(b):
             for c in range(cols):
-                d[i, c] = _clip(np.rint(x[i, c] * (F1 / s0[c])) + z0[c], qlo, qhi) - z0[c]
+                d[i, c] = _clip(np.rint(x[i, c] * inv[c]) + z0[c], qlo, qhi) - z0[c]
         _error(x, wt, d, s0, pa, best_e, pairwise)
         for c in range(cols):
             best_s[c], best_z[c] = s0[c], z0[c]
@@ -181,9 +188,10 @@ def quantize_tile(w, imp, b0, b1, c0, c1, block, search, zero_points, qmax, top,
             if zero_points:
                 # the integers of this scale and zero point, and the weighted least-squares fit
                 # x ~ a q + c, its offset then put on the grid
+                _recip(sj, inv)
                 for i in range(b):
                     for c in range(cols):
-                        v = _clip(np.rint(x[i, c] * (F1 / sj[c])) + zj[c], F0, ftop)
+                        v = _clip(np.rint(x[i, c] * inv[c]) + zj[c], F0, ftop)
                         wq = wt[i, c] * v
                         pa[i, c] = wq
                         pb[i, c] = wq * v
@@ -202,11 +210,11 @@ def quantize_tile(w, imp, b0, b1, c0, c1, block, search, zero_points, qmax, top,
                     av = av if av > F0 else sj[c]
                     z = _clip(np.rint(-cv / av), F0, ftop)
                     za[c], lq[c], hq[c], a[c] = z, -z, ftop - z, av
-                _clip_round(x, a, lq, hq, d)  # d = q - z
+                _clip_round(x, a, inv, lq, hq, d)  # d = q - z
             else:
                 for c in range(cols):
                     za[c], lq[c], hq[c], a[c] = F0, qlo, qhi, sj[c]
-                _clip_round(x, a, lq, hq, d)
+                _clip_round(x, a, inv, lq, hq, d)
             # the scale fit to these integers, and the integers again to that scale
             for i in range(b):
                 for c in range(cols):
@@ -218,22 +226,30 @@ def quantize_tile(w, imp, b0, b1, c0, c1, block, search, zero_points, qmax, top,
             for c in range(cols):
                 num, dd = sa[c], sb[c]
                 a[c] = num / (dd if dd > F0 else F1) if (dd > F0) and (num > F0) else sj[c]
-            _clip_round(x, a, lq, hq, d)
+            _clip_round(x, a, inv, lq, hq, d)
             _error(x, wt, d, a, pa, err, pairwise)
             for c in range(cols):
                 # the first of least error: `err < best`, a NaN never better, a NaN first never bettered
                 if err[c] < best_e[c] and best_e[c] == best_e[c]:
                     best_e[c], best_s[c], best_z[c] = err[c], a[c], za[c]
-        _store(x, best_s, best_z, rows, r0, c0, blk, qlo, qhi, zero_points, q, scales, zeros)
+        _store(x, best_s, best_z, inv, rows, r0, c0, blk, qlo, qhi, zero_points, q, scales, zeros)
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
-def _clip_round(x, a, lo, hi, out):
-    """out = clip(rint(x * (1 / a)), lo, hi), per column."""
+def _clip_round(x, a, inv, lo, hi, out):
+    """out = clip(rint(x * (1 / a)), lo, hi), per column (inv: a buffer for 1 / a)."""
     b, cols = x.shape
+    _recip(a, inv)
     for i in range(b):
         for c in range(cols):
-            out[i, c] = _clip(np.rint(x[i, c] * (F1 / a[c])), lo[c], hi[c])
+            out[i, c] = _clip(np.rint(x[i, c] * inv[c]), lo[c], hi[c])
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
+def _recip(s, inv):
+    """inv = 1 / s, in float32."""
+    for c in range(s.shape[0]):
+        inv[c] = F1 / s[c]
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
@@ -248,12 +264,13 @@ def _error(x, wt, d, s, t, out, pairwise):
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
-def _store(x, s, z, rows, r0, c0, blk, qlo, qhi, zero_points, q, scales, zeros):
+def _store(x, s, z, inv, rows, r0, c0, blk, qlo, qhi, zero_points, q, scales, zeros):
     """The winner's integers, rounded from its scale (and zero point), its scale and zero point."""
     cols = x.shape[1]
+    _recip(s, inv)
     for i in range(rows):
         for c in range(cols):
-            q[r0 + i, c0 + c] = _clip(np.rint(x[i, c] * (F1 / s[c])) + z[c], qlo, qhi)
+            q[r0 + i, c0 + c] = _clip(np.rint(x[i, c] * inv[c]) + z[c], qlo, qhi)
     for c in range(cols):
         scales[blk, c0 + c] = s[c]
         if zero_points:
