@@ -95,6 +95,9 @@ def test_int4_weights_file_is_an_eighth(quantized, artifacts):
     fp = weight_bytes_by_dtype(artifacts("llama"), Manifest.read(artifacts("llama")))
     q = weight_bytes_by_dtype(quantized("llama", "int4"), Manifest.read(quantized("llama", "int4")))
     assert set(q) == {"float32", "uint4"}  # integers and zero points (the untied embedding too, by default)
+    m = Manifest.read(quantized("llama", "int4"))
+    assert m.precision.quantized_embedding and "model.embed.weight_t.quant" in m.weights  # its own table
+    assert "model.embed.weight" not in m.weights  # and no float copy
     assert q["float32"] < fp["float32"] / 3  # embeddings, norms, biases and the scales stay float
 
 

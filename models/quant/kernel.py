@@ -93,16 +93,14 @@ def quantize_tile(w, imp, b0, b1, c0, c1, block, search, zero_points, qmax, top,
     cols = c1 - c0
     pairwise = cols == 1
     b = block
-    x, wt, d = np.empty((b, cols), np.float32), np.empty((b, cols), np.float32), np.empty((b, cols), np.float32)
-    pa, pb, pc = np.empty((b, cols), np.float32), np.empty((b, cols), np.float32), np.empty((b, cols), np.float32)
-    lo, hi, span = np.empty(cols, np.float32), np.empty(cols, np.float32), np.empty(cols, np.float32)
-    s0, z0, m = np.empty(cols, np.float32), np.empty(cols, np.float32), np.empty(cols, np.float32)
-    sa, sb, sc = np.empty(cols, np.float32), np.empty(cols, np.float32), np.empty(cols, np.float32)
-    sw, sx, err = np.empty(cols, np.float32), np.empty(cols, np.float32), np.empty(cols, np.float32)
-    best_e, best_s, best_z = np.empty(cols, np.float32), np.empty(cols, np.float32), np.empty(cols, np.float32)
-    sj, zj, nzj = np.empty(cols, np.float32), np.empty(cols, np.float32), np.empty(cols, np.float32)
-    za, lq, hq, a = np.empty(cols, np.float32), np.empty(cols, np.float32), np.empty(cols, np.float32), np.empty(cols, np.float32)
-    inv = np.empty(cols, np.float32)  # 1 / a scale, once a column (numpy's `(1 / s)[:, None]`): no division a weight
+    tiles = np.empty((6, b, cols), np.float32)  # a block's values, error weights, integers and products
+    x, wt, d, pa, pb, pc = tiles[0], tiles[1], tiles[2], tiles[3], tiles[4], tiles[5]
+    percol = np.empty((23, cols), np.float32)  # one value a column each
+    lo, hi, span, s0, z0, m = percol[0], percol[1], percol[2], percol[3], percol[4], percol[5]
+    sa, sb, sc, sw, sx, err = percol[6], percol[7], percol[8], percol[9], percol[10], percol[11]
+    best_e, best_s, best_z, sj, zj, nzj = percol[12], percol[13], percol[14], percol[15], percol[16], percol[17]
+    za, lq, hq, a = percol[18], percol[19], percol[20], percol[21]
+    inv = percol[22]  # 1 / a scale, once a column (numpy's `(1 / s)[:, None]`): no division a weight
     has_imp = imp.shape[0] > 0
     fb, ftop, fqmax = np.float32(b), np.float32(top), np.float32(qmax)
     qlo, qhi = (F0, ftop) if zero_points else (np.float32(-qmax - 1), fqmax)

@@ -108,10 +108,11 @@ def quantize(w_t: np.ndarray, scheme: Scheme, importance: np.ndarray | None = No
     tiles = _tiles(nb, b, n)
     threads = max(1, min(threads or quant_threads(), len(tiles)))
 
+    dens = SEARCH_DENS[scheme.onnx_type]
+
     def run(todo):
         for b0, b1, c0, c1 in todo:
-            quantize_tile(w_t, imp, b0, b1, c0, c1, b, search, scheme.zero_points, qmax, top, SEARCH_DENS[scheme.onnx_type],
-                          q, scales, zeros)
+            quantize_tile(w_t, imp, b0, b1, c0, c1, b, search, scheme.zero_points, qmax, top, dens, q, scales, zeros)
 
     if threads == 1:
         run(tiles)
