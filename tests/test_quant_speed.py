@@ -1,8 +1,9 @@
 """The quantizer's tiled, threaded, compiled search (models/quant/quantize.py, models/quant/kernel.py)
-against a verbatim copy of the numpy whole-tensor algorithm it replaced (`reference_quantize` below, kept as the specification): the same
-q, scales and zero points, bit for bit, on odd shapes, partial last blocks, zero blocks and columns,
-outlier channels, importance weights, int4 and int8, with and without zero points, blocks of 16 to 256
-(a lone column's sums pairwise, as numpy's), one thread or many."""
+against a verbatim copy of the numpy whole-tensor algorithm it replaced (`reference_quantize` below,
+kept as the specification): the same q, scales and zero points, bit for bit, on odd shapes, partial
+last blocks, zero blocks and columns, outlier channels, importance weights, int4 and int8, with and
+without zero points, blocks of 16 to 256 (a lone column's sums pairwise, as numpy's), any input
+layout, one thread or many."""
 
 from __future__ import annotations
 
