@@ -78,14 +78,12 @@ def validate(artifact: Path, manifest: Manifest, steps: int = VALIDATION_STEPS,
 
 
 def _reference_runs(open_reference, precision, cases, steps, tol) -> tuple[ReferenceRun, ReferenceRun | None]:
-    """(the run the graphs must match, the full-precision run when the weights are quantized). The
-    full-precision run goes first: in an export the quantized reference quantizes every weight
-    again, and that is better done after the writer's own quantization than beside it."""
+    """(the run the graphs must match, the full-precision run when the weights are quantized)."""
     runs = []
-    for quantized in ([False, True] if precision.quantized else [False]):
+    for quantized in ([True, False] if precision.quantized else [False]):
         with open_reference(quantized) as ref:  # unloaded before the next, and before ORT loads
             runs.append(run_reference(ref, cases, steps, tol, probes=False))
-    return runs[-1], runs[0] if len(runs) > 1 else None
+    return runs[0], runs[1] if len(runs) > 1 else None
 
 
 def reference_run(model_dir: Path, config, options: ExportOptions, calibration=None,
