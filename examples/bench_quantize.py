@@ -177,7 +177,7 @@ def int8_gain(args) -> dict:
                 continue
             k, n = w.shape
             x = w.reshape(k // args.block, args.block, n)
-            x2 = x * x  # the search's own error weights, av|x| + |x| (tk's `_weights` without calibration)
+            x2 = x * x  # the search's own error weights, av|x| + |x| (models/quant/kernel.py's, without calibration)
             wt = (np.sqrt(x2.mean(axis=1, keepdims=True)) + np.abs(x)).reshape(k, n)
             for method in sums:  # noqa: PLC0206
                 d = dequantize(quantize(w, Scheme("int8", args.block, method, zp)), args.block) - w
