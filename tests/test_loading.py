@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -308,3 +309,28 @@ def test_olmo2_checkpoint_tensor_names(checkpoints):
     assert m["layers.0.ffn_norm.weight"] == [("model.layers.0.post_feedforward_layernorm.weight", 64)]
     assert m["layers.0.attn.q_norm.weight"] == [("model.layers.0.self_attn.q_norm.weight", cfg.q_size)]
     assert m["layers.0.attn.k_norm.weight"] == [("model.layers.0.self_attn.k_norm.weight", cfg.kv_size)]
+
+
+@pytest.mark.parametrize("embedding", [False, True])
+def test_quantized_reference_writes_over_its_weights_and_keeps_a_float_tied_embedding(embedding):
+    """The quantized reference dequantizes over each float weight in place, except a tied LM head
+    whose embedding stays float (--no-quantize-embedding): that head gets a table of its own, and
+    the embedding keeps the checkpoint's values."""
+    from tk.models.checkpoint.loading import quantize_weights_
+    from tk.models.quant.quantize import Scheme, dequantize, quantize
+    from tk.models.reference.decoder import Decoder
+    from tk.models.spec.manifest import Precision
+
+    torch.manual_seed(0)
+    model = Decoder(_cfg(tie_embeddings=True)).eval()
+    table = model.embed.weight.detach().clone()
+    wq = model.layers[0].attn.wqkv.weight
+    before = wq.detach().clone()
+    p = Precision("int4", block_size=32, quantized_lm_head=True, quantized_embedding=embedding)
+    quantize_weights_(model, p)
+    assert model.layers[0].attn.wqkv.weight.data_ptr() == wq.data_ptr()  # written over, not copied
+    expected = dequantize(quantize(before.T.numpy(), Scheme("int4", 32)), 32).T
+    assert torch.equal(model.layers[0].attn.wqkv.weight, torch.from_numpy(np.ascontiguousarray(expected)))
+    head = torch.from_numpy(np.ascontiguousarray(dequantize(quantize(table.T.numpy(), Scheme("int4", 32)), 32).T))
+    assert torch.equal(model.lm_head.weight, head)
+    assert torch.equal(model.embed.weight, head if embedding else table)

@@ -44,6 +44,24 @@ def test_partial_blocks_ranges_and_exact_zeros(scheme):
     assert np.abs(d - w).max() <= 1.01 * np.abs(w).max() / (7 if scheme.bits == "int4" else 127)
 
 
+@pytest.mark.parametrize("block,zero_points", [(16, True), (32, False), (128, True)])
+def test_dequantize_in_pieces_into_a_transposed_weight_is_the_whole_tensor_at_once(monkeypatch, block, zero_points):
+    """The export's reference writes an LM head's dequantized values over its own float weight
+    ([N, K], so through a transposed view) a few blocks at a time: the same float32 values as
+    (q - z) * s over the whole tensor, a partial last block and a piece boundary inside it included."""
+    import tk.models.quant.quantize as quant
+
+    w = heavy(300, 40, seed=3)  # 300 rows: a partial last block for every block size here
+    qt = quantize(w, Scheme("int4", block, "rtn", zero_points))
+    s = np.repeat(qt.scales, block, axis=0)[:300]
+    z = 0 if qt.zeros is None else np.repeat(qt.zeros.astype(np.float32), block, axis=0)[:300]
+    whole = (qt.q.astype(np.float32) - z) * s
+    monkeypatch.setattr(quant, "DEQUANT_ELEMENTS", block * 40 * 2 + 1)  # pieces of two blocks
+    weight = np.full((40, 300), np.nan, dtype=np.float32)
+    assert dequantize(qt, block, out=weight.T) is not None and np.array_equal(weight.T, whole)
+    assert np.array_equal(dequantize(qt, block), whole)
+
+
 @pytest.mark.parametrize("zero_points", [False, True])
 def test_search_never_worse_than_rtn_and_better_overall(zero_points):
     w = heavy(256, 64, seed=1)

@@ -278,8 +278,10 @@ class CheckpointReader:
         along dim 0 where we fuse) read straight into their rows; into `out` when given (a buffer
         the caller reuses). A GPTQ/AWQ projection is its integers, dequantized."""
         if ours in self.packed:
-            w = torch.from_numpy(dequantize(self.quantized(ours), self.prequantized.group)).T.to(dtype)
-            return w if out is None else out.copy_(w)
+            qt = self.quantized(ours)
+            w = torch.empty(qt.q.shape[::-1], dtype=torch.float32)
+            dequantize(qt, self.prequantized.group, out=w.numpy().T)
+            return w.to(dtype) if out is None else out.copy_(w)
         shape = self.shape(ours)
         if out is None:
             out = torch.empty(shape, dtype=dtype)
@@ -335,10 +337,16 @@ def quantize_weights_(model: Decoder, precision, calibration=None) -> Decoder:
         calibration.scale_(model)
     for name, scheme in quant_plan(model.config, precision).items():
         module = model.get_submodule(name.removesuffix(".weight"))
-        qt = quantize(module.weight.detach().float().T.numpy(), scheme, calibration and calibration.importance_of(name))
+        weight = module.weight.detach()
+        qt = quantize(weight.float().T.numpy(), scheme, calibration and calibration.importance_of(name))
         qt.scales = torch.from_numpy(qt.scales).to(scale_dtype).float().numpy()
-        w = torch.from_numpy(dequantize(qt, scheme.block)).T.contiguous()
-        module.weight = torch.nn.Parameter(w.to(module.weight.dtype), requires_grad=False)  # unties a tied head
+        # written over the float weight where it is its own float32 table (a tied head that keeps a
+        # float embedding gets a table of its own): no whole-tensor copies beside the model
+        shared = model.config.tie_embeddings and not precision.quantized_embedding and name == "lm_head.weight"
+        w = weight if weight.dtype == torch.float32 and weight.is_contiguous() and not shared else \
+            torch.empty(weight.shape, dtype=torch.float32)
+        dequantize(qt, scheme.block, out=w.numpy().T)
+        module.weight = torch.nn.Parameter(w.to(weight.dtype), requires_grad=False)
     if precision.quantized_embedding and model.config.tie_embeddings:
         model.embed.weight = model.lm_head.weight  # the one table, tied again
     return model

@@ -167,14 +167,26 @@ class _Shared:
             return next(self._it)
 
 
-def dequantize(t: QTensor, block: int) -> np.ndarray:
-    """QTensor -> float32 [K, N]: (q - z) * s, as DequantizeLinear computes it."""
-    k = t.q.shape[0]
-    s = np.repeat(t.scales.astype(np.float32), block, axis=0)[:k]
-    q = t.q.astype(np.float32)
-    if t.zeros is not None:
-        q = q - np.repeat(t.zeros.astype(np.float32), block, axis=0)[:k]
-    return q * s
+def dequantize(t: QTensor, block: int, out: np.ndarray | None = None) -> np.ndarray:
+    """QTensor -> float32 [K, N]: (q - z) * s, as DequantizeLinear computes it. With `out` (a float32
+    [K, N] array or view, such as a [N, K] weight's transpose), written there a few blocks at a time:
+    the same values, without the whole-tensor temporaries (the export's reference dequantizes a
+    large LM head beside the rest of the model)."""
+    k, n = t.q.shape
+    if out is None:
+        out = np.empty((k, n), dtype=np.float32)
+    rows = block * max(1, DEQUANT_ELEMENTS // (block * max(n, 1)))
+    for r0 in range(0, k, rows):
+        r1 = min(k, r0 + rows)
+        blocks = slice(r0 // block, -(-r1 // block))
+        q = t.q[r0:r1].astype(np.float32)
+        if t.zeros is not None:
+            q -= np.repeat(t.zeros[blocks].astype(np.float32), block, axis=0)[:r1 - r0]
+        np.multiply(q, np.repeat(t.scales[blocks].astype(np.float32), block, axis=0)[:r1 - r0], out=out[r0:r1])
+    return out
+
+
+DEQUANT_ELEMENTS = 1 << 22  # a piece of dequantize's work: 16 MiB of float32 temporaries
 
 
 def pack_int4(q: np.ndarray) -> np.ndarray:
