@@ -57,7 +57,7 @@ def tk_bench(work: Path, weights: str, args) -> dict:
     cmd = [shutil.which("tk") or "tk", "bench", str(art), "--workloads", "code-edit",
            *([] if args.skip_draft else ["--draft", str(draft)]), "--new-tokens", str(args.new_tokens),
            "--repeats", str(args.repeats), "--threads", str(args.threads), "--draft-p-min", str(args.draft_p_min),
-           "--prepack" if args.prepack else "--no-prepack",
+           *(["--no-prepack"] if args.no_prepack else []),
            "--report", str(report)]
     print("$", " ".join(cmd), flush=True)
     t0 = time.time()
@@ -186,9 +186,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip-draft", action="store_true", help="plain and lookup only (no draft mode)")
-    ap.add_argument("--prepack", action="store_true",
-                    help="tk: ONNX Runtime repacks the weights for its kernels (a verify run is a batched MatMul, "
-                         "which repacks unpacked weights every run)")
+    ap.add_argument("--no-prepack", action="store_true",
+                    help="tk: keep the weights unpacked (tk prepacks when it speculates: a verify run is a MatMul of "
+                         "several rows, which packs unpacked weights again every run)")
     ap.add_argument("--draft-p-min", type=float, default=0.75,
                     help="both tools' draft stops at a guess it is less sure of (tk --draft-p-min, llama.cpp "
                          "--spec-draft-p-min, whose own default is 0)")

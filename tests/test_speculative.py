@@ -157,6 +157,34 @@ def test_cli_generate_speculates_and_refuses_clearly(models, tiny_artifact, tmp_
     assert result.exit_code == 1 and "static-capacity decode graph" in error_line(result)
 
 
+def test_speculation_prepacks_the_weights_unless_declined(models, monkeypatch):
+    """A verify run is a MatMul of several rows, which ONNX Runtime runs over unpacked float weights
+    by packing them again every run: tk generate --lookup / --draft and tk bench --workloads prepack
+    the target's and the draft's weights unless told --no-prepack; plain generation keeps the one
+    memory-mapped copy."""
+    seen = []
+    init = OrtRuntime.__init__
+
+    def record(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        seen.append(self.prepack)
+
+    monkeypatch.setattr(OrtRuntime, "__init__", record)
+    ids = ",".join(map(str, _prompts()[0]))
+    base = ["generate", models["fused"], "--prompt-ids", ids, "--max-new-tokens", "4", "--json"]
+    for extra, expected in [([], [False]), (["--lookup"], [True]), (["--draft", models["small"]], [True, True]),
+                            (["--draft", models["small"], "--no-prepack"], [False, False]),
+                            (["--prepack"], [True])]:
+        seen.clear()
+        result = run(*base, *extra)
+        assert result.exit_code == 0, result.output
+        assert seen == expected, extra
+    seen.clear()
+    result = run("bench", models["fused"], "--workloads", "free", "--new-tokens", "4", "--repeats", "1")
+    assert result.exit_code == 0, result.output
+    assert seen and all(seen)
+
+
 def test_tk_bench_workloads_compare_plain_lookup_and_a_draft(models, tmp_path):
     """tk bench --workloads: every mode's tokens are plain's, the target as its own draft is accepted
     whole, and the report holds what the issue asks (tokens per step, acceptance, ms/token, speed-up)."""

@@ -137,7 +137,7 @@ class OrtRuntime(ArtifactRuntime):
             raise ValueError(f"prefill_via must be None, 'decode' or 'prefill', not {prefill_via!r}")
         super().__init__(artifact, manifest, buffers=OrtBuffers())
         self.threads, self.provider, self.profile, self.huge_pages = threads, provider, profile, huge_pages
-        self.prepack = prepack or self.manifest.precision.quantized
+        self.prepack = bool(prepack) or self.manifest.precision.quantized
         self.swap_sessions, self.quant_compute, self._prefill_via = swap_sessions, quant_compute, prefill_via
 
     def _at_rest(self) -> None:

@@ -112,16 +112,18 @@ def _set_option(ctx: click.Context, param: click.Parameter, value):
     return value
 
 
-def backend_options(f=None, *, prepack: bool = False):
+def backend_options(f=None, *, prepack: bool | None = None):
     """--threads, --device, --provider, --prepack: how a backend runs, passed to the command as one
-    `options` (BackendOptions). Serving prepacks by default: batched MatMuls on unpacked weights
-    repack them every step."""
+    `options` (BackendOptions). Serving prepacks by default, and so does speculation where not told
+    (BackendOptions.for_runs): MatMuls of several rows on unpacked weights repack them every run."""
     def add(f):
         into_options = dict(expose_value=False, callback=_set_option)
-        f = click.option("--prepack/--no-prepack", default=prepack, show_default=True,
+        default = "" if prepack is None else f" [default: {'prepack' if prepack else 'no-prepack'}]"
+        f = click.option("--prepack/--no-prepack", default=prepack,
                          help="ONNX Runtime: repack the weights for the CPU's kernels in each session (faster decode, "
-                              "much faster batched decode; a private copy of the weights per session; without it: "
-                              "one memory-mapped copy).", **into_options)(f)
+                              "much faster batched and speculative decode; a private copy of the weights per session; "
+                              "without it: one memory-mapped copy)" + (default or " [default: on when speculating "
+                              "(--lookup, --draft, --workloads), else off]") + ".", **into_options)(f)
         f = click.option("--provider", default="auto", show_default=True, type=click.Choice(PROVIDERS),
                          help="ONNX Runtime execution provider (auto: CUDA when onnxruntime-gpu sees a GPU).",
                          **into_options)(f)

@@ -50,6 +50,8 @@ def generate(ctx: click.Context, artifact: Path, backend: str, prompts: tuple[st
     if system is not None and chat is None:
         raise click.UsageError("--system goes with --chat")
     speculation = speculation_from(ctx)
+    if speculation.proposer:
+        options = options.for_runs()
     if speculation.proposer and backend == "torch":  # the reference over the artifact's static cache, to verify runs
         options = dataclasses.replace(options, static_cache=True)
     manifest = Manifest.read(artifact)
@@ -151,7 +153,7 @@ def bench(ctx: click.Context, artifact: Path, backends: list[str], prompt_len: i
         if given and len(backends) != 1:
             raise click.UsageError("--workloads runs on one backend: give --backends NAME", ctx)
         result = bench_speculative(artifact, backends[0] if given else "ort", workloads, new_tokens, repeats,
-                                   options, draft, k, draft_p_min=draft_p_min)
+                                   options.for_runs(), draft, k, draft_p_min=draft_p_min)
         click.echo(format_speculative(result))
         if report is not None:
             report.write_text(json.dumps(result, indent=2))
