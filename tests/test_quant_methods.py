@@ -47,8 +47,8 @@ def test_partial_blocks_ranges_and_exact_zeros(scheme):
 @pytest.mark.parametrize("block,zero_points", [(16, True), (32, False), (128, True)])
 def test_dequantize_in_pieces_into_a_transposed_weight_is_the_whole_tensor_at_once(monkeypatch, block, zero_points):
     """The export's reference writes an LM head's dequantized values over its own float weight
-    ([N, K], so through a transposed view) a few blocks at a time: the same float32 values as
-    (q - z) * s over the whole tensor, a partial last block and a piece boundary inside it included."""
+    ([N, K], so through a transposed view) a few columns at a time: the same float32 values as
+    (q - z) * s over the whole tensor, with a partial last block and a partial last piece."""
     import tk.models.quant.quantize as quant
 
     w = heavy(300, 40, seed=3)  # 300 rows: a partial last block for every block size here
@@ -56,7 +56,7 @@ def test_dequantize_in_pieces_into_a_transposed_weight_is_the_whole_tensor_at_on
     s = np.repeat(qt.scales, block, axis=0)[:300]
     z = 0 if qt.zeros is None else np.repeat(qt.zeros.astype(np.float32), block, axis=0)[:300]
     whole = (qt.q.astype(np.float32) - z) * s
-    monkeypatch.setattr(quant, "DEQUANT_ELEMENTS", block * 40 * 2 + 1)  # pieces of two blocks
+    monkeypatch.setattr(quant, "DEQUANT_COLUMNS", 7)  # pieces of 7 columns, the last of 5
     weight = np.full((40, 300), np.nan, dtype=np.float32)
     assert dequantize(qt, block, out=weight.T) is not None and np.array_equal(weight.T, whole)
     assert np.array_equal(dequantize(qt, block), whole)

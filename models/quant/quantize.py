@@ -169,24 +169,24 @@ class _Shared:
 
 def dequantize(t: QTensor, block: int, out: np.ndarray | None = None) -> np.ndarray:
     """QTensor -> float32 [K, N]: (q - z) * s, as DequantizeLinear computes it. With `out` (a float32
-    [K, N] array or view, such as a [N, K] weight's transpose), written there a few blocks at a time:
-    the same values, without the whole-tensor temporaries (the export's reference dequantizes a
-    large LM head beside the rest of the model)."""
+    [K, N] array or view, such as a [N, K] weight's transpose), written there a few columns at a
+    time: the same values, without the whole-tensor temporaries (the export's reference dequantizes
+    a large LM head beside the rest of the model), each piece copied whole (a ufunc writing through
+    the transposed view strides and took twice as long)."""
     k, n = t.q.shape
     if out is None:
         out = np.empty((k, n), dtype=np.float32)
-    rows = block * max(1, DEQUANT_ELEMENTS // (block * max(n, 1)))
-    for r0 in range(0, k, rows):
-        r1 = min(k, r0 + rows)
-        blocks = slice(r0 // block, -(-r1 // block))
-        q = t.q[r0:r1].astype(np.float32)
+    for c0 in range(0, n, DEQUANT_COLUMNS):
+        c = slice(c0, c0 + DEQUANT_COLUMNS)
+        q = t.q[:, c].astype(np.float32)
         if t.zeros is not None:
-            q -= np.repeat(t.zeros[blocks].astype(np.float32), block, axis=0)[:r1 - r0]
-        np.multiply(q, np.repeat(t.scales[blocks].astype(np.float32), block, axis=0)[:r1 - r0], out=out[r0:r1])
+            q -= np.repeat(t.zeros[:, c].astype(np.float32), block, axis=0)[:k]
+        q *= np.repeat(t.scales[:, c].astype(np.float32), block, axis=0)[:k]
+        out[:, c] = q
     return out
 
 
-DEQUANT_ELEMENTS = 1 << 22  # a piece of dequantize's work: 16 MiB of float32 temporaries
+DEQUANT_COLUMNS = 256  # a piece of dequantize's work: K x 256 float32 temporaries
 
 
 def pack_int4(q: np.ndarray) -> np.ndarray:
