@@ -12,6 +12,7 @@ safetensors, written tensor by tensor), then, each in its own process so the ker
 
     python examples/bench_sizes.py --shape tinyllama --work /tmp/sizes --genai-python /tmp/genai-venv/bin/python
     python examples/bench_sizes.py --shape llama2-7b --dtype fp16 --work /tmp/sizes7b --no-validate
+    python examples/bench_sizes.py --shape tinyllama --work /tmp/sizes --weights int4 --no-prepacked --rounds 1
 """
 
 from __future__ import annotations
@@ -154,6 +155,8 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32")
     ap.add_argument("--work", type=Path, required=True)
     ap.add_argument("--no-validate", action="store_true")
+    ap.add_argument("--weights", choices=["int4", "int8"],
+                    help="tk export --weights (genai's builder: -p int4 for int4)")
     ap.add_argument("--genai-python", help="a Python with onnxruntime-genai (its builder is timed on the same folder)")
     ap.add_argument("--no-prepacked", action="store_true", help="skip the ORT run with prepacked weights (a copy each)")
     ap.add_argument("--max-rss-gib", type=float, default=20.0, help="kill a runtime check whose RSS passes this")
@@ -169,12 +172,13 @@ def main() -> None:
     weights = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
     tk = str(Path(sys.executable).with_name("tk"))
     cmd = [tk, "export", str(ckpt), "-o", str(art), "--dtype", args.dtype,
-           *(["--no-validate"] if args.no_validate else [])]
+           *(["--no-validate"] if args.no_validate else []), *(["--weights", args.weights] if args.weights else [])]
     genai_cmd = None
     if args.genai_python:
         genai_out = args.work / "genai"
+        precision = "int4" if args.weights == "int4" else args.dtype
         genai_cmd = [args.genai_python, "-m", "onnxruntime_genai.models.builder", "-m", str(ckpt), "-i", str(ckpt),
-                     "-o", str(genai_out), "-p", args.dtype, "-e", "cpu", "-c", str(args.work / "genai-cache")]
+                     "-o", str(genai_out), "-p", precision, "-e", "cpu", "-c", str(args.work / "genai-cache")]
     walls, genai_walls, time_peak, tree_peak = [], [], 0, 0
     for _ in range(args.rounds):  # tk, then genai's builder, alternated: the machine's drift hits both
         shutil.rmtree(art, ignore_errors=True)
