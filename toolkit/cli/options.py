@@ -112,10 +112,11 @@ def _set_option(ctx: click.Context, param: click.Parameter, value):
     return value
 
 
-def backend_options(f=None, *, prepack: bool | None = None):
+def backend_options(f=None, *, prepack: bool | None = False):
     """--threads, --device, --provider, --prepack: how a backend runs, passed to the command as one
-    `options` (BackendOptions). Serving prepacks by default, and so does speculation where not told
-    (BackendOptions.for_runs): MatMuls of several rows on unpacked weights repack them every run."""
+    `options` (BackendOptions). Serving prepacks by default; `prepack=None` (the commands that
+    speculate) leaves it to the command, which prepacks where it speculates (BackendOptions.for_runs):
+    MatMuls of several rows on unpacked weights repack them every run."""
     def add(f):
         into_options = dict(expose_value=False, callback=_set_option)
         default = "" if prepack is None else f" [default: {'prepack' if prepack else 'no-prepack'}]"

@@ -30,7 +30,7 @@ from tk.toolkit.cli.options import (BackendName, WorkloadList, backend_options, 
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--stop", "stops", multiple=True, help="Stop when this text appears (repeatable).")
 @click.option("--ignore-eos", is_flag=True, help="Generate exactly --max-new-tokens.")
-@backend_options
+@backend_options(prepack=None)
 @speculation_options
 @click.option("--json", "as_json", is_flag=True, help="Print tokens, text, finish reason and timings as JSON.")
 @click.pass_context
@@ -123,7 +123,7 @@ def eval_(artifact: Path, text_file: Path, backends: list[str], window: int | No
 @click.option("--new-tokens", default=128, show_default=True, type=int)
 @click.option("--batch", default=1, show_default=True, type=int)
 @click.option("--repeats", default=3, show_default=True, type=int)
-@backend_options
+@backend_options(prepack=None)
 @click.option("--report", type=click.Path(dir_okay=False, path_type=Path), help="Write the JSON report here.")
 @click.option("--profile", is_flag=True, help="Also split an ORT decode step into Python, executor and kernel time.")
 @click.option("--workloads", type=WorkloadList(),
