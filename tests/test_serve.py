@@ -129,6 +129,7 @@ def test_sixteen_concurrent_clients_each_get_their_solo_tokens(server, solo):
     for i, (got, want) in enumerate(results):
         assert got == want, f"request {i}"
     assert srv.batcher.running == 0 and _metric(url, "tk_active_slots") == 0
+    assert srv.batcher.runtime.prepack  # options that say nothing: a batch is a MatMul of several rows, packed
     assert _metric(url, "tk_generation_tokens_total") >= sum(len(w[0]) for _, w in results)
     assert _metric(url, "tk_time_to_first_token_seconds_count") >= 16 and _metric(url, "tk_inter_token_latency_seconds_count")
 

@@ -84,7 +84,7 @@ def open_speculation(target: Path, runtime, so: SpeculationOptions, backend: str
         from tk.toolkit.backends import BackendOptions, open_runtime
 
         check_draft(Path(target), so.draft)
-        options = options or BackendOptions()
+        options = (options or BackendOptions()).for_runs()  # its catch-up runs take several tokens
         if backend == "torch":  # the draft's own static cache (rewound after each verdict)
             options = dataclasses.replace(options, static_cache=True)
         proposer = DraftModel(open_runtime(so.draft, backend, options), runtime.dims.vocab_size, so.draft_p_min)

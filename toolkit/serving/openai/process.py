@@ -70,6 +70,7 @@ def open_server(artifact, backend: str, backend_options, options: ServeOptions =
         raise UsageProblem(f"{artifact}: {problem}")
     tokenizer = Tokenizer(artifact)
     tokenizer.hf  # noqa: B018  (loaded now, not on the first chat request's event loop)
+    backend_options = backend_options.for_runs()  # a batch is a MatMul of several rows, as a verify run is
     runtime = open_runtime(artifact, backend, dataclasses.replace(backend_options, static_cache=True))
     speculation = open_speculation(artifact, runtime, options.speculation, backend, backend_options)
     if speculation is not None:
