@@ -30,30 +30,28 @@ def main() -> None:
     args = ap.parse_args()
     runs = [int(n) for n in args.runs.split(",")]
     rng = np.random.default_rng(0)
-    contenders = {}
-    for packed in (True, False):
-        rt = OrtRuntime(args.artifact, threads=args.threads, prepack=packed).activate()
-        vocab = rt.dims.vocab_size
-        prompt = rng.integers(0, vocab, (1, args.prompt_len)) if not contenders else contenders[True][2]
-        _, session = rt.start(prompt, np.ones_like(prompt), room=max(runs))
-        contenders[packed] = (rt, session, prompt)
-    times = {(p, n): [] for p in contenders for n in runs}
+    runtimes = {packed: OrtRuntime(args.artifact, threads=args.threads, prepack=packed).activate()
+                for packed in (True, False)}
+    vocab = runtimes[True].dims.vocab_size
+    prompt = rng.integers(0, vocab, (1, args.prompt_len))
+    sessions = {packed: rt.start(prompt, np.ones_like(prompt), room=max(runs))[1] for packed, rt in runtimes.items()}
+    times = {(p, n): [] for p in runtimes for n in runs}
     for _ in range(args.repeats + 1):  # the first round warms both up and is dropped
         for n in runs:
-            for packed, (rt, session, prompt) in contenders.items():
+            for packed, rt in runtimes.items():
                 tokens = rng.integers(0, vocab, (1, n))
                 start = time.perf_counter()
-                rt.verify(session, tokens)
+                rt.verify(sessions[packed], tokens)
                 times[packed, n].append(time.perf_counter() - start)
-                rt.rewind(session, [prompt.shape[1]])
+                rt.rewind(sessions[packed], [args.prompt_len])
     print(f"{args.artifact}: decode runs of n tokens after a {args.prompt_len}-token prompt, "
           f"{args.threads} threads, median of {args.repeats} (ms)")
     print(f"{'n':>3} {'packed':>9} {'unpacked':>9} {'unpacked/packed':>16}")
     for n in runs:
         p, u = (1e3 * statistics.median(times[k, n][1:]) for k in (True, False))
         print(f"{n:>3} {p:9.1f} {u:9.1f} {u / p:15.2f}x")
-    for rt, session, _ in contenders.values():
-        session.close()
+    for packed, rt in runtimes.items():
+        sessions[packed].close()
         rt.deactivate()
 
 

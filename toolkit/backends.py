@@ -29,9 +29,10 @@ class BackendOptions:
 
     def for_runs(self) -> "BackendOptions":
         """Options for decode runs of several tokens a row (speculation's verify runs, a draft's
-        catch-up) or of several rows (a server's batches): prepacked unless declined. ONNX Runtime's MatMul over unpacked float weights packs
-        them again every run of more than one row: on the 0.5B fp32 checkpoint a 9-token run took
-        343 ms unpacked and 205 ms packed (one token: 123 and 120; examples/bench_verify.py)."""
+        catch-up) or of several rows (a server's batches): prepacked unless declined. ONNX Runtime's
+        MatMul over unpacked float weights packs them again every run of more than one row: on the
+        0.5B fp32 checkpoint a 9-token run took 343 ms unpacked and 205 ms packed (one token: 123
+        and 120; examples/bench_verify.py)."""
         return self if self.prepack is not None else dataclasses.replace(self, prepack=True)
 
 

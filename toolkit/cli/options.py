@@ -119,12 +119,12 @@ def backend_options(f=None, *, prepack: bool | None = False):
     MatMuls of several rows on unpacked weights repack them every run."""
     def add(f):
         into_options = dict(expose_value=False, callback=_set_option)
-        default = "" if prepack is None else f" [default: {'prepack' if prepack else 'no-prepack'}]"
+        default = ("on when speculating (--lookup, --draft, --workloads), else off" if prepack is None
+                   else "prepack" if prepack else "no-prepack")
         f = click.option("--prepack/--no-prepack", default=prepack,
                          help="ONNX Runtime: repack the weights for the CPU's kernels in each session (faster decode, "
                               "much faster batched and speculative decode; a private copy of the weights per session; "
-                              "without it: one memory-mapped copy)" + (default or " [default: on when speculating "
-                              "(--lookup, --draft, --workloads), else off]") + ".", **into_options)(f)
+                              f"without it: one memory-mapped copy) [default: {default}].", **into_options)(f)
         f = click.option("--provider", default="auto", show_default=True, type=click.Choice(PROVIDERS),
                          help="ONNX Runtime execution provider (auto: CUDA when onnxruntime-gpu sees a GPU).",
                          **into_options)(f)

@@ -50,10 +50,8 @@ def generate(ctx: click.Context, artifact: Path, backend: str, prompts: tuple[st
     if system is not None and chat is None:
         raise click.UsageError("--system goes with --chat")
     speculation = speculation_from(ctx)
-    if speculation.proposer:
-        options = options.for_runs()
-    if speculation.proposer and backend == "torch":  # the reference over the artifact's static cache, to verify runs
-        options = dataclasses.replace(options, static_cache=True)
+    if speculation.proposer:  # verify runs: packed weights; torch: the reference over the artifact's static cache
+        options = dataclasses.replace(options.for_runs(), static_cache=options.static_cache or backend == "torch")
     manifest = Manifest.read(artifact)
     runtime = open_runtime(artifact, backend, options)
     spec = open_speculation(artifact, runtime, speculation, backend, options)
