@@ -42,7 +42,7 @@ def write_checkpoint(folder: Path, shape: str, dtype: str, shard_bytes: int = 2 
     from safetensors.torch import save_file
 
     from tk.models.checkpoint.families import config_from_hf
-    from tk.models.checkpoint.loading import hf_shapes
+    from tk.models.checkpoint.names import hf_shapes
     from tk.models.fixtures.presets import _LLAMA, train_tokenizer
 
     hf = {**_LLAMA, **SHAPES[shape], "torch_dtype": {"fp32": "float32", "fp16": "float16"}[dtype]}

@@ -301,14 +301,14 @@ def test_new_fields_are_validated(kw, message):
 def test_olmo2_checkpoint_tensor_names(checkpoints):
     """OLMo 2's block norms are post_attention_layernorm and post_feedforward_layernorm (no
     input_layernorm), its q/k norms as wide as the projections."""
-    from tk.models.checkpoint.loading import weight_map
+    from tk.models.checkpoint.names import Part, weight_map
 
     cfg = load_decoder(checkpoints("olmo2")).config
     m = weight_map(cfg)
-    assert m["layers.0.attn_norm.weight"] == [("model.layers.0.post_attention_layernorm.weight", 64)]
-    assert m["layers.0.ffn_norm.weight"] == [("model.layers.0.post_feedforward_layernorm.weight", 64)]
-    assert m["layers.0.attn.q_norm.weight"] == [("model.layers.0.self_attn.q_norm.weight", cfg.q_size)]
-    assert m["layers.0.attn.k_norm.weight"] == [("model.layers.0.self_attn.k_norm.weight", cfg.kv_size)]
+    assert m["layers.0.attn_norm.weight"] == [Part("model.layers.0.post_attention_layernorm.weight", 64)]
+    assert m["layers.0.ffn_norm.weight"] == [Part("model.layers.0.post_feedforward_layernorm.weight", 64)]
+    assert m["layers.0.attn.q_norm.weight"] == [Part("model.layers.0.self_attn.q_norm.weight", cfg.q_size)]
+    assert m["layers.0.attn.k_norm.weight"] == [Part("model.layers.0.self_attn.k_norm.weight", cfg.kv_size)]
 
 
 @pytest.mark.parametrize("embedding", [False, True])

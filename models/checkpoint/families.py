@@ -47,19 +47,51 @@ def _moe_qwen(hf: dict, num_layers: int) -> dict:
                 shared_expert_size=hf.get("shared_expert_intermediate_size") or 0, moe_layers=layers)
 
 
+def _moe_qwen35(hf: dict, num_layers: int) -> dict:
+    """Qwen3.5-MoE: every layer routes, top-k always renormalized (its router has no norm_topk_prob), a gated
+    shared expert."""
+    return _moe_qwen({**hf, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}, num_layers)
+
+
 @dataclass(frozen=True)
 class ExpertNames:
-    """Where a mixture-of-experts checkpoint keeps an MoE layer's tensors: model.layers.N.{block}.gate
-    (the router), .experts.E.{gate,up,down}; a shared expert at mlp.shared_expert(_gate) (Qwen2-MoE)."""
+    """Where a mixture-of-experts checkpoint keeps an MoE layer's tensors: model.layers.N.{block}.{router}
+    (the router), .experts.E.{gate,up,down}, or, `stacked`, {block}.{gate} and {block}.{down} holding every
+    expert ([experts, rows, hidden]: gate and up in one); a shared expert at `shared` (its gate at
+    `shared_gate`, Qwen2-MoE; or `shared_fused` names its fused pair, Granite 4.0-H)."""
 
     block: str
     gate: str
     up: str
     down: str
+    router: str = "gate"
+    stacked: bool = False
+    shared: str = "mlp.shared_expert."
+    shared_gate: str = "mlp.shared_expert_gate"
+    shared_fused: tuple[str, str] | None = None
 
 
 MIXTRAL_EXPERTS = ExpertNames("block_sparse_moe", "w1", "w3", "w2")
 QWEN_EXPERTS = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj")
+GRANITE_EXPERTS = ExpertNames("block_sparse_moe", "input_linear", "", "output_linear", router="router.layer",
+                              stacked=True, shared="shared_mlp.", shared_fused=("input_linear", "output_linear"))
+
+
+@dataclass(frozen=True)
+class Names:
+    """Where a family keeps one layer's tensors (under {prefix}layers.N.), where they are not Llama's."""
+
+    norms: dict | None = None  # our block norms -> theirs (None: by norm placement)
+    attn: str = "self_attn."
+    o_proj: str = "o_proj"
+    q_norm: str = "q_norm"
+    k_norm: str = "k_norm"
+    mlp: str = "mlp."
+    ffn: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    fused_ffn: tuple[str, str] | None = None  # (gate and up in one, down): Granite 4.0-H's dense shared_mlp
+    final_norm: str = "norm"
+    mixer: str = ""  # a recurrent layer's module: conv. (LFM2), linear_attn. (Qwen3.5), mamba. (Granite 4.0-H)
+    gdn_grouped: bool = False  # Qwen3-Next: in_proj_qkvz and in_proj_ba interleaved by key head
 
 
 @dataclass(frozen=True)
@@ -90,6 +122,78 @@ class Family:
     prefix: str = "model."
     lm_head: str = "lm_head.weight"
     ignore: tuple[str, ...] = ()
+    names: Names = Names()  # its tensors' names, where not Llama's
+    hybrid: Callable[[dict], dict] | None = None  # a hybrid's mixers: their DecoderConfig fields from config.json
+
+
+def _layer_types(hf: dict, linear: str, attention_every: int | None = None) -> list[str]:
+    """A hybrid's mixers (models/spec/config.py MIXERS) from its config's layer_types, where transformers 5
+    calls every recurrent layer "linear_attention" (an older config: "mamba", "conv") and every attention
+    layer "full_attention" ("attention"); without layer_types, every `attention_every`-th layer attends."""
+    n = hf["num_hidden_layers"]
+    types = hf.get("layer_types") or hf.get("layers_block_type")
+    if not types:
+        every = attention_every or 1
+        types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
+    mixers = {"full_attention": "attention", "attention": "attention", "linear_attention": linear, "mamba": linear,
+              "conv": linear}
+    unknown = [t for t in types if t not in mixers]
+    if unknown:
+        raise UnsupportedModelError(f"layer type {unknown[0]!r} is not supported in {hf['architectures'][0]}")
+    return [mixers[t] for t in types]
+
+
+def _hybrid_lfm2(hf: dict) -> dict:
+    """LFM2: short convolutions (conv_L_cache wide) between attention layers (layer_types, or full_attn_idxs);
+    the FFN's width adjusted as Lfm2MLP does (two thirds, times block_ffn_dim_multiplier, rounded up)."""
+    n = hf["num_hidden_layers"]
+    if not hf.get("layer_types") and hf.get("full_attn_idxs") is not None:
+        hf = {**hf, "layer_types": ["full_attention" if i in hf["full_attn_idxs"] else "conv" for i in range(n)]}
+    width = hf.get("intermediate_size") or hf.get("block_ff_dim")
+    if hf.get("block_auto_adjust_ff_dim", True):
+        width = int(2 * width / 3)
+        if hf.get("block_ffn_dim_multiplier", 1.0) is not None:
+            multiple = hf.get("block_multiple_of", 256)
+            width = int(hf.get("block_ffn_dim_multiplier", 1.0) * width)
+            width = multiple * ((width + multiple - 1) // multiple)
+    return dict(layer_types=_layer_types(hf, "conv"), conv_kernel=hf.get("conv_L_cache", 3),
+                conv_bias=bool(hf.get("conv_bias", False)), intermediate_size=width,
+                rms_norm_eps=float(hf.get("norm_eps", 1e-5)))
+
+
+def _hybrid_qwen35(hf: dict) -> dict:
+    """Qwen3.5 and Qwen3-Next: gated DeltaNet layers, every full_attention_interval-th layer a gated attention
+    one (Qwen3_5TextConfig's defaults where a key is left out)."""
+    return dict(layer_types=_layer_types(hf, "gdn", hf.get("full_attention_interval", 4)),
+                conv_kernel=hf.get("linear_conv_kernel_dim", 4), linear_key_heads=hf.get("linear_num_key_heads", 16),
+                linear_value_heads=hf.get("linear_num_value_heads", 32), linear_key_dim=hf.get("linear_key_head_dim", 128),
+                linear_value_dim=hf.get("linear_value_head_dim", 128))
+
+
+def _hybrid_granite(hf: dict) -> dict:
+    """Granite 4.0-H: Mamba2 layers (mamba_*; mamba_d_head "auto" is mamba_expand * hidden / heads) and
+    attention layers, with RoPE only where position_embedding_type is "rope"; a shared MLP in every layer,
+    added to the experts where num_local_experts > 0, else the layer's FFN."""
+    n, heads = hf["num_hidden_layers"], hf.get("mamba_n_heads", 128)
+    d_head = hf.get("mamba_d_head", "auto")
+    if d_head in (None, "auto"):
+        d_head = hf.get("mamba_expand", 2) * hf["hidden_size"] // heads
+    # transformers 5 writes infinity as {"__float__": "Infinity"}
+    limit = [float(x["__float__"] if isinstance(x, dict) else x) for x in hf.get("time_step_limit") or ()]
+    fields = dict(layer_types=_layer_types(hf, "mamba"), conv_kernel=hf.get("mamba_d_conv", 4),
+                  conv_bias=bool(hf.get("mamba_conv_bias", True)), mamba_heads=heads, mamba_head_dim=d_head,
+                  mamba_state=hf.get("mamba_d_state", 256), mamba_groups=hf.get("mamba_n_groups", 1),
+                  mamba_proj_bias=bool(hf.get("mamba_proj_bias", False)),
+                  mamba_dt_limit=None if not limit or tuple(limit) == (0.0, float("inf")) else limit)
+    if hf.get("position_embedding_type") != "rope":
+        fields["rope_layers"] = [False] * n
+    experts, shared = hf.get("num_local_experts", 8) or 0, hf.get("shared_intermediate_size", 1024)
+    if experts:
+        fields.update(num_experts=experts, experts_per_token=hf.get("num_experts_per_tok", 2),
+                      expert_size=hf.get("intermediate_size"), renormalize_experts=True, shared_expert_size=shared)
+    else:
+        fields["intermediate_size"] = shared
+    return fields
 
 
 _GRANITE_FLOATS = {"embedding_multiplier": ("embedding_multiplier", 1.0),
@@ -98,6 +202,24 @@ _GRANITE_FLOATS = {"embedding_multiplier": ("embedding_multiplier", 1.0),
                    "logits_scaling": ("logits_scaling", 1.0)}
 _GEMMA = {"norm_offset": 1.0, "embed_scale": True}
 _GEMMA_2_3 = dict(hf_act="hidden_activation", tied=True, sliding="layer-types", pre_attn_scalar=True)
+
+# Qwen3.5 (gated DeltaNet, gated attention, (1 + w) norms) as users have it: text-only, image-text (its text
+# model: tensors under model.language_model., beside the vision tower and the multi-token-prediction head tk
+# ignores), with experts (Qwen3.5-MoE), and Qwen3-Next (experts, its DeltaNet projections grouped by key head)
+_QWEN35 = dict(fixed={"norm_offset": 1.0, "qk_norm": "head", "attn_output_gate": True}, hf_bias="attention_bias",
+               hybrid=_hybrid_qwen35)
+_QWEN35_TEXT = dict(prefix="model.language_model.", ignore=("model.visual.", "mtp."))
+_QWEN35_ROWS = {
+    "Qwen3_5ForCausalLM": dict(names=Names(mixer="linear_attn."), ignore=("model.visual.", "mtp.")),
+    "Qwen3_5ForConditionalGeneration": dict(names=Names(mixer="linear_attn."), text_config="qwen3_5_text",
+                                            **_QWEN35_TEXT),
+    "Qwen3_5MoeForCausalLM": dict(names=Names(mixer="linear_attn."), moe=_moe_qwen35, experts=QWEN_EXPERTS,
+                                  ignore=("model.visual.", "mtp.")),
+    "Qwen3_5MoeForConditionalGeneration": dict(names=Names(mixer="linear_attn."), moe=_moe_qwen35, experts=QWEN_EXPERTS,
+                                               text_config="qwen3_5_moe_text", **_QWEN35_TEXT),
+    "Qwen3NextForCausalLM": dict(names=Names(mixer="linear_attn.", gdn_grouped=True), moe=_moe_qwen,
+                                 experts=QWEN_EXPERTS, ignore=("mtp.",)),
+}
 
 FAMILIES: dict[str, Family] = {
     "LlamaForCausalLM": Family(fixed={}, hf_bias="attention_bias"),
@@ -128,6 +250,15 @@ FAMILIES: dict[str, Family] = {
     "Qwen2MoeForCausalLM": Family(fixed={"qkv_bias": True}, sliding="opt-in", moe=_moe_qwen, experts=QWEN_EXPERTS),
     "Qwen3MoeForCausalLM": Family(fixed={"qk_norm": "head"}, hf_bias="attention_bias", sliding="opt-in", moe=_moe_qwen,
                                   experts=QWEN_EXPERTS),
+    # the hybrids: layers whose state is not a KV cache (models/reference/recurrent.py)
+    "Lfm2ForCausalLM": Family(fixed={"qk_norm": "head"}, tied=True, hybrid=_hybrid_lfm2, names=Names(
+        norms={"attn_norm": "operator_norm", "ffn_norm": "ffn_norm"}, o_proj="out_proj", q_norm="q_layernorm",
+        k_norm="k_layernorm", mlp="feed_forward.", ffn=("w1", "w3", "w2"), final_norm="embedding_norm", mixer="conv.")),
+    **{arch: Family(**_QWEN35, **kw) for arch, kw in _QWEN35_ROWS.items()},
+    "GraniteMoeHybridForCausalLM": Family(fixed={"shared_expert_gated": False}, hf_bias="attention_bias",
+                                          hf_floats=_GRANITE_FLOATS, hybrid=_hybrid_granite, experts=GRANITE_EXPERTS,
+                                          names=Names(mixer="mamba.", mlp="shared_mlp.",
+                                                      fused_ffn=("input_linear", "output_linear"))),
 }
 
 
@@ -259,6 +390,8 @@ def config_from_hf(hf: dict) -> DecoderConfig:
         fields["attention_scale"] = float(hf.get("query_pre_attn_scalar") or 256) ** -0.5
     if fam.moe is not None:
         fields.update(fam.moe(hf, num_layers))
+    if fam.hybrid is not None:
+        fields.update(fam.hybrid(hf))
     fields.update(fam.fixed)
     if fields["qkv_bias"] and not fam.hf_bias:  # Qwen2: q/k/v biased, o not
         fields["o_bias"] = False

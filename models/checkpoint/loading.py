@@ -5,8 +5,8 @@ sharded through model.safetensors.index.json. Never unpickles. Every shape is ch
 the config before anything is materialized, so a mismatched or corrupt checkpoint fails with a
 sentence naming the tensor, not deep inside torch.
 
-`weight_map` is the one table of how Hugging Face tensor names map to ours; the presets write
-checkpoints from the same table.
+`weight_map` (models/checkpoint/names.py) is the one table of how Hugging Face tensor names map to
+ours; the presets write checkpoints from the same table.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from safetensors import SafetensorError, safe_open
 
 from tk.models.spec.config import DecoderConfig, UnsupportedModelError
 from tk.models.checkpoint.families import FAMILIES, config_from_hf
+from tk.models.checkpoint.names import Part, hf_shapes, weight_map
 from tk.models.checkpoint.prequantized import METHODS as PREQUANTIZED
 from tk.models.checkpoint.prequantized import quantized_shapes, read_prequantized, unpack
 from tk.models.spec.dtypes import canonical_dtype
@@ -36,83 +37,10 @@ INDEX_FILE = "model.safetensors.index.json"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved
 _ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
               "I32": torch.int32}
-# a block's norms (ours -> Hugging Face's) by where they sit: before each branch, after (OLMo 2), or both
-# (Gemma 2/3: there post_attention_layernorm is the attention's *output* norm)
-_BLOCK_NORMS = {"pre": {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"},
-                "post": {"attn_norm": "post_attention_layernorm", "ffn_norm": "post_feedforward_layernorm"},
-                "sandwich": {"attn_norm": "input_layernorm", "attn_post_norm": "post_attention_layernorm",
-                             "ffn_norm": "pre_feedforward_layernorm", "ffn_post_norm": "post_feedforward_layernorm"}}
 
 
 def torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, canonical_dtype(name))
-
-
-def weight_map(cfg: DecoderConfig) -> dict[str, list[tuple[str, int]]]:
-    """Our parameter name -> the Hugging Face tensors concatenated (along dim 0) to make it,
-    each with its number of rows. Fused families store the concatenation already."""
-    C, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    fam = FAMILIES[cfg.architecture]
-    m: dict[str, list[tuple[str, int]]] = {"embed.weight": [(fam.prefix + "embed_tokens.weight", V)],
-                                           "norm.weight": [(fam.prefix + "norm.weight", C)]}
-    if not cfg.tie_embeddings:
-        m["lm_head.weight"] = [(fam.lm_head, V)]
-    for i in range(cfg.num_layers):
-        hf, us = f"{fam.prefix}layers.{i}.", f"layers.{i}."
-        for ours, theirs in _BLOCK_NORMS[cfg.norm_placement].items():
-            m[us + ours + ".weight"] = [(hf + theirs + ".weight", C)]
-        qkv = [("q", cfg.q_size), ("k", cfg.kv_size), ("v", cfg.kv_size)]
-        for kind, on in (("weight", True), ("bias", cfg.qkv_bias)):
-            if not on:
-                continue
-            if cfg.fused_projections:
-                m[us + f"attn.wqkv.{kind}"] = [(hf + f"self_attn.qkv_proj.{kind}", cfg.q_size + 2 * cfg.kv_size)]
-            else:
-                m[us + f"attn.wqkv.{kind}"] = [(hf + f"self_attn.{p}_proj.{kind}", n) for p, n in qkv]
-        m[us + "attn.wo.weight"] = [(hf + "self_attn.o_proj.weight", C)]
-        if cfg.o_bias:
-            m[us + "attn.wo.bias"] = [(hf + "self_attn.o_proj.bias", C)]
-        if cfg.qk_norm:  # per head (D), or over the whole projection (OLMo 2: H*D and Hkv*D)
-            q_dim, k_dim = (cfg.q_size, cfg.kv_size) if cfg.qk_norm == "projection" else (cfg.head_dim, cfg.head_dim)
-            m[us + "attn.q_norm.weight"] = [(hf + "self_attn.q_norm.weight", q_dim)]
-            m[us + "attn.k_norm.weight"] = [(hf + "self_attn.k_norm.weight", k_dim)]
-        if not cfg.layer(i).moe:
-            _ffn(m, us + "ffn.", hf + "mlp.", ("gate_proj", "up_proj", "down_proj"), I, C, cfg)
-            continue
-        names = fam.experts
-        if names is None:
-            raise UnsupportedModelError(f"{cfg.architecture} has no mixture-of-experts tensor names; tk reads "
-                                        f"experts of {', '.join(a for a, f in FAMILIES.items() if f.experts)}")
-        block = f"{hf}{names.block}."
-        m[us + "ffn.router.weight"] = [(block + "gate.weight", cfg.num_experts)]
-        for e in range(cfg.num_experts):
-            _ffn(m, f"{us}ffn.experts.{e}.", f"{block}experts.{e}.", (names.gate, names.up, names.down),
-                 cfg.expert_size, C, cfg)
-        if cfg.shared_expert_size:  # Qwen2-MoE
-            _ffn(m, us + "ffn.shared.", hf + "mlp.shared_expert.", ("gate_proj", "up_proj", "down_proj"),
-                 cfg.shared_expert_size, C, cfg)
-            m[us + "ffn.shared_gate.weight"] = [(hf + "mlp.shared_expert_gate.weight", 1)]
-    return m
-
-
-def _ffn(m: dict, ours: str, hf: str, names: tuple[str, str, str], width: int, hidden: int, cfg: DecoderConfig) -> None:
-    """A gated FFN's entries: w_gate_up from gate and up (or a fused gate_up_proj), w_down."""
-    gate, up, down = names
-    for kind, on in (("weight", True), ("bias", cfg.mlp_bias)):
-        if not on:
-            continue
-        if cfg.fused_projections:
-            m[ours + f"w_gate_up.{kind}"] = [(hf + f"gate_up_proj.{kind}", 2 * width)]
-        else:
-            m[ours + f"w_gate_up.{kind}"] = [(hf + f"{p}.{kind}", width) for p in (gate, up)]
-        m[ours + f"w_down.{kind}"] = [(hf + f"{down}.{kind}", hidden)]
-
-
-def hf_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
-    """The shape every Hugging Face tensor must have for this config."""
-    with torch.device("meta"):
-        ours = {k: tuple(v.shape) for k, v in Decoder(cfg).state_dict().items()}
-    return {name: (rows, *ours[key][1:]) for key, parts in weight_map(cfg).items() for name, rows in parts}
 
 
 def read_config(folder: Path) -> DecoderConfig:
@@ -188,7 +116,7 @@ class CheckpointReader:
         self.packed: set[str] = set()  # our names read from integers
         if self.prequantized is not None:
             for ours in quantized_layers(cfg, lm_head=False):
-                for name, _ in weight_map(cfg)[ours]:
+                for name, *_ in weight_map(cfg)[ours]:
                     n, k = expected.pop(name)
                     base = name.removesuffix(".weight")
                     for part, shape in quantized_shapes(self.prequantized, k, n).items():
@@ -231,15 +159,21 @@ class CheckpointReader:
         header, base = self._headers[path]
         return path, header[name], base
 
-    def _read_into(self, name: str, out: torch.Tensor) -> None:
-        """Read `name` into `out` (its shape, any dtype) with pread, not through safetensors' memory
-        map: mapped pages would stay resident (and count in RSS) for as long as the reader lives, a
-        second copy of the checkpoint. In the checkpoint's dtype the bytes land in `out` directly."""
+    def _read_into(self, name: str, out: torch.Tensor, part: Part | None = None) -> None:
+        """Read `name` (or the rows of it `part` names) into `out` (its shape, any dtype) with pread, not
+        through safetensors' memory map: mapped pages would stay resident (and count in RSS) for as long
+        as the reader lives, a second copy of the checkpoint. In the checkpoint's dtype the bytes land in
+        `out` directly."""
         path, info, base = self._info(name)
         if info["dtype"] not in _ST_DTYPES:
             raise CheckpointError(f"cannot read {name} from {path}: dtype {info['dtype']} is not one tk reads")
         begin, end = info["data_offsets"]
         src = _ST_DTYPES[info["dtype"]]
+        if part is not None:  # its rows: of its expert's slice where the tensor stacks them
+            shape = info["shape"][1:] if part.experts else info["shape"]
+            row = math.prod(shape[1:]) * src.itemsize
+            begin += ((part.expert or 0) * shape[0] + part.start) * row
+            end = begin + part.rows * row
         buf = out if out.dtype == src else self._convert.view(out.shape, src)
         got = 0
         if end > begin:
@@ -252,15 +186,17 @@ class CheckpointReader:
             out.copy_(buf)
 
     def shape(self, ours: str) -> tuple[int, ...]:
-        shapes = [self._float_shapes[name] if ours in self.packed else self._info(name)[1]["shape"]
-                  for name, _ in self.map[ours]]
-        return (sum(s[0] for s in shapes), *shapes[0][1:]) if shapes[0] else ()
+        parts = self.map[ours]
+        first = self._float_shapes[parts[0].name] if ours in self.packed else self._info(parts[0].name)[1]["shape"]
+        if not first:
+            return ()
+        return (sum(p.rows for p in parts), *first[2 if parts[0].experts else 1:])
 
     def quantized(self, ours: str):
         """A GPTQ/AWQ projection's integers as tk stores them (models/quant/quantize.py QTensor, [K, N]),
         its parts concatenated along N."""
         parts = []
-        for name, rows in self.map[ours]:
+        for name, rows, *_ in self.map[ours]:
             base = name.removesuffix(".weight")
             tensors = {}
             for part in ("qweight", "qzeros", "scales", "g_idx"):
@@ -291,10 +227,9 @@ class CheckpointReader:
             self._read_into(self.map[ours][0][0], out)
             return out
         row = 0
-        for name, _ in self.map[ours]:
-            rows = self._info(name)[1]["shape"][0]
-            self._read_into(name, out[row:row + rows])
-            row += rows
+        for part in self.map[ours]:
+            self._read_into(part.name, out[row:row + part.rows], part)
+            row += part.rows
         return out
 
 

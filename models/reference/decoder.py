@@ -27,8 +27,11 @@ from torch import nn
 
 from tk.models.spec.config import DecoderConfig
 from tk.models.reference.positions import apply_rope, causal_mask, kv_write, ring_mask, rope_cos_sin, rope_inv_freq
+from tk.models.reference.recurrent import MIXERS
 
-KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (key, value), each (B, Hkv, T, D)
+# per layer, its state: (key, value) of an attention layer, each (B, Hkv, T, D); a recurrent layer's carry
+# (and matrix state): models/reference/recurrent.py
+KVCache = list[tuple[torch.Tensor, ...]]
 
 _ACT = {
     "silu": F.silu,
@@ -65,8 +68,9 @@ class LayerInputs:
 
     cos: torch.Tensor | None  # (B, 1, S, R) RoPE of the layer's table, or None (NoPE)
     sin: torch.Tensor | None
-    mask: torch.Tensor  # (B, 1, S, T) bool, True = may attend
+    mask: torch.Tensor | None  # (B, 1, S, T) bool, True = may attend (None: a recurrent layer's)
     circular: bool = False  # the layer's static cache is a ring (kv_write wraps around)
+    token_mask: torch.Tensor | None = None  # (B, S): a recurrent layer's real tokens (None: all real)
 
 
 def softcapped_attention(q, k, v, mask, scale: float | None, softcap: float) -> torch.Tensor:
@@ -86,7 +90,10 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.splits = [cfg.q_size, cfg.kv_size, cfg.kv_size]
-        self.wqkv = nn.Linear(cfg.hidden_size, sum(self.splits), bias=cfg.qkv_bias)
+        # Qwen3.5: each head's q rows are followed by as many rows of its output gate (one projection)
+        self.gated = cfg.attn_output_gate
+        rows = sum(self.splits) + (cfg.q_size if self.gated else 0)
+        self.wqkv = nn.Linear(cfg.hidden_size, rows, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
         # q/k norms over each head's D (Qwen3, Gemma 3), or over the whole projections (OLMo 2)
         self.norm_projections = cfg.qk_norm == "projection"
@@ -97,25 +104,35 @@ class Attention(nn.Module):
         self.scale = cfg.attention_scale  # None: SDPA's 1/sqrt(D)
         self.softcap = cfg.attn_softcap
 
-    def project(self, x: torch.Tensor) -> torch.Tensor:
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Packed q, k, v (B, S, (H + 2 Hkv) D) with the q/k norms applied: over the whole projections
         (before the head split: H*D and Hkv*D), or over each head's D (what a kernel taking packed qkv,
-        GroupQueryAttention, reads as well)."""
-        qkv = self.wqkv(x)  # (B, S, (H + 2 Hkv) * D)
+        GroupQueryAttention, reads as well); and the output gate (B, S, H D), or None."""
+        qkv = self.wqkv(x)  # (B, S, (H + 2 Hkv) * D), Qwen3.5's gates among the q rows
+        B, S, _ = qkv.shape
+        gate = None
+        if self.gated:
+            qg, k, v = qkv.split([2 * self.splits[0], *self.splits[1:]], dim=-1)
+            qg = qg.view(B, S, self.n_heads, 2 * self.head_dim)
+            q, gate = (t.reshape(B, S, -1) for t in qg.split(self.head_dim, dim=-1))  # (B, S, H D) each
+            qkv = torch.cat([q, k, v], dim=-1)
         if self.q_norm is None:
-            return qkv
+            return qkv, gate
         q, k, v = qkv.split(self.splits, dim=-1)
         if self.norm_projections:
-            return torch.cat([self.q_norm(q), self.k_norm(k), v], dim=-1)
-        B, S, _ = qkv.shape
+            return torch.cat([self.q_norm(q), self.k_norm(k), v], dim=-1), gate
         q = self.q_norm(q.view(B, S, self.n_heads, self.head_dim)).view(B, S, -1)
         k = self.k_norm(k.view(B, S, self.n_kv, self.head_dim)).view(B, S, -1)
-        return torch.cat([q, k, v], dim=-1)
+        return torch.cat([q, k, v], dim=-1), gate
+
+    def output(self, y: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """The heads' output (B, S, H D), gated where the family gates it, projected."""
+        return self.wo(y if gate is None else y * torch.sigmoid(gate))
 
     def forward(self, x, inputs: LayerInputs, past: tuple[torch.Tensor, torch.Tensor] | None,
                 write_index: torch.Tensor | None = None):
         B, S, _ = x.shape
-        qkv = self.project(x)  # (B, S, (H + 2 Hkv) * D), every q/k norm applied
+        qkv, gate = self.project(x)  # (B, S, (H + 2 Hkv) * D), every q/k norm applied
         # One new token (S is a plain 1 when the decode graph is traced, a symbol for prefill):
         # moving a size-1 axis is a reshape, so all heads go to (B, H + 2 Hkv, 1, D) in one node
         # and split there: 2 nodes instead of 7 per layer in the decode graph.
@@ -148,7 +165,7 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=inputs.mask, scale=self.scale,
                                                enable_gqa=self.n_heads != self.n_kv)
         y = (y if single else y.transpose(1, 2)).reshape(B, S, self.n_heads * self.head_dim)  # (B, S, H*D)
-        return self.wo(y), present
+        return self.output(y, gate), present
 
 
 class FeedForward(nn.Module):
@@ -167,7 +184,7 @@ class FeedForward(nn.Module):
 
 
 class MoE(nn.Module):
-    """A mixture of experts (Mixtral, Qwen2/3-MoE): the router's softmax over all experts in float32,
+    """A mixture of experts (Mixtral, Qwen2/3-MoE, Qwen3-Next, Granite 4.0-H): the router's softmax over all experts in float32,
     each token's top experts_per_token (renormalized to sum to 1 when the family does), each expert
     run on its own tokens only, so a step costs the active experts, not all of them; plus a shared
     expert scaled by sigmoid(its gate) (Qwen2-MoE). Experts are plain FFNs: one matmul pair each."""
@@ -179,7 +196,7 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(FeedForward(cfg, cfg.expert_size) for _ in range(cfg.num_experts))
         shared = cfg.shared_expert_size
         self.shared = FeedForward(cfg, shared) if shared else None
-        self.shared_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if shared else None
+        self.shared_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if shared and cfg.shared_expert_gated else None
 
     def routing(self, h: torch.Tensor) -> torch.Tensor:
         """(T, C) -> (E, T): each expert's weight for each token, 0 where the token does not take it."""
@@ -198,21 +215,25 @@ class MoE(nn.Module):
             rows = routing[e].nonzero().reshape(-1)  # (n,): the tokens that take expert e (none: nothing runs)
             y = expert(h.index_select(0, rows)) * routing[e].index_select(0, rows)[:, None]  # (n, C)
             out = out.index_put((rows,), out.index_select(0, rows) + y)  # rows are distinct: a plain scatter
-        if self.shared is not None:
-            out = out + torch.sigmoid(self.shared_gate(h)) * self.shared(h)
+        if self.shared is not None:  # scaled by sigmoid(its gate) (Qwen), or added as it is (Granite 4.0-H)
+            shared = self.shared(h)
+            out = out + (shared if self.shared_gate is None else torch.sigmoid(self.shared_gate(h)) * shared)
         return out.reshape(B, S, C)
 
 
 class Block(nn.Module):
-    """Attention then FFN, each a residual branch x + residual_multiplier * branch(x) whose RMSNorm
-    is on the branch's input (pre-norm), on its output (post-norm: OLMo 2), or both (sandwich: Gemma
-    2/3, whose output norms are `attn_post_norm` and `ffn_post_norm`)."""
+    """Attention (or, in a hybrid's other layers, a recurrent mixer: `mixer`) then FFN, each a residual
+    branch x + residual_multiplier * branch(x) whose RMSNorm is on the branch's input (pre-norm), on its
+    output (post-norm: OLMo 2), or both (sandwich: Gemma 2/3, whose output norms are `attn_post_norm` and
+    `ffn_post_norm`)."""
 
     def __init__(self, cfg: DecoderConfig, layer: int):
         super().__init__()
         placement, norm = cfg.norm_placement, lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         self.attn_norm = norm()
-        self.attn = Attention(cfg, layer)
+        kind = cfg.mixer(layer)
+        self.attn = Attention(cfg, layer) if kind == "attention" else None
+        self.mixer = MIXERS[kind](cfg) if kind != "attention" else None
         self.attn_post_norm = norm() if placement == "sandwich" else None
         self.ffn_norm = norm()
         self.ffn = MoE(cfg) if cfg.layer(layer).moe else FeedForward(cfg)
@@ -231,8 +252,14 @@ class Block(nn.Module):
             y = norm(y)
         return y if self.residual_multiplier == 1.0 else times(y, self.residual_multiplier)
 
+    def mix(self, x, inputs: LayerInputs, past, write_index=None):
+        """The token mixer on the normed input -> (its output, the layer's present state)."""
+        if self.attn is not None:
+            return self.attn(x, inputs, past, write_index)
+        return self.mixer(x, inputs.token_mask, past)
+
     def forward(self, x, inputs: LayerInputs, past, write_index=None):
-        a, present = self.attn(self.branch_in(self.attn_norm, x), inputs, past, write_index)
+        a, present = self.mix(self.branch_in(self.attn_norm, x), inputs, past, write_index)
         h = x + self.branch_out(self.attn_norm, self.attn_post_norm, a)
         y = self.ffn(self.branch_in(self.ffn_norm, h))
         return h + self.branch_out(self.ffn_norm, self.ffn_post_norm, y), present
@@ -283,8 +310,13 @@ class Decoder(nn.Module):
         per window. Over a static cache (write_index) a sliding layer whose buffer is shorter than the
         mask is a ring (models/spec/contract.py sizes it)."""
         tables, masks, out = {}, {}, []
+        # a recurrent layer's real tokens: every new one in a static cache (its rows are never padded)
+        tokens = attention_mask[:, -q_len:] if write_index is None else None
         for i in range(self.config.num_layers):
             kind = self.config.layer(i)
+            if kind.mixer != "attention":
+                out.append(LayerInputs(None, None, None, token_mask=tokens))
+                continue
             if kind.rope is not None and kind.rope not in tables:
                 tables[kind.rope] = rope_cos_sin(position_ids, self.rope_table(kind.rope), dtype)
             slots = past[i][0].shape[2] if write_index is not None else None

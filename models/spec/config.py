@@ -15,6 +15,11 @@ from dataclasses import dataclass, field
 from tk.models.spec.errors import TkError
 
 ROPE_TYPES = ("default", "linear", "llama3")
+# what mixes a layer's tokens (DecoderConfig.layer_types): attention over a KV cache, or a layer whose state
+# is not a cache that grows: LFM2's gated short convolution ("conv": a carry of conv_kernel - 1 positions),
+# the gated DeltaNet of Qwen3.5 / Qwen3-Next ("gdn": a carry and a d_k x d_v matrix per value head), and
+# Mamba2 ("mamba": a carry and a d_state x head_dim matrix per head, Granite 4.0-H)
+MIXERS = ("attention", "conv", "gdn", "mamba")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
 QK_NORMS = ("head", "projection")
 NORM_PLACEMENTS = ("pre", "post", "sandwich")
@@ -72,6 +77,22 @@ class DecoderConfig:
     shared_expert_size: int = 0
     moe_layers: list[bool] | None = None  # per layer: its FFN is the experts; None: every layer (with num_experts)
     fused_projections: bool = False  # checkpoint stores qkv_proj / gate_up_proj (Phi-3)
+    shared_expert_gated: bool = True  # the shared expert is scaled by sigmoid(its gate) (Qwen); False: added (Granite)
+    # per layer, what mixes its tokens (MIXERS); None: attention in every layer. The others' sizes:
+    layer_types: list[str] | None = None
+    attn_output_gate: bool = False  # attention's output times sigmoid(a gate the q projection also makes) (Qwen3.5)
+    conv_kernel: int = 4  # the short causal depthwise convolution's width (LFM2's conv_L_cache: 3)
+    conv_bias: bool = False  # LFM2: its conv and projections have biases; Mamba2: its conv has one
+    linear_key_heads: int = 0  # gated DeltaNet: q/k heads, each serving linear_value_heads / linear_key_heads values
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    mamba_heads: int = 0  # Mamba2: heads of mamba_head_dim, a state of mamba_state per head dim, B/C in groups
+    mamba_head_dim: int = 0
+    mamba_state: int = 0
+    mamba_groups: int = 1
+    mamba_proj_bias: bool = False
+    mamba_dt_limit: list[float] | None = None  # the time step clamped to [lo, hi] (None: (0, inf), no clamp)
     architecture: str = "LlamaForCausalLM"
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
@@ -137,6 +158,7 @@ class DecoderConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be positive, got {value!r}")
+        self._check_mixers()
         if self.hidden_act not in ACTIVATIONS:
             raise UnsupportedModelError(
                 f"activation {self.hidden_act!r} is not supported; supported: {', '.join(ACTIVATIONS)}"
@@ -146,6 +168,67 @@ class DecoderConfig:
             raise UnsupportedModelError(
                 f"rope type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
             )
+
+    def _check_mixers(self) -> None:
+        if self.layer_types is None:
+            return
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        unknown = sorted(set(self.layer_types) - set(MIXERS))
+        if unknown:
+            raise UnsupportedModelError(f"layer type {unknown[0]!r} is not supported; supported: {', '.join(MIXERS)}")
+        self.layer_types = list(self.layer_types)
+        if all(t == "attention" for t in self.layer_types):
+            self.layer_types = None  # the usual model, spelled once
+            return
+        _require_positive("conv_kernel", self.conv_kernel)
+        if "gdn" in self.layer_types:
+            for name in ("linear_key_heads", "linear_value_heads", "linear_key_dim", "linear_value_dim"):
+                _require_positive(name, getattr(self, name))
+            if self.linear_value_heads % self.linear_key_heads:
+                raise ValueError(f"linear_value_heads ({self.linear_value_heads}) must be a multiple of "
+                                 f"linear_key_heads ({self.linear_key_heads})")
+        if "mamba" in self.layer_types:
+            for name in ("mamba_heads", "mamba_head_dim", "mamba_state", "mamba_groups"):
+                _require_positive(name, getattr(self, name))
+            if self.mamba_heads % self.mamba_groups:
+                raise ValueError(f"mamba_heads ({self.mamba_heads}) must be a multiple of mamba_groups "
+                                 f"({self.mamba_groups})")
+
+    @property
+    def stateful(self) -> bool:
+        """Some layer's state is not a KV cache (a hybrid: LFM2, Qwen3.5, Qwen3-Next, Granite 4.0-H)."""
+        return self.layer_types is not None
+
+    def mixer(self, i: int) -> str:
+        """What mixes layer i's tokens (MIXERS)."""
+        return "attention" if self.layer_types is None else self.layer_types[i]
+
+    @property
+    def gdn_conv_channels(self) -> int:
+        """The gated DeltaNet's convolved channels: q, k (linear_key_heads x linear_key_dim each) and v."""
+        return 2 * self.linear_key_heads * self.linear_key_dim + self.linear_value_heads * self.linear_value_dim
+
+    @property
+    def mamba_conv_channels(self) -> int:
+        """Mamba2's convolved channels: x (mamba_heads x mamba_head_dim), then B and C (groups x state each)."""
+        return self.mamba_heads * self.mamba_head_dim + 2 * self.mamba_groups * self.mamba_state
+
+    def layer_state(self, i: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """Layer i's state other than a KV cache, per row: (name, shape) of each tensor. A carry holds the
+        last conv_kernel - 1 inputs of the layer's convolution; a recurrent state is one d_k x d_v matrix
+        per head (ONNX LinearAttention's layout: a gated DeltaNet's keys by values, Mamba2's state by head dim)."""
+        carry = self.conv_kernel - 1
+        mixer = self.mixer(i)
+        if mixer == "conv":
+            return (("conv", (self.hidden_size, carry)),)
+        if mixer == "gdn":
+            return (("conv", (self.gdn_conv_channels, carry)),
+                    ("recurrent", (self.linear_value_heads, self.linear_key_dim, self.linear_value_dim)))
+        if mixer == "mamba":
+            return (("conv", (self.mamba_conv_channels, carry)),
+                    ("recurrent", (self.mamba_heads, self.mamba_state, self.mamba_head_dim)))
+        return ()
 
     @property
     def rotary_dim(self) -> int:
@@ -157,7 +240,10 @@ class DecoderConfig:
         sliding = self.sliding_window is not None and (self.sliding_layers is None or self.sliding_layers[i])
         table = ("local" if sliding and self.rope_local_theta is not None else "global") if rope else None
         moe = self.num_experts > 0 and (self.moe_layers is None or self.moe_layers[i])
-        return LayerKind(table, self.sliding_window if sliding else None, moe)
+        mixer = self.mixer(i)
+        if mixer != "attention":  # no RoPE table, no window: its state carries position
+            return LayerKind(None, None, moe, mixer)
+        return LayerKind(table, self.sliding_window if sliding else None, moe, mixer)
 
     def layer_rope(self, layer: int) -> bool:
         """Whether RoPE applies in `layer` (SmolLM3 leaves it out of every fourth)."""
@@ -175,7 +261,7 @@ class DecoderConfig:
 
     def first_layers(self, n: int) -> "DecoderConfig":
         """This config cut to its first n layers (per-layer fields cut with it)."""
-        cut = {name: getattr(self, name)[:n] for name in PER_LAYER if getattr(self, name) is not None}
+        cut = {name: getattr(self, name)[:n] for name in (*PER_LAYER, "layer_types") if getattr(self, name) is not None}
         return dataclasses.replace(self, num_layers=n, **cut)
 
     @property
@@ -206,6 +292,7 @@ class LayerKind:
     rope: str | None  # which RoPE table: "global", "local" (Gemma 3's sliding layers), or None (NoPE)
     window: int | None  # sliding window, or None: global attention
     moe: bool  # the FFN is a mixture of experts
+    mixer: str = "attention"  # what mixes its tokens (MIXERS)
 
 
 def _require_positive(name: str, value) -> None:
@@ -214,13 +301,16 @@ def _require_positive(name: str, value) -> None:
 
 
 def fused_unsupported(cfg: DecoderConfig) -> list[str]:
-    """What of a DecoderConfig ONNX Runtime's the fused kernels cannot express (empty: the ort target can export it).
+    """What of a DecoderConfig ONNX Runtime's fused kernels cannot express (empty: the ort target can export it).
+    A partial rotary embedding (Phi-3, Qwen3.5) is GroupQueryAttention's when its cos/sin tables are that narrow.
     q/k norms (over each head or the whole projections) are applied to the packed qkv
     GroupQueryAttention reads; NoPE layers (SmolLM3) run it with do_rotary=0; each layer gets its own
     window (local_window_size) and RoPE tables (Gemma 3); Granite's and Gemma's scales are its `scale`,
     Gemma 2's softcap its `softcap`; post and sandwich norms are plain RMSNorms; experts run as in the
     portable graphs."""
-    return [why for why, bad in (("partial rotary embeddings", cfg.rotary_dim != cfg.head_dim),
+    return [why for why, bad in (  # its CPU kernel: "cos_cache dimension 1 must be <= head_size / 2 and a multiple of 8"
+                                 (f"a rotary dim of {cfg.rotary_dim} (GroupQueryAttention rotates multiples of 16)",
+                                  cfg.rotary_dim % 16),
                                  # its CPU kernel: "head_size shall be a multiple of 16" (ONNX Runtime 1.32)
                                  (f"head_dim {cfg.head_dim} (GroupQueryAttention takes multiples of 16)",
                                   cfg.head_dim % 16)) if bad]

@@ -11,6 +11,7 @@ Any change to names, order, dtypes or dims bumps CONTRACT_VERSION.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import KW_ONLY, dataclass
 
 from tk.models.spec.dtypes import DTYPES
@@ -21,10 +22,15 @@ from tk.models.spec.variant import PrefillLogits, Variant
 # cache may be a ring of fewer positions (GraphDims.ring); 4: a static decode graph's attention_mask may be
 # narrower than the cache (GraphDims.narrow_mask: it attends over that many positions); 5: a static decode
 # graph that takes runs may take logits_to_keep (Variant.verify_logits: the run's positions whose logits it
-# returns). Each version's artifacts are the next one's without the new feature, so all are read (READS).
-CONTRACT_VERSION = 5
-READS = (2, 3, 4, 5)
+# returns); 6: a layer's state may be other than a KV cache: a convolution's carry and a recurrent matrix
+# (GraphDims.layers), and such an artifact's one graph is decode.onnx, which prefills in runs. Each version's
+# artifacts are the next one's without the new feature, so all are read (READS).
+CONTRACT_VERSION = 6
+READS = (2, 3, 4, 5, 6)
 RING_RUN = 128  # with rings, the most new tokens per row a decode graph that also prefills takes (changing it bumps the version)
+# with recurrent layers, the most new tokens per row one run of a portable decode graph takes: the delta rule
+# inverts a unit triangular matrix of at most this size (models/reference/recurrent.py; changing it bumps the version)
+STATE_RUN = 64
 
 PREFILL = "prefill"
 DECODE = "decode"
@@ -38,6 +44,10 @@ TOTAL = "total_sequence_length"
 KEEP = "kept_sequence_length"  # logits_to_keep's length: the positions of a run whose logits come back
 
 KV_DTYPE = "kv"  # placeholder in the table: the precision the graph was exported in
+# what a layer carries from one run to the next (LayerState): a KV cache, a convolution's last inputs, a
+# recurrent matrix per head (kept in float32, as transformers keeps it: the recurrence runs in float32)
+KV, CONV, RECURRENT = "kv", "conv", "recurrent"
+STATE_DTYPES = {CONV: KV_DTYPE, RECURRENT: "float32"}
 
 
 class ContractError(TkError, ValueError):
@@ -56,16 +66,36 @@ class TensorSpec:
         return TensorSpec(self.name, kv_dtype if self.dtype == KV_DTYPE else self.dtype, dims)
 
 
+@dataclass(frozen=True)
+class LayerState:
+    """What one layer carries between runs: a KV cache (`kv`), or the tensors of a recurrent layer, each
+    (name, per-row shape): "conv" (channels, conv_kernel - 1), "recurrent" (heads, d_k, d_v)."""
+
+    kv: bool = True
+    tensors: tuple[tuple[str, tuple[int, ...]], ...] = ()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return ("key", "value") if self.kv else tuple(n for n, _ in self.tensors)
+
+
 def kv_names(layer: int, prefix: str) -> tuple[str, str]:
     return f"{prefix}.{layer}.key", f"{prefix}.{layer}.value"
 
 
-def past_names(num_layers: int) -> list[str]:
-    return [n for i in range(num_layers) for n in kv_names(i, "past_key_values")]
+def state_names(prefix: str, num_layers: int, layers: tuple[LayerState, ...] | None = None) -> list[str]:
+    """Every cache tensor's name in contract order: each layer's key and value, or its recurrent tensors."""
+    if layers is None:
+        return [n for i in range(num_layers) for n in kv_names(i, prefix)]
+    return [f"{prefix}.{i}.{n}" for i, layer in enumerate(layers) for n in layer.names]
 
 
-def present_names(num_layers: int) -> list[str]:
-    return [n for i in range(num_layers) for n in kv_names(i, "present")]
+def past_names(num_layers: int, layers: tuple[LayerState, ...] | None = None) -> list[str]:
+    return state_names("past_key_values", num_layers, layers)
+
+
+def present_names(num_layers: int, layers: tuple[LayerState, ...] | None = None) -> list[str]:
+    return state_names("present", num_layers, layers)
 
 
 def hidden_names(num_layers: int) -> list[str]:
@@ -87,13 +117,21 @@ def ring_sizes(windows: list[int | None], capacity: int, run: int) -> tuple[int 
     return sizes if any(s is not None for s in sizes) else None
 
 
-def _layer_kv(num_layers: int, prefix: str, sizes) -> list[TensorSpec]:
-    return [spec for i in range(num_layers) for spec in _kv(list(kv_names(i, prefix)), sizes[i])]
+def _layer_kv(num_layers: int, prefix: str, sizes, layers: tuple[LayerState, ...] | None = None) -> list[TensorSpec]:
+    """Each layer's cache tensors: its key and value of sizes[i] positions, or its recurrent state."""
+    specs = []
+    for i in range(num_layers):
+        layer = LayerState() if layers is None else layers[i]
+        if layer.kv:
+            specs += _kv(list(kv_names(i, prefix)), sizes[i])
+        else:
+            specs += [TensorSpec(f"{prefix}.{i}.{n}", STATE_DTYPES[n], (BATCH, *shape)) for n, shape in layer.tensors]
+    return specs
 
 
 def inputs(graph: str, num_layers: int, capacity: int | None = None, decode_prefills: bool = False,
            ring: tuple[int | None, ...] | None = None, narrow_mask: bool = False,
-           keep: bool = False) -> list[TensorSpec]:
+           keep: bool = False, layers: tuple[LayerState, ...] | None = None) -> list[TensorSpec]:
     """Graph inputs, in order.
 
     With `capacity` the decode graph has a static-capacity cache: past and present are
@@ -112,6 +150,8 @@ def inputs(graph: str, num_layers: int, capacity: int | None = None, decode_pref
     With `keep` (a decode graph that takes runs) `logits_to_keep` follows write_indices: the positions
     of the run (0 .. sequence_length - 1, the same for every row) whose logits the graph returns, as
     transformers' `logits_to_keep` tensor: [S - 1] for a prompt's run, 0 .. k for a verify step.
+    With `layers` (a hybrid: LayerState per layer), a recurrent layer's past and present are its carry
+    and its matrix state, fixed in size, in place of a key and a value.
     """
     if graph == DECODE and capacity is not None:
         new = SEQ if decode_prefills else 1
@@ -121,7 +161,7 @@ def inputs(graph: str, num_layers: int, capacity: int | None = None, decode_pref
             TensorSpec("position_ids", "int64", (BATCH, new)),
             TensorSpec("write_indices", "int64", (BATCH,)),
             *([TensorSpec("logits_to_keep", "int64", (KEEP,))] if keep and decode_prefills else []),
-            *_layer_kv(num_layers, "past_key_values", layer_capacities(num_layers, capacity, ring)),
+            *_layer_kv(num_layers, "past_key_values", layer_capacities(num_layers, capacity, ring), layers),
         ]
     if graph == PREFILL:
         return [
@@ -145,7 +185,8 @@ def layer_capacities(num_layers: int, capacity: int, ring: tuple[int | None, ...
 
 
 def outputs(graph: str, num_layers: int, capacity: int | None = None, prefill_last: bool = False,
-            ring: tuple[int | None, ...] | None = None, keep: bool = False) -> list[TensorSpec]:
+            ring: tuple[int | None, ...] | None = None, keep: bool = False,
+            layers: tuple[LayerState, ...] | None = None) -> list[TensorSpec]:
     """Graph outputs, in order. Logits are float32 in every precision.
 
     With `prefill_last` the prefill graph returns the logits of the last position only (B, 1, V):
@@ -155,7 +196,7 @@ def outputs(graph: str, num_layers: int, capacity: int | None = None, prefill_la
     """
     if graph == DECODE and capacity is not None:
         return [TensorSpec("logits", "float32", (BATCH, KEEP if keep else 1, "vocab_size")),
-                *_layer_kv(num_layers, "present", layer_capacities(num_layers, capacity, ring))]
+                *_layer_kv(num_layers, "present", layer_capacities(num_layers, capacity, ring), layers)]
     if graph == PREFILL:
         return [TensorSpec("logits", "float32", (BATCH, 1 if prefill_last else SEQ, "vocab_size")),
                 *_kv(present_names(num_layers), SEQ)]
@@ -179,6 +220,7 @@ class GraphDims:
     ring: tuple[int | None, ...] | None = None  # per layer, its static cache's ring slots (ring_sizes) or None
     hidden_size: int | None = None  # the width of the debug outputs hidden.{i} (variant.debug_outputs)
     variant: Variant = Variant()
+    layers: tuple[LayerState, ...] | None = None  # per layer, what it carries (None: a KV cache in every layer)
 
     @classmethod
     def of(cls, config, precision, variant: Variant) -> "GraphDims":
@@ -189,8 +231,44 @@ class GraphDims:
         ring = None
         if v.capacity is not None:
             ring = ring_sizes(c.windows, v.capacity, RING_RUN if v.decode_prefills else 1)
+        layers = None
+        if c.stateful:
+            layers = tuple(LayerState(not state, state) for state in (c.layer_state(i) for i in range(c.num_layers)))
         return cls(c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size, precision.kv, kv_capacity=v.capacity,
-                   ring=ring, hidden_size=c.hidden_size, variant=v)
+                   ring=ring, hidden_size=c.hidden_size, variant=v, layers=layers)
+
+    @property
+    def stateful(self) -> bool:
+        """Some layer carries a recurrent state, not a KV cache: the artifact's one graph is decode.onnx."""
+        return self.layers is not None
+
+    @property
+    def graphs(self) -> tuple[str, ...]:
+        """The graphs an artifact of these dims has: both, or decode.onnx alone where a layer carries a
+        recurrent state (its decode graph takes prompts in runs, from a zero state)."""
+        return (DECODE,) if self.stateful else GRAPHS
+
+    def layer_states(self) -> tuple[LayerState, ...]:
+        return self.layers or (LayerState(),) * self.num_layers
+
+    def cache_kinds(self) -> list[tuple[int, str]]:
+        """Per cache tensor in contract order, (its layer, its kind: KV, CONV or RECURRENT)."""
+        return [(i, KV if layer.kv else n) for i, layer in enumerate(self.layer_states()) for n in layer.names]
+
+    def group(self, flat: list) -> list[tuple]:
+        """The cache tensors in contract order -> one tuple per layer (key, value) or its recurrent tensors."""
+        out, at = [], 0
+        for layer in self.layer_states():
+            n = len(layer.names)
+            out.append(tuple(flat[at:at + n]))
+            at += n
+        return out
+
+    def past_names(self) -> list[str]:
+        return past_names(self.num_layers, self.layers)
+
+    def present_names(self) -> list[str]:
+        return present_names(self.num_layers, self.layers)
 
     @property
     def narrow_mask(self) -> bool:
@@ -209,7 +287,9 @@ class GraphDims:
         than this go through the decode graph in runs of it)."""
         if not self.variant.decode_prefills:
             return 1
-        return RING_RUN if self.ring is not None else None
+        runs = [RING_RUN if self.ring is not None else None,
+                STATE_RUN if self.stateful and self.variant.target.value == "portable" else None]
+        return min((r for r in runs if r is not None), default=None)
 
     def opset(self, graph: str) -> int:
         """The opset `graph` is written in (Variant.decode_opset for the decode graph)."""
@@ -226,27 +306,37 @@ class GraphDims:
         return _resolved_outputs(self, graph)
 
     def kv_bytes_per_token(self, batch: int = 1) -> int:
-        """2 (key and value) * layers * kv_heads * head_dim * bytes, per token of context per row."""
-        return int(2 * self.num_layers * batch * self.num_kv_heads * self.head_dim * DTYPES[self.kv_dtype].bytes)
+        """2 (key and value) * attention layers * kv_heads * head_dim * bytes, per token of context per row."""
+        kv_layers = sum(layer.kv for layer in self.layer_states())
+        return int(2 * kv_layers * batch * self.num_kv_heads * self.head_dim * DTYPES[self.kv_dtype].bytes)
+
+    def state_bytes(self, layer: int, batch: int = 1) -> int:
+        """A recurrent layer's state per `batch` rows (0 for an attention layer), whatever the context."""
+        state = self.layer_states()[layer]
+        sizes = {CONV: DTYPES[self.kv_dtype].bytes, RECURRENT: DTYPES["float32"].bytes}
+        return int(sum(batch * math.prod(shape) * sizes[n] for n, shape in state.tensors))
 
     def static_cache_bytes(self, batch: int = 1) -> int:
-        """What a static cache's buffers hold for `batch` rows: each layer's capacity (or ring) positions."""
+        """What a static cache's buffers hold for `batch` rows: each attention layer's capacity (or ring)
+        positions, and every recurrent layer's state."""
         per_position = 2 * batch * self.num_kv_heads * self.head_dim * DTYPES[self.kv_dtype].bytes
-        return int(per_position * sum(self.capacities()))
+        kv = sum(n for n, layer in zip(self.capacities(), self.layer_states()) if layer.kv)
+        return int(per_position * kv + sum(self.state_bytes(i, batch) for i in range(self.num_layers)))
 
 
 @functools.lru_cache(maxsize=64)
 def _resolved_inputs(dims: GraphDims, graph: str) -> tuple[TensorSpec, ...]:
     return tuple(s.resolve(dims.kv_dtype, dims.num_kv_heads, dims.head_dim, dims.vocab_size)
                  for s in inputs(graph, dims.num_layers, dims.kv_capacity, dims.variant.decode_prefills, dims.ring,
-                                 dims.narrow_mask, dims.keeps_logits))
+                                 dims.narrow_mask, dims.keeps_logits, dims.layers))
 
 
 @functools.lru_cache(maxsize=64)
 def _resolved_outputs(dims: GraphDims, graph: str) -> tuple[TensorSpec, ...]:
     last = dims.variant.prefill_logits is PrefillLogits.LAST
     specs = [s.resolve(dims.kv_dtype, dims.num_kv_heads, dims.head_dim, dims.vocab_size)
-             for s in outputs(graph, dims.num_layers, dims.kv_capacity, last, dims.ring, dims.keeps_logits)]
+             for s in outputs(graph, dims.num_layers, dims.kv_capacity, last, dims.ring, dims.keeps_logits,
+                              dims.layers)]
     if dims.variant.debug_outputs:
         seq = SEQ if graph == PREFILL else 1
         specs += [TensorSpec(n, "float32", (BATCH, seq, dims.hidden_size)) for n in hidden_names(dims.num_layers)]

@@ -12,7 +12,8 @@ from tk.models.spec.variant import Variant
 from tk.models.spec.options import PROFILES
 from tk.models.spec.config import DecoderConfig
 from tk.models.spec.dtypes import DTYPES
-from tk.models.checkpoint.loading import hf_shapes, read_config, weight_map
+from tk.models.checkpoint.loading import read_config
+from tk.models.checkpoint.names import hf_shapes, weight_map
 
 
 def parameter_count(cfg: DecoderConfig) -> int:
@@ -23,8 +24,8 @@ def active_parameter_count(cfg: DecoderConfig) -> int:
     """The parameters one token runs through: all of them, less, in a mixture of experts, the experts
     it does not take ((num_experts - experts_per_token) / num_experts of every routed expert)."""
     shapes = hf_shapes(cfg)
-    experts = sum(math.prod(shapes[name]) for ours, parts in weight_map(cfg).items() if ".experts." in ours
-                  for name, _ in parts)
+    experts = sum(p.rows * math.prod(shapes[p.name][2 if p.experts else 1:]) for ours, parts in
+                  weight_map(cfg).items() if ".experts." in ours for p in parts)
     idle = experts * (cfg.num_experts - cfg.experts_per_token) // cfg.num_experts if cfg.moe else 0
     return sum(math.prod(s) for s in shapes.values()) - idle
 
