@@ -29,7 +29,8 @@ from tk.exporters.weights import attach_external, export_view
 MS_DOMAIN = "com.microsoft"
 CONTRIB_OPS = {Target.PORTABLE: frozenset(),  # what each target may use outside the default domain
                Target.ORT: frozenset({(MS_DOMAIN, "SkipSimplifiedLayerNormalization"),
-                                      (MS_DOMAIN, "GroupQueryAttention")})}
+                                      (MS_DOMAIN, "GroupQueryAttention"), (MS_DOMAIN, "CausalConvWithState"),
+                                      (MS_DOMAIN, "LinearAttention")})}
 
 
 class ExportError(TkError, RuntimeError):
@@ -61,7 +62,7 @@ class GraphModule(nn.Module):
             write_index, rest = rest[0], rest[1:]
         if self.keeps:
             keep, rest = rest[0], rest[1:]
-        past = [(rest[2 * i], rest[2 * i + 1]) for i in range(len(rest) // 2)] or None
+        past = self.model.group(rest) if rest else None
         hidden = self.variant.debug_outputs
         if self.variant.target is Target.ORT:  # ONNX Runtime's kernels (tk export --target ort)
             from tk.models.reference import ort_kernels
@@ -83,9 +84,10 @@ def _tensor_scatter(cache, update, write_indices, circular: bool = False):
 
 def _register_contrib_schemas() -> None:
     """The exporter builds nodes from onnx.defs schemas; ONNX Runtime's contrib ops have none there.
-    Declare the two tk emits, with their inputs and outputs in ONNX Runtime's order (as far as tk uses them)."""
+    Declare the ones tk emits, with their inputs and outputs in ONNX Runtime's order (as far as tk uses them)."""
     import onnx
-    from onnx.defs import OpSchema
+    import onnx.reference.op_run  # noqa: F401  (its table of schemas by name is built once, before ONNX Runtime's
+    from onnx.defs import OpSchema  # contrib ops, two of which share a name with opset 27's, are declared below)
 
     P, optional = OpSchema.FormalParameter, OpSchema.FormalParameterOption.Optional
     floats = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
@@ -109,6 +111,18 @@ def _register_contrib_schemas() -> None:
                              attr("do_rotary", OpSchema.AttrType.INT, ""), attr("scale", OpSchema.AttrType.FLOAT, ""),
                              attr("local_window_size", OpSchema.AttrType.INT, ""),
                              attr("softcap", OpSchema.AttrType.FLOAT, "")]),
+        OpSchema("CausalConvWithState", MS_DOMAIN, 1,
+                 inputs=[P("input", "T"), P("weight", "T"), P("bias", "T", param_option=optional),
+                         P("past_state", "T", param_option=optional)],
+                 outputs=[P("output", "T"), P("present_state", "T")],
+                 type_constraints=[("T", floats, "")], attributes=[attr("activation", OpSchema.AttrType.STRING, "")]),
+        OpSchema("LinearAttention", MS_DOMAIN, 1,
+                 inputs=[P("query", "T"), P("key", "T"), P("value", "T"), P("past_state", "S", param_option=optional),
+                         P("decay", "T", param_option=optional), P("beta", "T", param_option=optional)],
+                 outputs=[P("output", "T"), P("present_state", "S")],
+                 type_constraints=[("T", floats, ""), ("S", floats, "")],
+                 attributes=[attr("q_num_heads", OpSchema.AttrType.INT, ""), attr("kv_num_heads", OpSchema.AttrType.INT, ""),
+                             attr("update_rule", OpSchema.AttrType.STRING, ""), attr("scale", OpSchema.AttrType.FLOAT, "")]),
     ]
     for schema in schemas:
         if not onnx.defs.has(schema.name, schema.domain):
@@ -136,6 +150,22 @@ def _group_query_attention(qkv, past_k, past_v, seqlens_k, total, cos_cache, sin
         num_heads=num_heads, kv_num_heads=kv_num_heads, do_rotary=int(rotary),
         scale=float(past_k.shape[-1]) ** -0.5 if scale is None else float(scale), local_window_size=local_window,
         **extra)
+
+
+def _causal_conv_with_state(x, weight, bias, state, silu: bool):
+    """tk::causal_conv -> com.microsoft CausalConvWithState (SiLU fused where the layer applies it)."""
+    from onnxscript.values import Opset
+
+    return Opset(MS_DOMAIN, 1).CausalConvWithState(x, weight, bias, state, **({"activation": "silu"} if silu else {}))
+
+
+def _linear_attention(q, k, v, state, decay, beta, heads: int, scale: float):
+    """tk::linear_attention -> com.microsoft LinearAttention: the gated delta rule with beta, the gated rule without."""
+    from onnxscript.values import Opset
+
+    rule = "gated" if beta is None else "gated_delta"
+    return Opset(MS_DOMAIN, 1).LinearAttention(q, k, v, state, decay, beta, q_num_heads=heads, kv_num_heads=heads,
+                                               update_rule=rule, scale=float(scale))
 
 
 def _example(graph: str, model: Decoder, dims: contract.GraphDims):
@@ -175,8 +205,8 @@ def _example(graph: str, model: Decoder, dims: contract.GraphDims):
             value = torch.full(shape, P, dtype=torch.int64)
         elif spec.name == "logits_to_keep":  # the run's last positions
             value = torch.arange(1, new)
-        else:  # the cache
-            value = torch.zeros(shape, dtype=model.dtype)
+        else:  # the cache (a recurrent state in its own dtype)
+            value = torch.zeros(shape, dtype=model.dtype if spec.dtype == dims.kv_dtype else getattr(torch, spec.dtype))
         args.append(value)
         shapes.append({axis: symbols[d] for axis, d in enumerate(spec.dims) if isinstance(d, str)})
     named = dict(zip(("input_ids", "attention_mask", "position_ids"), shapes))
@@ -284,6 +314,8 @@ def _trace(model: Decoder, graph: str, dims: contract.GraphDims):
         _register_contrib_schemas()
         table[torch.ops.tk.add_rms_norm.default] = _skip_simplified_layer_norm
         table[torch.ops.tk.gqa.default] = _group_query_attention
+        table[torch.ops.tk.causal_conv.default] = _causal_conv_with_state
+        table[torch.ops.tk.linear_attention.default] = _linear_attention
     in_names = [s.name for s in dims.inputs(graph)]
     out_names = [s.name for s in dims.outputs(graph)]
     # "torchvision is not installed. Skipping torchvision::nms" and kin: not the user's business

@@ -95,8 +95,8 @@ class Runtime(ABC):
         self.dims = dims  # the graphs this runtime runs, always
         self.buffers = CacheBuffers() if buffers is None else buffers
         self.layout = layout_for(dims, self.buffers)
-        self.past_names = contract.past_names(dims.num_layers)
-        self.present_names = contract.present_names(dims.num_layers)
+        self.past_names = dims.past_names()
+        self.present_names = dims.present_names()
         self.max_context = min(max_context, dims.kv_capacity or max_context)
         self.max_batch: int | None = None  # the most rows one run may take (TensorRT: its engines' profiles)
         self.max_prompt: int | None = None  # the longest prefill (the same)
@@ -165,6 +165,10 @@ class Runtime(ABC):
     def verify_problem(self) -> str | None:
         """Why this runtime cannot verify speculated tokens in one decode run (None: it can)."""
         d = self.dims
+        if d.stateful:
+            return ("speculative decoding keeps a verify run's accepted tokens and rewinds the rest, and this model's "
+                    "recurrent layers carry a state that cannot be rewound to a position: run it without "
+                    "--lookup/--draft")
         if d.kv_capacity is None:
             return ("speculative decoding verifies in one run of a static-capacity decode graph: re-export with "
                     "tk export MODEL -o OUT --for ort-cpu (or --for serve)")
@@ -199,8 +203,8 @@ class Runtime(ABC):
         self.layout.rewind(session, lengths)
 
     def cache_arrays(self, session: Session) -> list[np.ndarray]:
-        """The session's cache as float32 (B, Hkv, length, D) arrays in contract order (copies; for
-        parity and probes, not the loop)."""
+        """The session's cache as float32 arrays in contract order: (B, Hkv, length, D) for keys and
+        values, a recurrent layer's state as it is (B, ...) (copies; for parity and probes, not the loop)."""
         return self.layout.arrays(session)
 
     def cache_held(self, session: Session) -> list[np.ndarray | None]:

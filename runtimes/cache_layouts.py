@@ -56,9 +56,12 @@ class _Layout:
 
     def __init__(self, dims: contract.GraphDims, buffers: CacheBuffers):
         self.dims, self.buffers = dims, buffers
+        self.kv = [kind == contract.KV for _, kind in dims.cache_kinds()]  # per cache tensor: positions, or a state
 
     def arrays(self, s: Session) -> list[np.ndarray]:
-        return [self.buffers.to_numpy(b)[:, :, : s.length].astype(np.float32) for b in s.cache]
+        """Keys and values over the session's positions; a recurrent layer's state as it is."""
+        return [self.buffers.to_numpy(b)[:, :, : s.length].astype(np.float32) if kv
+                else self.buffers.to_numpy(b).astype(np.float32) for b, kv in zip(s.cache, self.kv)]
 
     def held(self, s: Session) -> list[np.ndarray | None]:
         """Per cache tensor, which of `arrays`' (B, length) positions it holds (None: all of them)."""
@@ -102,7 +105,9 @@ class StaticLayout(_Layout):
         self.narrow, self.keeps = dims.narrow_mask, dims.keeps_logits
         self.fused = dims.variant.target is Target.ORT  # (GroupQueryAttention: see verify)
         # per cache tensor (contract order), a ring's slots or None
-        self.rings = [None if dims.ring is None else dims.ring[i] for i in range(dims.num_layers) for _ in "kv"]
+        self.rings = [None if dims.ring is None or kind != contract.KV else dims.ring[i] for i, kind in dims.cache_kinds()]
+        past = set(dims.past_names())
+        self.specs = [spec for spec in dims.inputs(contract.DECODE) if spec.name in past]  # the buffers' shapes
 
     def start(self, rt, ids: np.ndarray, mask: np.ndarray, room: int) -> tuple[StepOutput, Session]:
         B, T = ids.shape
@@ -130,11 +135,12 @@ class StaticLayout(_Layout):
         return StaticState.over(mask, positions, write, self.keeps)
 
     def allocate(self, batch: int) -> list:
-        """The cache buffers of `batch` rows at the capacity (a ring's at its slots), in contract order."""
-        d, out = self.dims, []
+        """The cache buffers of `batch` rows, in contract order, as the decode graph's inputs are shaped:
+        keys and values at the capacity (a ring's at its slots), a recurrent layer's state (zeros)."""
+        out = []
         try:
-            for n in [n for n in d.capacities() for _ in "kv"]:
-                out.append(self.buffers.alloc((batch, d.num_kv_heads, n, d.head_dim), d.kv_dtype))
+            for spec in self.specs:
+                out.append(self.buffers.alloc(contract.shape(spec, {contract.BATCH: batch}), spec.dtype))
         except BaseException:  # a failed allocation (out of device memory) keeps none of the others
             self.buffers.release(out)
             raise
@@ -178,7 +184,10 @@ class StaticLayout(_Layout):
         if not self.decode_prefills and self.ring_free:
             return super().arrays(s)
         out, d = [], self.dims
-        for buf, slots in zip(s.cache, self.rings):
+        for buf, slots, kv in zip(s.cache, self.rings, self.kv):
+            if not kv:  # a recurrent state: each row's, whichever graph prefilled it
+                out.append(self.buffers.to_numpy(buf).astype(np.float32))
+                continue
             host, a = self.buffers.to_numpy(buf), np.zeros((s.batch, d.num_kv_heads, s.length, d.head_dim), np.float32)
             for b, w in enumerate(s.static.write.tolist()):
                 p = np.arange(max(0, w - (slots or w)), w)  # the positions the row's buffer holds

@@ -283,6 +283,15 @@ class Decoder(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
 
+    def group(self, flat) -> KVCache:
+        """Cache tensors in the contract's order -> per layer, its key and value, or its recurrent state."""
+        out, at = [], 0
+        for i in range(self.config.num_layers):
+            n = 2 if self.config.mixer(i) == "attention" else len(self.config.layer_state(i))
+            out.append(tuple(flat[at:at + n]))
+            at += n
+        return out
+
     def embed_inputs(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(input_ids)  # (B, S, C)
         if self.config.embed_scale:  # Gemma: the normalizer is rounded to the activation dtype first

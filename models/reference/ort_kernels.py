@@ -1,9 +1,11 @@
 """Mirrors of ONNX Runtime's fused kernels, for tk export --target ort.
 
-Two custom ops mark where ONNX Runtime has a kernel that fuses several of the reference's layers:
-`tk::add_rms_norm` (residual add + RMSNorm -> SkipSimplifiedLayerNormalization) and `tk::gqa`
+Custom ops mark where ONNX Runtime has a kernel that fuses several of the reference's layers:
+`tk::add_rms_norm` (residual add + RMSNorm -> SkipSimplifiedLayerNormalization), `tk::gqa`
 (RoPE, cache write and attention of one decode step -> GroupQueryAttention, in ONNX Runtime's
-calling convention). Their eager bodies are the reference math, so the fused forward below
+calling convention), and a recurrent layer's two steps on its state (`FUSED`): `tk::causal_conv`
+(-> CausalConvWithState) and `tk::linear_attention` (the gated and gated delta rules ->
+LinearAttention, q/k/v packed [B, T, H*D]). Their eager bodies are the reference math, so the fused forward below
 computes what `Decoder.forward` computes (tested), and the exporter translates the two ops.
 What they cannot express is `fused_unsupported(cfg)` (models/spec/config.py), which `tk export` checks before any weight is read.
 The reference model (models/reference/decoder.py) knows nothing of any of this.
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 
 from tk.models.reference.decoder import Block, Decoder, KVCache, RMSNorm, softcapped_attention
 from tk.models.reference.positions import apply_rope, kv_write
+from tk.models.reference.recurrent import Kernels, causal_conv, linear_attention
 
 
 @torch.library.custom_op("tk::add_rms_norm", mutates_args=())
@@ -48,6 +51,49 @@ def branch_input(layer: Block, norm: RMSNorm, h: torch.Tensor, delta: torch.Tens
         return add_norm(norm, h, delta)
     h = h if delta is None else h + delta
     return h, h
+
+
+@torch.library.custom_op("tk::causal_conv", mutates_args=())
+def causal_conv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, state: torch.Tensor,
+                   silu: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """ONNX Runtime's CausalConvWithState: recurrent.causal_conv (x (B, C, T), carry (B, C, k - 1))."""
+    y, carry = causal_conv(x, weight, bias, state, silu)
+    return y, carry.contiguous()
+
+
+@causal_conv_op.register_fake
+def _(x, weight, bias, state, silu):
+    return torch.empty_like(x), torch.empty_like(state)
+
+
+@torch.library.custom_op("tk::linear_attention", mutates_args=())
+def linear_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor, decay: torch.Tensor,
+                        beta: torch.Tensor | None, heads: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """ONNX Runtime's LinearAttention in its calling convention: q, k (B, T, H dk), v (B, T, H dv), state
+    (B, H, dk, dv), decay and beta (B, T, H) -> (o (B, T, H dv), the new state); the gated delta rule with
+    beta, the gated rule without (recurrent.linear_attention)."""
+    B, T, _ = q.shape
+    heads_of = lambda t: t.reshape(B, T, heads, -1).transpose(1, 2)  # noqa: E731  (B, H, T, d)
+    o, new = linear_attention(heads_of(q), heads_of(k), heads_of(v), state, decay.transpose(1, 2),
+                              None if beta is None else beta.transpose(1, 2), scale)
+    return o.transpose(1, 2).reshape(B, T, -1), new
+
+
+@linear_attention_op.register_fake
+def _(q, k, v, state, decay, beta, heads, scale):
+    return v.new_empty(v.shape, dtype=torch.float32), torch.empty_like(state)
+
+
+def _fused_attend(q, k, v, state, decay, beta, scale):
+    """recurrent.linear_attention's signature over ONNX Runtime's LinearAttention (q, k, v (B, H, T, d))."""
+    B, H, T, dv = v.shape
+    packed = [t.transpose(1, 2).reshape(B, T, -1) for t in (q, k, v)]
+    o, new = linear_attention_op(*packed, state, decay.transpose(1, 2), None if beta is None else beta.transpose(1, 2),
+                                 H, scale)
+    return o.reshape(B, T, H, dv).transpose(1, 2), new
+
+
+FUSED = Kernels(causal_conv_op, _fused_attend)  # a recurrent layer's steps through ONNX Runtime's kernels
 
 
 @dataclass
@@ -127,7 +173,7 @@ def fused_attention_inputs(model: Decoder, positions: int, attention_mask: torch
     device = attention_mask.device
     cfg = model.config
     at = torch.arange(positions, dtype=torch.float32, device=device)[:, None]
-    tables = {cfg.layer(i).rope for i in range(cfg.num_layers)} - {None}
+    tables = ({cfg.layer(i).rope for i in range(cfg.num_layers)} - {None}) or {"global"}  # (NoPE: do_rotary=0 reads none)
     freqs = {t: at * model.rope_table(t) for t in sorted(tables)}  # (N, R/2) each
     first = torch.full((B,), T - 1, device=device) if write_index is None else write_index  # the first new token's index
     bias = None
@@ -166,13 +212,16 @@ def forward(model: Decoder, input_ids: torch.Tensor, attention_mask: torch.Tenso
         xn, h = branch_input(layer, layer.attn_norm, h, delta)
         attn, kind = layer.attn, cfg.layer(i)
         past = past_key_values[i] if past_key_values is not None else None
-        if fused is not None and not inputs[i].circular:
+        if attn is None:  # a recurrent layer: its convolution and rule through ONNX Runtime's kernels
+            a, kv = layer.mixer(xn, inputs[i].token_mask, past, FUSED)
+        elif fused is not None and not inputs[i].circular:
             table = kind.rope or "global"  # a NoPE layer still passes a table (do_rotary=0 ignores it)
-            y, k, v = gqa(attn.project(xn), past[0], past[1], fused.seqlens_k, fused.total,
+            qkv, gate = attn.project(xn)
+            y, k, v = gqa(qkv, past[0], past[1], fused.seqlens_k, fused.total,
                           fused.cos_cache[table], fused.sin_cache[table], fused.position_ids, fused.bias, attn.n_heads,
                           attn.n_kv, -1 if kind.window is None else kind.window, fused.static, attn.rope, attn.scale,
                           attn.softcap or 0.0)
-            a, kv = attn.wo(y), (k, v)
+            a, kv = attn.output(y, gate), (k, v)
         else:
             a, kv = attn(xn, inputs[i], past, write_index)
         xn, h = branch_input(layer, layer.ffn_norm, h, layer.branch_out(layer.attn_norm, layer.attn_post_norm, a))

@@ -24,6 +24,8 @@ state in place (exporters/ checks it on the written graph).
 
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -108,6 +110,18 @@ def _run(q, k, v, state, g, beta):
     return o, new
 
 
+class Kernels(NamedTuple):
+    """The two steps a recurrent layer runs on its state: `conv` (causal_conv's signature) and `attend`
+    (linear_attention's). The reference's are the functions above; --target ort's are ONNX Runtime's
+    fused kernels (models/reference/ort_kernels.py), which take the same tensors."""
+
+    conv: Callable
+    attend: Callable
+
+
+REFERENCE = Kernels(causal_conv, linear_attention)
+
+
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum x^2 + eps) over the last dim, as flash-linear-attention (and transformers) computes it."""
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
@@ -160,14 +174,11 @@ class ShortConv(nn.Module):
         self.w_out = nn.Linear(C, C, bias=cfg.conv_bias)
         self.state_shape = ((C, cfg.conv_kernel - 1),)
 
-    def forward(self, x, token_mask, past):
+    def forward(self, x, token_mask, past, kernels: Kernels = REFERENCE):
         carry = past[0] if past is not None else _zeros_like_state(x, self.state_shape[0], x.dtype)
         b, c, h = self.w_in(_masked(x, token_mask)).transpose(1, 2).chunk(3, dim=1)  # (B, C, S) each
-        y, carry = self.conv(b * h, carry)
+        y, carry = kernels.conv(b * h, self.conv_weight, self.conv_bias, carry, False)
         return self.w_out((c * y).transpose(1, 2)), (carry,)
-
-    def conv(self, x, carry):
-        return causal_conv(x, self.conv_weight, self.conv_bias, carry, silu=False)
 
 
 class GatedDeltaNet(nn.Module):
@@ -210,14 +221,13 @@ class GatedDeltaNet(nn.Module):
                 for t in (q, k))
         return q, k, v.reshape(B, S, self.hv, self.dv).transpose(1, 2)
 
-    def forward(self, x, token_mask, past):
-        B, S, _ = x.shape
+    def forward(self, x, token_mask, past, kernels: Kernels = REFERENCE):
         carry, state = past if past is not None else (_zeros_like_state(x, self.state_shape[0], x.dtype),
                                                       _zeros_like_state(x, self.state_shape[1], torch.float32))
         mixed, z, beta, decay = self.project(x, token_mask)
-        mixed, carry = causal_conv(mixed, self.conv_weight, self.conv_bias, carry, silu=True)
+        mixed, carry = kernels.conv(mixed, self.conv_weight, self.conv_bias, carry, True)
         q, k, v = self.heads(mixed)
-        o, state = linear_attention(q, k, v, state, decay, beta, self.dk ** -0.5)  # (B, Hv, S, dv)
+        o, state = kernels.attend(q, k, v, state, decay, beta, self.dk ** -0.5)  # (B, Hv, S, dv)
         return self.finish(o, z), (carry, state)
 
     def finish(self, o, z):
@@ -268,14 +278,14 @@ class Mamba2(nn.Module):
         x = x.reshape(B, S, self.h, self.p).transpose(1, 2)  # (B, H, S, p)
         return c, b, x * dt[..., None], x
 
-    def forward(self, x, token_mask, past):
+    def forward(self, x, token_mask, past, kernels: Kernels = REFERENCE):
         carry, state = past if past is not None else (_zeros_like_state(x, self.state_shape[0], x.dtype),
                                                       _zeros_like_state(x, self.state_shape[1], torch.float32))
         z, xbc, dt = self.project(x, token_mask)
-        xbc, carry = causal_conv(xbc, self.conv_weight, self.conv_bias, carry, silu=True)
+        xbc, carry = kernels.conv(xbc, self.conv_weight, self.conv_bias, carry, True)
         c, b, v, xs = self.heads(xbc, dt, token_mask)
         decay = dt * -self.A_log.float().exp()[:, None]  # (B, H, S)
-        y, state = linear_attention(c, b, v, state, decay, None, 1.0)  # (B, H, S, p)
+        y, state = kernels.attend(c, b, v, state, decay, None, 1.0)  # (B, H, S, p)
         return self.finish(y, xs, z), (carry, state)
 
     def finish(self, y, xs, z):

@@ -250,7 +250,7 @@ class Manifest:
         """Graph paths by name, after checking each exists and matches its recorded sha256 and size."""
         artifact = Path(artifact)
         paths = {}
-        for graph in contract.GRAPHS:
+        for graph in self.dims.graphs:
             entry = self.graphs[graph]
             path = artifact / entry.file
             if not path.is_file():

@@ -39,6 +39,7 @@ class Profile:
         return {"target": self.target.value, "kv-cache": self.cache.value, "prefill-logits": self.prefill_logits.value}
 
 
+_MAX_SEQ_LEN_ALONE = "--max-seq-len sets the capacity of a static cache; add --kv-cache static"
 # A profile's static cache holds the model's context, at most this many positions (--max-seq-len
 # overrides): attention runs over the whole buffer and each row's cache is allocated up front, so a
 # 128k-context model must not get a 128k cache by default. tk build-engine caps its default alike.
@@ -73,6 +74,7 @@ class ExportOptions:
     force: bool = False
     profile: str | None = None  # tk export --for: capacity and block size may wait for the model (for_model)
     calibration: Path | None = None  # --calibration: the text whose statistics weight the search (Precision records them)
+    cache_given: bool = False  # --kv-cache (or a profile) chose the cache layout: for_model keeps it
 
     @classmethod
     def from_flags(cls, *, profile: str | None = None, dtype: str | None = None, opset: int = DEFAULT_OPSET,
@@ -120,8 +122,10 @@ class ExportOptions:
         target, kv_cache, prefill_logits = target or "portable", kv_cache or "dynamic", prefill_logits or "all"
         if kv_cache == "static" and (2 if prof and max_seq_len is None else max_seq_len or 0) < 2:
             raise UsageProblem("--kv-cache static needs --max-seq-len N (N >= 2): the capacity of the cache")
-        if kv_cache == "dynamic" and max_seq_len is not None:
-            raise UsageProblem("--max-seq-len sets the capacity of a static cache; add --kv-cache static")
+        if kv_cache == "dynamic" and max_seq_len is not None and given["kv-cache"] is not None:
+            raise UsageProblem(_MAX_SEQ_LEN_ALONE)
+        if max_seq_len is not None and max_seq_len < 2:
+            raise UsageProblem("--max-seq-len must be at least 2: the capacity of the static cache")
         if not MIN_OPSET <= opset <= MAX_OPSET:
             raise UsageProblem(f"opset {opset} is not supported; use {MIN_OPSET}..{MAX_OPSET} (default {DEFAULT_OPSET})")
         if debug_outputs and (kv_cache == "static" or target != "portable"):
@@ -142,7 +146,8 @@ class ExportOptions:
                                                                  mixed_precision, quantize_embedding,
                                                                  lm_head_block_size))
         return cls(precision=precision, variant=variant, validate=validate, force=force, profile=profile,
-                   calibration=None if calibration is None else Path(calibration))
+                   calibration=None if calibration is None else Path(calibration),
+                   cache_given=prof is not None or given["kv-cache"] is not None)
 
     @staticmethod
     def _quant_choices(prof: Profile | None, lm_head: bool, method: str | None, zero_points: bool | None,
@@ -188,6 +193,10 @@ class ExportOptions:
         profile's quantization blocks that divides every K, and a portable decode graph with rings
         taking one token a step."""
         v, p = self.variant, self.precision
+        if config.stateful:
+            v = self._stateful(config, v)
+        elif v.cache is CacheLayout.DYNAMIC and v.capacity is not None:  # --max-seq-len alone: a hybrid's static cache
+            raise UsageProblem(_MAX_SEQ_LEN_ALONE)
         if v.cache is CacheLayout.STATIC and v.capacity is None:
             v = dataclasses.replace(v, capacity=min(config.max_position_embeddings, PROFILE_CAPACITY))
         if v.decode_prefills and v.target is Target.PORTABLE and contract.ring_sizes(config.windows, v.capacity, 1):
@@ -212,6 +221,22 @@ class ExportOptions:
                                    f"divides the K of {layer}, {k}; leave out --weights")
             p = dataclasses.replace(p, block_size=fits[0])
         return dataclasses.replace(self, variant=v, precision=p)
+
+    def _stateful(self, config, v: Variant) -> Variant:
+        """A hybrid's variant (some layer carries a recurrent state): its one graph is a static decode graph
+        that takes runs of tokens from a zero state, prompts included (contract.GraphDims.graphs), so the
+        default cache is static, and a dynamic one asked for is refused."""
+        if v.cache is CacheLayout.DYNAMIC and self.cache_given:
+            raise UsageProblem(f"{config.architecture} carries a recurrent state in its "
+                               f"{sum(config.mixer(i) != 'attention' for i in range(config.num_layers))} "
+                               "non-attention layers, which tk exports in one static decode graph that also takes "
+                               "prompts; drop --kv-cache dynamic (or use --kv-cache static)")
+        if v.debug_outputs:
+            raise UsageProblem(f"--debug-outputs works with the dynamic cache, and {config.architecture}'s recurrent "
+                               "layers are exported with a static one; drop --debug-outputs")
+        narrow = v.target is Target.PORTABLE
+        return dataclasses.replace(v, cache=CacheLayout.STATIC, prefill_logits=PrefillLogits.LAST, decode_prefills=True,
+                                   verify_logits=True, narrow_mask=narrow)
 
     def prequantized(self, pq, source: str) -> "ExportOptions":
         """These options for a GPTQ/AWQ checkpoint (models/checkpoint/prequantized.py `PreQuant`): its integers

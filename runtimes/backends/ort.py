@@ -156,7 +156,9 @@ class OrtRuntime(ArtifactRuntime):
         """"decode" (each row through the decode graph, into its row of the cache: needs row views)
         where the export and the provider allow it and it was not declined, by default for the fused
         graphs only (one session; a portable decode graph attends over the whole cache, its prefill
-        graph over the prompt); else "prefill"."""
+        graph over the prompt); else "prefill". A hybrid's only graph is decode.onnx: "decode"."""
+        if self.dims.stateful:
+            return "decode"
         if not (self.dims.variant.decode_prefills and self.row_views) or self._prefill_via == "prefill":
             return "prefill"
         return "decode" if self._prefill_via == "decode" or self.manifest.variant.target is Target.ORT else "prefill"
@@ -175,6 +177,10 @@ class OrtRuntime(ArtifactRuntime):
         use_cuda = self.provider != "cpu" and "CUDAExecutionProvider" in available
         providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if use_cuda else ["CPUExecutionProvider"]
         self.buffers.ort, self.buffers.device = ort, "cuda" if use_cuda else "cpu"
+        if self.dims.stateful and not self.row_views:
+            raise BackendUnavailable("this model's recurrent layers take prompts through its decode graph one row at a "
+                                     "time, which ONNX Runtime's CUDA provider cannot do over its device buffers here; "
+                                     "use --provider cpu")
         if self._prefill_via == "decode" and self.prefill_via != "decode":
             raise BackendUnavailable("prompts run through the decode graph only where it also prefills (tk export "
                                      "--target ort --kv-cache static --prefill-logits last) on the CPU provider")
@@ -241,7 +247,7 @@ class OrtRuntime(ArtifactRuntime):
             binding.bind_output(name, self.device)
         session.run_with_iobinding(binding)
         outs = binding.get_outputs()
-        n_kv = 2 * self.dims.num_layers
+        n_kv = len(self.past_names)
         hidden = [h.numpy() for h in outs[1 + n_kv:]] or None  # debug exports only
         present = list(outs[1 : 1 + n_kv])
         if self.swap_sessions:  # an output OrtValue keeps its session, and so that session's map of the weights

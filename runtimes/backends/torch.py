@@ -93,7 +93,7 @@ class TorchRuntime(Runtime):
                           for k in ("input_ids", "attention_mask", "position_ids"))
         write = feeds.get("write_indices")  # a static-capacity cache (dims.kv_capacity)
         write = None if write is None else t.from_numpy(np.ascontiguousarray(write)).to(device)
-        pairs = None if past is None else list(zip(past[0::2], past[1::2]))
+        pairs = None if past is None else self.dims.group(past)  # per layer: (key, value), or its recurrent state
         with t.inference_mode():
             out = self.model(ids, mask, pos, pairs, write, output_hidden=self.debug)
             present = [x for kv in out[1] for x in kv]

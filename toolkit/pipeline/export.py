@@ -1,5 +1,5 @@
-"""`tk export` as a library call: plan, export both graphs, check them, validate with the parity
-engine, and only then publish the folder.
+"""`tk export` as a library call: plan, export both graphs (a hybrid's one: contract.GraphDims.graphs),
+check them, validate with the parity engine, and only then publish the folder.
 
 Every option, and every refusal that depends on the model, is checked from config.json before a
 weight is read (`ExportOptions.check`). Everything is written to a temporary folder beside OUT
@@ -112,7 +112,7 @@ def _export_graphs(model_dir: Path, tmp: Path, config, options: ExportOptions, p
         writer = Background.thread(write_weights, CheckpointReader(model_dir, config), view, tmp / WEIGHTS_FILE,
                                    dtype, stop=stop, precision=options.precision, calibration=calibration, task=task)
         try:
-            traced = {g: trace_graph(view, g, dims) for g in contract.GRAPHS}
+            traced = {g: trace_graph(view, g, dims) for g in dims.graphs}
             progress.step(weighing)
             table = writer.result()
         finally:
@@ -123,7 +123,7 @@ def _export_graphs(model_dir: Path, tmp: Path, config, options: ExportOptions, p
     progress(f"write {WEIGHTS_FILE} from {model_dir} ({p.describe()}, {data_bytes / 2**20:,.1f} MiB, "
              f"streamed, beside tracing): {writer.seconds:.1f} s")
     opsets, seconds = {}, {}
-    for graph in contract.GRAPHS:
+    for graph in dims.graphs:
         path = tmp / contract.GRAPH_FILES[graph]
         seconds[graph], how = finish_graph(traced[graph], view, path, table, quant_table(view, options.precision))
         opsets[graph] = opset_of(check_graph_file(path, graph, dims, CONTRIB_OPS[options.variant.target]))
@@ -131,7 +131,7 @@ def _export_graphs(model_dir: Path, tmp: Path, config, options: ExportOptions, p
         fused = ", ONNX Runtime fused kernels" if options.variant.target is Target.ORT else ""
         progress(f"export {graph}{cache}{fused} ({how}): {seconds[graph]:.1f} s, contract ok")
     return {g: GraphFile(contract.GRAPH_FILES[g], sha256_file(tmp / contract.GRAPH_FILES[g]), WEIGHTS_FILE,
-                         data_bytes, opsets[g], round(seconds[g], 2)) for g in contract.GRAPHS}, table
+                         data_bytes, opsets[g], round(seconds[g], 2)) for g in dims.graphs}, table
 
 
 def export_artifact(model_dir: str | Path, out: str | Path, options: ExportOptions | None = None,
@@ -170,7 +170,7 @@ def export_artifact(model_dir: str | Path, out: str | Path, options: ExportOptio
             save_calibration(tmp, calibration)
         graphs, graphs_table = _export_graphs(model_dir, tmp, config, options, progress, calibration)
         lint = lint_graphs({g: onnx.load(str(tmp / contract.GRAPH_FILES[g]), load_external_data=False)
-                            for g in contract.GRAPHS})
+                            for g in graphs})
         progress(f"TensorRT lint: {'ok' if lint.ok else f'{len(lint.problems)} problem(s)'}, needs TensorRT "
                  f">= {lint.min_tensorrt}")
         copied = [f for f in TOKENIZER_FILES if (model_dir / f).is_file()]
@@ -180,7 +180,7 @@ def export_artifact(model_dir: str | Path, out: str | Path, options: ExportOptio
                             source=Source(str(model_dir.resolve()), sha256_file(model_dir / "config.json")),
                             created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                             tokenizer_files=copied, versions=versions(), trt_lint=lint.to_dict(), profile=options.profile,
-                            weights=weights_record(graphs_table, {g: tmp / contract.GRAPH_FILES[g] for g in contract.GRAPHS}))
+                            weights=weights_record(graphs_table, {g: tmp / contract.GRAPH_FILES[g] for g in graphs}))
         manifest.write(tmp)
         if reference is not None:
             run_validation(tmp, manifest, reference, progress)

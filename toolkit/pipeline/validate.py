@@ -51,7 +51,8 @@ def validate(artifact: Path, manifest: Manifest, steps: int = VALIDATION_STEPS,
     # ("ort/pre" in the table); a portable export's ORT runs prefill.onnx, and serving continues
     # prompts through decode.onnx ("ort/dec"). Both ways are judged.
     other = {Target.ORT: ("ort/pre", "prefill"), Target.PORTABLE: ("ort/dec", "decode")}[manifest.variant.target]
-    runs = {"ort": None, **(dict([other]) if manifest.variant.decode_prefills else {})}
+    # (a hybrid has one graph, decode.onnx, which prefills every prompt: one way)
+    runs = {"ort": None, **(dict([other]) if manifest.variant.decode_prefills and not manifest.dims.stateful else {})}
     reports: list[ParityReport] = []
     for label, prefill_via in runs.items():  # one runtime, so one mapping of the weights, at a time
         with OrtRuntime(artifact, swap_sessions=True, quant_compute="float", prefill_via=prefill_via) as ort:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tk.models.spec.contract import present_names
+from tk.models.spec.contract import KV
 from tk.runtimes.base import Runtime
 from tk.runtimes.decoding.generate import left_pad
 from tk.toolkit.verify.tolerance import Tolerance
@@ -30,6 +30,9 @@ class Trace:
     present: list[list[np.ndarray]] = field(default_factory=list)  # per step, per tensor: what the step wrote
     hidden: list[list[np.ndarray]] = field(default_factory=list)  # per step, per layer (B, S, C); debug backends
     held: list[np.ndarray | None] = field(default_factory=list)  # prefill, per tensor: positions a ring holds (None: all)
+    # per present tensor, its name and (layer, kind: KV, or a recurrent state's: compared whole every step)
+    names: list[str] = field(default_factory=list)
+    kinds: list[tuple[int, str]] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)
@@ -96,8 +99,10 @@ def run_trace(runtime: Runtime, ids: np.ndarray, mask: np.ndarray, steps: int,
     """Prefill then `steps` decode steps; greedy tokens unless `forced` (B, steps) is given. The
     trace is labelled `backend` (default: the runtime's name)."""
     out, session = runtime.start(ids, mask, room=steps)
+    kinds = runtime.dims.cache_kinds()
     with session:
-        trace = Trace(backend or runtime.name, np.zeros((ids.shape[0], steps), dtype=np.int64), [out.logits])
+        trace = Trace(backend or runtime.name, np.zeros((ids.shape[0], steps), dtype=np.int64), [out.logits],
+                      names=runtime.dims.present_names(), kinds=kinds)
         if keep_present:
             trace.present.append(runtime.cache_arrays(session))
             trace.held = runtime.cache_held(session)
@@ -108,8 +113,9 @@ def run_trace(runtime: Runtime, ids: np.ndarray, mask: np.ndarray, steps: int,
             trace.tokens[:, k] = token
             out = runtime.step(session, token)
             trace.logits.append(out.logits)
-            if keep_present:  # only the position this step wrote; earlier ones were compared already
-                trace.present.append([a[:, :, -1:] for a in runtime.cache_arrays(session)])
+            if keep_present:  # only the position this step wrote (earlier ones were compared already), a state whole
+                trace.present.append([a[:, :, -1:] if kind == KV else a
+                                      for a, (_, kind) in zip(runtime.cache_arrays(session), kinds)])
             if out.hidden is not None:
                 trace.hidden.append(out.hidden)
     return trace
@@ -197,7 +203,7 @@ def compare_logits(ref: np.ndarray, test: np.ndarray, keep: np.ndarray, tol: Tol
 class TensorCheck:
     """One cache or hidden tensor of one step: |difference| reduced to (B, S), and its bound."""
 
-    where: str  # present.{i}.key|value or hidden.{i}
+    where: str  # present.{i}.key|value (or a recurrent layer's present.{i}.conv|recurrent) or hidden.{i}
     layer: int
     diff: np.ndarray  # (B, S) largest |difference| per row and position (0 on padding)
     bound: float
@@ -214,21 +220,29 @@ def _abs_diff(ref: np.ndarray, test: np.ndarray) -> np.ndarray:
 def tensor_checks(ref: Trace, test: Trace, step: int, keep: np.ndarray, tol: Tolerance,
                   num_layers: int) -> list[TensorCheck]:
     """The step's cache tensors and (debug backends) hidden states, in the order the model
-    computes them: each layer's K/V (of its input), then its output. Each is judged relative to
-    the reference tensor's own magnitude at its depth."""
-    names = present_names(num_layers)
+    computes them: each layer's K/V (of its input) or recurrent state (after the step), then its
+    output. Each is judged relative to the reference tensor's own magnitude at its depth; a
+    recurrent state, whole, at its row's last position."""
     checks = []
     for layer in range(num_layers):
         if ref.present and test.present:
-            for i in (2 * layer, 2 * layer + 1):
-                r = ref.present[step][i]  # (B, Hkv, S, D)
-                k = keep
+            for i in [i for i, (at, _) in enumerate(ref.kinds) if at == layer]:
+                r, t = ref.present[step][i], test.present[step][i]
+                if ref.kinds[i][1] != KV:  # (B, ...): per row, at the row's last position this step
+                    rows = keep.any(-1)
+                    last = keep.shape[1] - 1 - np.argmax(keep[:, ::-1], axis=-1)
+                    d = np.zeros(keep.shape)
+                    d[np.arange(len(d)), last] = np.where(rows, _abs_diff(r, t).reshape(len(r), -1).max(-1), 0.0)
+                    scale = float(np.abs(r).reshape(len(r), -1).max(-1)[rows].max())
+                    checks.append(TensorCheck(ref.names[i], layer, d, tol.bound(scale, layer + 1)))
+                    continue
+                k = keep  # (B, Hkv, S, D)
                 for held in (ref.held, test.held):  # a ring no longer holds its oldest positions
                     if step == 0 and held and held[i] is not None:
                         k = k & held[i]
-                d = np.where(k, _abs_diff(r, test.present[step][i]).max(axis=(1, 3)), 0.0)
+                d = np.where(k, _abs_diff(r, t).max(axis=(1, 3)), 0.0)
                 scale = float(np.abs(r).max(axis=(1, 3))[k].max())
-                checks.append(TensorCheck(names[i], layer, d, tol.bound(scale, layer + 1)))
+                checks.append(TensorCheck(ref.names[i], layer, d, tol.bound(scale, layer + 1)))
         if ref.hidden and test.hidden:
             r = ref.hidden[step][layer]  # (B, S, C)
             d = np.where(keep, _abs_diff(r, test.hidden[step][layer]).max(-1), 0.0)
