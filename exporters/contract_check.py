@@ -42,11 +42,42 @@ def graph_problems(model: onnx.ModelProto, graph: str, dims: contract.GraphDims,
                 problems.append(f"{graph} {kind} {name} has dtype {dtype}, the contract says {spec.dtype}")
             if shape != spec.dims:
                 problems.append(f"{graph} {kind} {name} has dims {list(shape)}, the contract says {list(spec.dims)}")
+    problems += in_place_problems(model, graph, dims)
     for node in model.graph.node:
         if node.op_type in CONTROL_FLOW:
             problems.append(f"{graph} has a {node.op_type} node ({node.name}); tk graphs have no control flow")
         if not is_default_domain(node.domain) and (node.domain, node.op_type) not in allowed_ops:
             problems.append(f"{graph} has op {node.domain}.{node.op_type}; tk graphs use the default domain only")
+    return problems
+
+
+def in_place_problems(model: onnx.ModelProto, graph: str, dims: contract.GraphDims) -> list[str]:
+    """A runtime updates a recurrent layer's state in place (one buffer bound as the past input and the
+    present output), so every node that reads a state input must run before the node that writes its
+    output: each reader must be an ancestor of the writer (or the writer itself, a fused kernel)."""
+    if not dims.stateful or graph != contract.DECODE:
+        return []
+    producer = {out: node for node in model.graph.node for out in node.output}
+    readers: dict[str, list] = {}
+    for node in model.graph.node:
+        for name in set(node.input):
+            readers.setdefault(name, []).append(node)
+    problems = []
+    for past, present, (_, kind) in zip(dims.past_names(), dims.present_names(), dims.cache_kinds()):
+        if kind == contract.KV or present not in producer:
+            continue
+        writer, ancestors, todo = producer[present], set(), [producer[present]]
+        while todo:
+            node = todo.pop()
+            if id(node) in ancestors:
+                continue
+            ancestors.add(id(node))
+            todo += [producer[n] for n in node.input if n in producer]
+        late = [n for n in readers.get(past, []) if id(n) not in ancestors]
+        if late:
+            problems.append(f"{graph}: {late[0].op_type} node {late[0].name!r} reads {past} but does not feed "
+                            f"{present} (written by {writer.op_type} {writer.name!r}): the state could not be "
+                            "updated in place")
     return problems
 
 

@@ -14,7 +14,10 @@ Checks what TensorRT's ONNX parser accepts, from onnx/onnx-tensorrt `docs/operat
   supported", 10.15/10.16 API docs), writing a graph input's buffer with its output a graph output
   directly (IKVCacheUpdateLayer updates the cache input in place and returns that memory: a Cast or
   Identity on either side, in any dtype, leaves nothing to update in place), and scatters without
-  a reduction (its IScatterLayer has none: onnx/onnx-tensorrt #957).
+  a reduction (its IScatterLayer has none: onnx/onnx-tensorrt #957);
+- a recurrent layer's state (a hybrid's carry and matrix: `past_key_values.N.conv|recurrent`): TensorRT
+  updates only a KV cache in place, so such a state would be a new output buffer every run, handed
+  back as the next run's input, which tk's TensorRT runtime does not do (it binds caches in place).
 The result names each problem and the lowest TensorRT version the graphs need.
 """
 
@@ -29,7 +32,7 @@ from tk.exporters.onnx_util import CONTROL_FLOW, is_default_domain, opset_of
 BASE = "8.6"  # every op below without a version parses in 8.6 and later (operators.md of 8.6)
 OP_MIN_VERSION: dict[str, str] = {
     **{op: BASE for op in (
-        "Abs Add And ArgMax ArgMin Cast Ceil Clip Concat Constant ConstantOfShape Cos CumSum Div Einsum Equal "
+        "Abs Add And ArgMax ArgMin Cast Ceil Clip Concat Constant ConstantOfShape Conv Cos CumSum Div Einsum Equal "
         "Erf Exp Expand Flatten Floor Gather GatherElements GatherND Gemm Greater GreaterOrEqual Identity IsInf "
         "IsNaN LayerNormalization Less LessOrEqual Log LogSoftmax MatMul Max Mean Min Mod Mul Neg NonZero Not Or Pad Pow "
         "Range Reciprocal ReduceL2 ReduceMax ReduceMean ReduceMin ReduceProd ReduceSum ReduceSumSquare Relu "
@@ -137,6 +140,11 @@ def lint_model(model: onnx.ModelProto, graph: str) -> LintResult:
                 if tensor and ranks.get(tensor) not in (4, None):
                     add("attention-rank", name, f"Attention input {i} ({tensor}) is {ranks[tensor]}D; "
                         "TensorRT needs 4D Q/K/V/mask")
+    states = [v.name for v in model.graph.input if v.name.endswith((".conv", ".recurrent"))]
+    if states:
+        add("recurrent-state", states[0], f"{len(states)} recurrent state inputs ({', '.join(states[:2])}, ...): "
+            "TensorRT updates only a KV cache in place (IKVCacheUpdateLayer), and tk's TensorRT runtime binds each "
+            "cache buffer as input and output at once; a hybrid runs on ONNX Runtime or torch")
     for v in model.graph.input:
         t = v.type.tensor_type
         if not t.HasField("shape"):

@@ -42,6 +42,14 @@ class CacheBuffers:
         `copy_positions` takes as its source (a prefix cache's block)."""
         return np.array(self.to_numpy(buf)[row:row + 1, :, start:end])
 
+    def read_row(self, buf, row: int):
+        """A copy of one batch row of a buffer (a recurrent state's, kept while its row sits a step out)."""
+        return np.array(self.to_numpy(buf)[row])
+
+    def write_row(self, buf, row: int, value=None) -> None:
+        """Write `read_row`'s copy back into the row, or zeros (None: a recurrent state's start)."""
+        buf[row] = 0 if value is None else value
+
     def leading(self, buf, n: int):
         """The first `n` batch rows of a buffer, sharing its memory."""
         return buf[:n]

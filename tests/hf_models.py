@@ -100,14 +100,50 @@ MULTIMODAL = {
         mm_tokens_per_image=4, image_token_index=383, boi_token_index=381, eoi_token_index=382,
         tie_word_embeddings=False)),
 }
-LAYERS = {"gemma3": 3, "gemma3_mm": 3}  # fixtures deeper than 2 layers (Gemma 3's global layer is its third)
+# The hybrids (tests/test_hybrids.py): layers whose state is not a KV cache, each family with an attention layer
+# among its recurrent ones, and a context of 2048 (prompts of 1,100 tokens). Qwen3.5's partial rotary (a quarter)
+# of a head_dim of 64 is 16 dims, what GroupQueryAttention rotates.
+_QWEN35 = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=2,
+               linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, tie_word_embeddings=False,
+               max_position_embeddings=2048)
+HYBRIDS = {
+    # short convolutions (conv_L_cache 3) and one attention layer; the FFN width adjusted as LFM2's (128 here)
+    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=2, intermediate_size=192, block_multiple_of=32,
+        layer_types=["conv", "full_attention", "conv", "conv"], max_position_embeddings=2048)),
+    # three gated DeltaNet layers (2 key heads, 4 value heads), then a gated attention layer
+    "qwen35": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", _QWEN35),
+    # the same with experts and a gated shared expert, its DeltaNet projections grouped by key head
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
+        _QWEN35, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])),
+    # Mamba2 layers in 2 groups of B and C, one attention layer without RoPE, experts beside a shared MLP, and
+    # every multiplier away from 1
+    "granite_h": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=2, layer_types=["mamba", "mamba", "attention", "mamba"],
+        mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, num_local_experts=4,
+        num_experts_per_tok=2, intermediate_size=32, shared_intermediate_size=48, embedding_multiplier=4.0,
+        residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=2.0, tie_word_embeddings=False,
+        max_position_embeddings=2048)),
+}
+# loaded the way users have them, compared with transformers on the torch backend (tests/test_hybrids.py)
+HYBRIDS_LOADED = {
+    "qwen35_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", dict(
+        _QWEN35, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)),
+    "qwen35_mm": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", dict(
+        text_config=_QWEN35, vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                                                out_hidden_size=64))),
+}
+LAYERS = {"gemma3": 3, "gemma3_mm": 3, **{f: 4 for f in [*HYBRIDS, *HYBRIDS_LOADED]}}  # deeper than 2 layers
 # A second Llama: linear rope scaling, tied embeddings, MQA.
 EXTRA = {
     "llama-linear-tied-mqa": ("LlamaConfig", "LlamaForCausalLM", dict(
         num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True,
         rope_scaling={"rope_type": "linear", "factor": 2.0})),
 }
-ALL = {**FAMILIES, **EXPORTED_ONCE, **WINDOWED, **MULTIMODAL, **EXTRA}
+ALL = {**FAMILIES, **EXPORTED_ONCE, **WINDOWED, **MULTIMODAL, **EXTRA, **HYBRIDS, **HYBRIDS_LOADED}
+# families whose RMSNorms scale by (1 + w) (their weights start at zero), but for Qwen's gated norm
+_OFFSET_NORMS = ("Gemma", "Qwen3_5", "Qwen3Next")
 
 
 def jitter_(model: torch.nn.Module, seed: int) -> None:
@@ -118,8 +154,8 @@ def jitter_(model: torch.nn.Module, seed: int) -> None:
             if p.dim() > 1:
                 p.copy_(0.2 * noise)
             elif "norm" in name:
-                base = 0.0 if type(model).__name__.startswith("Gemma") else 1.0
-                p.copy_(base + 0.1 * noise)
+                offset = type(model).__name__.startswith(_OFFSET_NORMS) and "linear_attn.norm" not in name
+                p.copy_((0.0 if offset else 1.0) + 0.1 * noise)
             else:
                 p.copy_(0.05 * noise)
 
@@ -132,6 +168,7 @@ def make_checkpoint(family: str, folder: Path, seed: int = 0, layers: int | None
     common = {**_COMMON, "num_hidden_layers": layers or LAYERS.get(family, 2)}
     if "text_config" in extra:  # a multimodal checkpoint: the decoder's config is nested
         extra, common = {**extra, "text_config": {**common, **extra["text_config"]}}, {}
+    common = {k: v for k, v in common.items() if k not in extra}  # a family's own value wins
     cfg = getattr(transformers, cfg_cls)(**common, **extra)
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(cfg).eval()

@@ -9,11 +9,17 @@ from tk.models.quant.quantize import Scheme
 
 def quantized_layers(cfg, lm_head: bool) -> list[str]:
     """Our names of the linear weights a quantized export stores quantized: every projection of
-    every layer (each expert's, and a shared expert's, in a mixture of experts), and the LM head when
-    asked. Embeddings, routers and the shared expert's gate (one column) stay in the activation dtype."""
+    every layer (each expert's, and a shared expert's, in a mixture of experts; a recurrent layer's
+    input and output projections), and the LM head when asked. Embeddings, routers, the shared
+    expert's gate (one column) and a recurrent layer's convolution, decay and skip parameters (a few
+    numbers per channel or head, which its state compounds token after token) stay in the activation
+    dtype."""
     names = []
     for i in range(cfg.num_layers):
-        names += [f"layers.{i}.attn.wqkv.weight", f"layers.{i}.attn.wo.weight"]
+        mixer = "attn.wqkv", "attn.wo"
+        if cfg.mixer(i) != "attention":
+            mixer = "mixer.w_in", "mixer.w_out"
+        names += [f"layers.{i}.{w}.weight" for w in mixer]
         ffns = [f"layers.{i}.ffn."]
         if cfg.layer(i).moe:
             ffns = [f"layers.{i}.ffn.experts.{e}." for e in range(cfg.num_experts)]

@@ -86,12 +86,23 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: t
     return torch.cat(outs, dim=2), state
 
 
+def segment_sums(g: torch.Tensor) -> torch.Tensor:
+    """(..., T) -> (..., T, T): sum of g over (j, i] at [i, j] for i >= j, -inf above. Summed term by term
+    (Mamba2's segsum), not as a difference of cumulative sums, which a long run of strong decay (or a
+    left-padded prompt's padding) would round away."""
+    T = g.shape[-1]
+    below = torch.ones(T, T, dtype=torch.bool, device=g.device).tril(-1)
+    terms = g[..., :, None].expand(*g.shape, T).masked_fill(~below, 0.0)  # [i, j] = g_i where i > j
+    return terms.cumsum(-2).masked_fill(~below.logical_or(torch.eye(T, dtype=torch.bool, device=g.device)),
+                                        float("-inf"))
+
+
 def _run(q, k, v, state, g, beta):
     """One run in closed form (the chunked algorithm with the run as its one chunk)."""
     T = q.shape[2]
     cum = g.cumsum(-1)  # (B, H, T): log of the decay from the run's start through each token
-    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    pair = torch.where(causal, cum[..., :, None] - cum[..., None, :], float("-inf")).exp()  # (B, H, T, T): i >= j
+    seg = segment_sums(g)  # (B, H, T, T): log of the decay from token j to token i
+    pair = seg.exp()  # i >= j, else 0
     reads = [q * cum.exp()[..., None]]  # what reads the state: queries decayed from the run's start
     if beta is not None:  # the delta rule: each token's value corrected by what the state already predicts
         kb = k * beta[..., None]
@@ -106,7 +117,7 @@ def _run(q, k, v, state, g, beta):
     o = read[:, :, -T:] + ((q @ k.transpose(-1, -2)) * pair) @ v  # (B, H, T, dv)
     if beta is None:  # the gated rule's only reader does not feed the state: make the update wait for it
         v = v + 0 * read.sum((-2, -1), keepdim=True)
-    new = state * last.exp()[..., None] + (k * (last - cum).exp()[..., None]).transpose(-1, -2) @ v
+    new = state * last.exp()[..., None] + (k * seg[..., -1, :].exp()[..., None]).transpose(-1, -2) @ v
     return o, new
 
 

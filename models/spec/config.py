@@ -320,6 +320,11 @@ def layer_ks(cfg: DecoderConfig) -> dict[str, int]:
     """Each kind of quantized layer's K (its input size), named as an error message would."""
     ks = {"layers.*.attn.wqkv and layers.*.ffn.w_gate_up (hidden_size)": cfg.hidden_size,
           "layers.*.attn.wo (num_heads x head_dim)": cfg.num_heads * cfg.head_dim}
+    mixers = {cfg.mixer(i) for i in range(cfg.num_layers)}
+    if "gdn" in mixers:
+        ks["layers.*.mixer.w_out (linear_value_heads x linear_value_dim)"] = cfg.linear_value_heads * cfg.linear_value_dim
+    if "mamba" in mixers:
+        ks["layers.*.mixer.w_out (mamba_heads x mamba_head_dim)"] = cfg.mamba_heads * cfg.mamba_head_dim
     moe = [cfg.layer(i).moe for i in range(cfg.num_layers)]
     if not all(moe):
         ks["layers.*.ffn.w_down (intermediate_size)"] = cfg.intermediate_size

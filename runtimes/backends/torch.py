@@ -44,6 +44,12 @@ class TorchBuffers(CacheBuffers):
     def read_positions(self, buf, row, start, end):
         return buf[row:row + 1, :, start:end].clone()  # stays on the device
 
+    def read_row(self, buf, row):
+        return buf[row].clone()  # stays on the device
+
+    def write_row(self, buf, row, value=None):
+        buf[row].zero_() if value is None else buf[row].copy_(value)
+
     def to_numpy(self, buf) -> np.ndarray:
         return buf.float().cpu().numpy()
 

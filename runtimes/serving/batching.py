@@ -142,7 +142,10 @@ class Batcher:
         self.chunked = problem is None
         if problem:
             log.info("prompts are prefilled whole, not in chunks, and no prefix is cached: %s", problem)
-        if self.chunked and self.limits.prefix_cache_bytes > 0 and self.runtime.layout.ring_free:
+        if self.chunked and self.limits.prefix_cache_bytes > 0 and self.runtime.dims.stateful:
+            log.warning("prefix caching is off: this model's recurrent layers carry a state that a cached block of "
+                        "keys and values cannot restore (tk keeps no state per block)")
+        elif self.chunked and self.limits.prefix_cache_bytes > 0 and self.runtime.layout.ring_free:
             self._store = PrefixStore(self.runtime, self._rows, self.limits.prefix_cache_bytes)
             self.prefix = self._store.cache
         self._sched = Scheduler(self.limits, chunked=self.chunked, prefix=self.prefix)

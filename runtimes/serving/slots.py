@@ -9,7 +9,9 @@ at the row's write index (`chunk_problem` says where a backend cannot). `step(to
 decodes the busy rows together, each at its own length and write index, and computes only up to
 the last busy one where the backend views a buffer's leading rows (`Runtime.row_views`; ORT on
 CUDA runs every row); `free(slot)` empties a row, which keeps one visible position (0) and
-rewrites it: its throwaway row computes no NaN and touches no live row. `Slots` holds its runtime
+rewrites it: its throwaway row computes no NaN and touches no live row. A recurrent layer's state (a
+hybrid's) has no position to throw away: a slot's state starts at zero when a prompt takes it, and a
+taken slot that sits a step out (mid-prompt) gets its state back after the step. `Slots` holds its runtime
 and its one session, and drives the static layout's primitives (`StaticLayout.allocate`,
 `write_present`, `prefill_row`, `decode`) and the runtime's `CacheBuffers`; which request sits
 where, and what each step computes, is the scheduler's and the batcher's.
@@ -39,6 +41,9 @@ class Slots:
             raise InputError(f"the {runtime.name} backend runs batches of at most {runtime.max_batch}: use --slots "
                              f"{runtime.max_batch}, or rebuild with tk build-engine --max-batch {count}")
         self.runtime, self.layout, self.buffers = runtime, runtime.layout, runtime.buffers
+        # the buffers of a recurrent state (a hybrid's: runtimes.cache_layouts), and the slots prompts hold
+        self.states = [i for i, kv in enumerate(self.layout.kv) if not kv]
+        self.taken: set[int] = set()
         # one session of `count` rows of the capacity buffers (its `length` means nothing here: each
         # row's is its write index)
         mask = np.zeros((count, self.layout.capacity), dtype=np.int64)
@@ -88,6 +93,9 @@ class Slots:
         s.mask[slot, :ids.shape[1]] = 1
         s.positions[slot] = 0
         s.static.write[slot] = 0
+        for i in self.states:  # a recurrent state starts at zero (the prompt's first run reads it)
+            self.buffers.write_row(s.cache[i], slot)
+        self.taken.add(slot)
         return ids
 
     def prefill(self, slot: int, ids: np.ndarray, start: int, end: int, every: bool = False) -> StepOutput:
@@ -136,6 +144,7 @@ class Slots:
         s.mask[slot, 0] = 1
         s.positions[slot] = 0
         s.static.write[slot] = 0
+        self.taken.discard(slot)
 
     def step(self, tokens, active: list[int]) -> StepOutput:
         """One decode step of the `active` slots, each at its own length; `tokens` (max(active) + 1,)
@@ -148,7 +157,13 @@ class Slots:
         rows = np.asarray(active, dtype=np.int64)
         if self.session.static.write[rows].max() >= self.layout.capacity:
             raise InputError(f"decode: a slot's static cache of {self.layout.capacity} positions is full")
-        return self.layout.decode(self.session, tokens, rows, n)
+        # a taken slot that sits the step out keeps its recurrent state (the step writes every row's)
+        idle = sorted(self.taken.difference(active)) if self.states else []
+        kept = [(b, i, self.buffers.read_row(self.session.cache[i], b)) for b in idle if b < n for i in self.states]
+        out = self.layout.decode(self.session, tokens, rows, n)
+        for b, i, value in kept:
+            self.buffers.write_row(self.session.cache[i], b, value)
+        return out
 
     def verify(self, slot: int, tokens: Sequence[int]) -> np.ndarray:
         """The slot's last token and the guesses after it, in one run at its write index -> each

@@ -32,6 +32,10 @@ def build(artifact: Path, *, precision: str | None, max_batch: int, max_input_le
         raise ArtifactError(f"{artifact} was exported with --target {manifest.variant.target.value} (ONNX Runtime's "
                             "own fused kernels), which TensorRT cannot parse; export with --target portable for "
                             "TensorRT")
+    if manifest.dims.stateful:
+        raise ArtifactError(f"{artifact}: {manifest.config.architecture}'s recurrent layers carry a state that TensorRT "
+                            "would return as a new buffer every run, and tk's TensorRT runtime updates its caches in "
+                            "place only (tk inspect shows the lint); run it with --backend ort or torch")
     quant = [p for p in manifest.trt_lint.get("problems", []) if p["rule"] in ("int4-block", "int8-weights", "quant-zero-points")]
     if quant:
         raise UsageProblem(f"{artifact}: {quant[0]['message']}")

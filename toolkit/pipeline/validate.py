@@ -118,7 +118,7 @@ def run_validation(tmp: Path, manifest: Manifest, reference: "Background",
     q = v.quantization
     if q is not None:
         fused = v.fused_matmulnbits
-        progress(f"quantized MatMuls fused into MatMulNBits: {fused['prefill']} and {fused['decode']}, all; "
+        progress(f"quantized MatMuls fused into MatMulNBits: {' and '.join(map(str, fused.values()))}, all; "
                  f"quantization error vs full precision: top-1 {q['top1_mean']:.3f}, top-5 {q['top5_mean']:.3f}, "
                  f"KL {q['kl_max_mean']:.3g}" + ("" if q["within_table"] else
                                                  " -- MORE than the table expects: measure it on your text "

@@ -43,12 +43,33 @@ def memory_plan(cfg: DecoderConfig, precision: Precision, batch: int, seq_len: i
     # TensorRT: prefill.engine and decode.engine each embed the weights; refit only replaces an
     # engine's own weights, and no documented TensorRT API lets two engines read one device copy
     # (README, "Memory"), so on the GPU the weights are there twice.
-    return {"dtype": precision.activations, "weights_dtype": precision.weights, "kv_dtype": precision.kv,
+    kv_layers = [i for i, layer in enumerate(dims.layer_states()) if layer.kv]
+    plan = {"dtype": precision.activations, "weights_dtype": precision.weights, "kv_dtype": precision.kv,
             "batch": batch, "seq_len": dims.kv_capacity if static else seq_len, "weights_bytes": weights,
             "trt_weights_bytes": 2 * weights, "kv_bytes_per_token": dims.kv_bytes_per_token(1), "kv_bytes": kv,
             "total_bytes": weights + kv, "kv_cache": "static" if static else "dynamic",
-            "kv_positions": dims.capacities() if static else [seq_len] * dims.num_layers,
-            "rings": [r is not None for r in dims.ring] if dims.ring else [False] * dims.num_layers}
+            "kv_positions": [(dims.capacities() if static else [seq_len] * dims.num_layers)[i] for i in kv_layers],
+            "rings": [dims.ring is not None and dims.ring[i] is not None for i in kv_layers]}
+    if dims.stateful:
+        plan["state"] = state_plan(cfg, dims, seq_len)
+    return plan
+
+
+def state_plan(cfg: DecoderConfig, dims: contract.GraphDims, seq_len: int) -> dict:
+    """A hybrid's memory per slot: each layer's state (a recurrent layer's tensors, whatever the context; an
+    attention layer's keys and values at `seq_len` positions), and, beside it, what a model of the same
+    size with attention in every layer would hold at that context."""
+    per_position = 2 * dims.num_kv_heads * dims.head_dim * DTYPES[dims.kv_dtype].bytes
+    layers = []
+    for i, layer in enumerate(dims.layer_states()):
+        if layer.kv:
+            layers.append({"layer": i, "mixer": "attention", "kv_positions": seq_len, "bytes": per_position * seq_len})
+        else:
+            layers.append({"layer": i, "mixer": cfg.mixer(i), "bytes": dims.state_bytes(i),
+                           "tensors": [{"name": n, "shape": list(shape)} for n, shape in layer.tensors]})
+    return {"seq_len": seq_len, "layers": layers, "bytes_per_slot": sum(x["bytes"] for x in layers),
+            "recurrent_bytes_per_slot": sum(x["bytes"] for x in layers if x["mixer"] != "attention"),
+            "all_attention_bytes_per_slot": per_position * seq_len * dims.num_layers}
 
 
 def weight_bytes_by_dtype(artifact: Path, manifest) -> dict[str, int]:
@@ -107,7 +128,7 @@ def inspect_path(path: str | Path, batch: int = 1, seq_len: int | None = None) -
         cfg = manifest.config
         precision = manifest.precision
         graphs = {}
-        for graph in contract.GRAPHS:
+        for graph in manifest.dims.graphs:
             io, opset, ops = _io_table(path / manifest.graphs[graph].file)
             graphs[graph] = {"io": io, "opset": opset, "ops": ops}
         v = manifest.variant
@@ -146,6 +167,22 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.2f} MiB"
 
 
+def _state_lines(st: dict) -> list[str]:
+    """A hybrid's state per slot, by kind of layer, against attention in every layer at the same context."""
+    kinds: dict[str, list[dict]] = {}
+    for layer in st["layers"]:
+        kinds.setdefault(layer["mixer"], []).append(layer)
+    lines = [f"state per slot at {st['seq_len']:,} positions: {_mib(st['bytes_per_slot'])} "
+             f"({_mib(st['recurrent_bytes_per_slot'])} of it recurrent, the same at any length); attention in "
+             f"every layer would hold {_mib(st['all_attention_bytes_per_slot'])}"]
+    for mixer, layers in kinds.items():
+        shapes = "; ".join(f"{t['name']} {'x'.join(map(str, t['shape']))}" for t in layers[0].get("tensors", []))
+        what = shapes or f"keys and values of {layers[0]['kv_positions']:,} positions"
+        lines.append(f"  {mixer} layers {', '.join(str(x['layer']) for x in layers)}: {what}, "
+                     f"{_mib(layers[0]['bytes'])} each")
+    return lines
+
+
 def format_info(info: dict) -> str:
     c, m = info["config"], info["memory"]
     active = info["active_parameters"]
@@ -162,6 +199,8 @@ def format_info(info: dict) -> str:
         f"on ONNX Runtime both graphs share one memory-mapped copy of the weights; TensorRT's two engines hold "
         f"one each: {_mib(m['trt_weights_bytes'])} of weights on the GPU",
     ]
+    if "state" in m:
+        lines += _state_lines(m["state"])
     if "target" in info:
         lines.append(f"profile: {describe_profile(info['profile'], info['same_graphs_as'])}")
         cache = info["kv_cache"] + (f" ({info['capacity']} positions)" if info.get("capacity") else "")

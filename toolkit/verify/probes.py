@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tk.models.spec.contract import KV
 from tk.runtimes.base import Runtime
 from tk.runtimes.decoding.generate import left_pad
 from tk.toolkit.verify.tolerance import Tolerance
@@ -56,9 +57,15 @@ def _prefill(rt: Runtime, ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray
         return out.logits, rt.cache_arrays(session)
 
 
-def _cache_diff(diff: Diff, a: list[np.ndarray], b: list[np.ndarray], row: int, positions: slice) -> None:
-    for x, y in zip(a, b):
-        diff.add(x[row, :, positions], y[row, :, positions])
+def _cache_diff(diff: Diff, rt: Runtime, a: list[np.ndarray], b: list[np.ndarray], row: int, positions: slice,
+                states: bool = True) -> None:
+    """The row's keys and values at `positions`; with `states`, its recurrent layers' states whole (they are
+    what the row's every token made of them: compared only where every token is the same)."""
+    for x, y, (_, kind) in zip(a, b, rt.dims.cache_kinds()):
+        if kind == KV:
+            diff.add(x[row, :, positions], y[row, :, positions])
+        elif states:
+            diff.add(x[row], y[row])
 
 
 def _result(name: str, diff: Diff, tol: Tolerance, reference: ProbeResult | None, detail: str) -> ProbeResult:
@@ -77,7 +84,7 @@ def future_leak(rt: Runtime, rng: np.random.Generator, tol: Tolerance, ref: Prob
     (a, cache_a), (b, cache_b) = _prefill(rt, ids, mask), _prefill(rt, other, mask)
     first = n - a.shape[1]  # the first position whose logits the backend returns
     diff = Diff()
-    _cache_diff(diff, cache_a, cache_b, 0, slice(0, t))
+    _cache_diff(diff, rt, cache_a, cache_b, 0, slice(0, t), states=False)
     if first < t:
         diff.add(a[0, : t - first], b[0, : t - first])
     logits = f"logits at positions {first}..{t - 1} and " if first < t else ""
@@ -95,7 +102,7 @@ def padding_leak(rt: Runtime, rng: np.random.Generator, tol: Tolerance, ref: Pro
     real = min(n, a.shape[1])  # the row's real tokens are its last n
     diff = Diff()
     diff.add(a[1, -real:], b[1, -real:])
-    _cache_diff(diff, cache_a, cache_b, 1, slice(pad, None))
+    _cache_diff(diff, rt, cache_a, cache_b, 1, slice(pad, None))
     return _result("padding_leak", diff, tol, ref,
                    f"content under {pad} padding tokens changed; the real tokens of the row compared")
 
@@ -133,7 +140,7 @@ def cache_vs_recompute(rt: Runtime, rng: np.random.Generator, tol: Tolerance, re
             logits = rt.step(session, ids[:, t]).logits
             if t >= first:
                 diff.add(full[0, t - first], logits[0, 0])
-        _cache_diff(diff, full_cache, rt.cache_arrays(session), 0, slice(None))
+        _cache_diff(diff, rt, full_cache, rt.cache_arrays(session), 0, slice(None))
     return _result("cache_vs_recompute", diff, tol, ref,
                    f"prefill {n} vs prefill {n - k} + {k} decode steps, logits and cache")
 

@@ -40,7 +40,7 @@ def fused_matmuls(artifact: Path, manifest) -> dict[str, tuple[int, list[str]]]:
 
     out = {}
     paths = manifest.verify_files(artifact)
-    for graph in contract.GRAPHS:
+    for graph in manifest.dims.graphs:
         with tempfile.TemporaryDirectory() as tmp:
             opts = session_options(ort)
             opts.optimized_model_filepath = str(Path(tmp) / "optimized.onnx")

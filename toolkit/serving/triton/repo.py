@@ -131,8 +131,8 @@ def _native(artifact: Path, manifest: Manifest, repo: Path, name: str, copy: boo
                                 f"tk build-engine {artifact} --force")
         meta = EngineMeta.from_dict(json.loads(meta_path.read_text()))
         progress(plan_note(meta))
-    data = {manifest.graphs[g].data_file for g in contract.GRAPHS if manifest.graphs[g].data_file}
-    for graph in contract.GRAPHS:
+    data = {manifest.graphs[g].data_file for g in manifest.graphs if manifest.graphs[g].data_file}
+    for graph in manifest.dims.graphs:  # (a hybrid's one: decode)
         version = repo / f"{name}_{graph}" / "1"
         version.mkdir(parents=True)
         place(artifact / manifest.graphs[graph].file, version / "model.onnx")
