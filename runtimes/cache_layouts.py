@@ -218,18 +218,21 @@ class StaticLayout(_Layout):
         """Prefill one row's tokens (1, L), the row's positions at .. at + L - 1, through the decode
         graph (it takes a run of new tokens: contract.inputs' decode_prefills) into row `row` of the
         cache, in runs of at most max_run tokens (the row's mask is already 1 on them). With `every`,
-        one token per run, to return every position's logits (1, L, V): the decode graph returns a run's last."""
-        L, run = ids.shape[1], 1 if every else self.max_run or ids.shape[1]
+        every position's logits (1, L, V): each run's, where the graph takes logits_to_keep, else one
+        token per run (the decode graph returns a run's last)."""
+        L = ids.shape[1]
+        run = 1 if every and not self.keeps else self.max_run or L
         rows = [b[row:row + 1] for b in s.cache]
         logits = []
         for start in range(0, L, run):
             end = min(L, start + run)
+            keep = {"logits_to_keep": np.arange(end - start)} if every and self.keeps else self._keep_last(end - start)
             feeds = {"input_ids": ids[:, start:end], "attention_mask": s.mask[row:row + 1, :self._width(at + end)],
                      "position_ids": np.arange(at + start, at + end, dtype=np.int64)[None],
-                     "write_indices": np.full(1, at + start, np.int64), **self._keep_last(end - start)}
+                     "write_indices": np.full(1, at + start, np.int64), **keep}
             out, _ = s.runtime.run(contract.DECODE, feeds, rows, None, in_place=True)
             if every:  # a copy: a backend may write the next run's logits into the same buffer
-                logits.append(np.array(out.logits[:, -1:], dtype=np.float32))
+                logits.append(np.array(out.logits[:, -(end - start) if self.keeps else -1:], dtype=np.float32))
         return StepOutput(np.concatenate(logits, axis=1)) if every else out
 
     def _keep_last(self, n: int) -> dict[str, np.ndarray]:

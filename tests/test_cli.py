@@ -43,7 +43,9 @@ def bad_checkpoints(tmp_path, tiny):
     make("unsupported", arch, "Error: architecture GPTNeoXForCausalLM is not supported; supported: LlamaForCausalLM, "
          "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM, GemmaForCausalLM, "
          "Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, GraniteForCausalLM, "
-         "Olmo2ForCausalLM, SmolLM3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM")
+         "Olmo2ForCausalLM, SmolLM3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, "
+         "Lfm2ForCausalLM, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5MoeForCausalLM, "
+         "Qwen3_5MoeForConditionalGeneration, Qwen3NextForCausalLM, GraniteMoeHybridForCausalLM")
 
     def corrupt(d):
         data = (d / "model.safetensors").read_bytes()

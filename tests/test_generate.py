@@ -140,7 +140,7 @@ def _old_contract(d, version: int = 0):
     (lambda d: (d / "decode.onnx").unlink(), ["--prompt", "hi"], "Error: {d} is missing decode.onnx; re-export the artifact"),
     (lambda d: (d / "manifest.json").unlink(), ["--prompt", "hi"],
      "Error: {d} has no manifest.json; it is not a tk artifact (tk export makes one)"),
-    (_old_contract, ["--prompt", "hi"], "Error: artifact has graph contract version 0, this tk reads version 5; "
+    (_old_contract, ["--prompt", "hi"], "Error: artifact has graph contract version 0, this tk reads version 6; "
      "re-export it with this version of tk (tk export)"),
     (None, ["--prompt-ids", "1,2,999"], "Error: token id 999 is outside the vocabulary (0..511)"),
     (None, ["--prompt", ""], "Error: empty prompt: give at least one token per prompt"),
@@ -160,10 +160,10 @@ def test_no_new_tokens_is_a_usage_error(tiny_artifact):
     assert error_line(result) == "Error: Invalid value for '--max-new-tokens': 0 is not in the range x>=1."
 
 
-@pytest.mark.parametrize("version", [2, 3, 4])
+@pytest.mark.parametrize("version", [2, 3, 4, 5])
 def test_an_artifact_of_an_older_contract_still_runs(broken, version):
-    """Contract version 3 added rings to static caches, 4 narrow masks, 5 logits_to_keep: an artifact of
-    an earlier version (which has none of the later ones) is one of version 5 without them."""
+    """Contract version 3 added rings to static caches, 4 narrow masks, 5 logits_to_keep, 6 recurrent
+    state: an artifact of an earlier version (which has none of the later ones) is one of version 6 without them."""
     d = broken(lambda d: _old_contract(d, version=version))
     result = run("generate", d, "--prompt-ids", "1,2,3", "--max-new-tokens", "4")
     assert result.exit_code == 0, result.output

@@ -267,6 +267,43 @@ def test_served_rows_enter_and_leave_and_each_equals_its_solo_run(hybrid):
     assert batcher.chunked and batcher.prefix is None  # prefix caching is off for a recurrent state
 
 
+@pytest.mark.slow
+def test_tk_serve_answers_sixteen_concurrent_clients_each_with_its_solo_tokens(hybrid):
+    """The OpenAI API over a hybrid: 16 clients at once (streamed and whole, greedy and seeded, prompts of up
+    to 200 tokens in chunks) through the official client; each gets the tokens `tk generate` gives alone."""
+    openai = pytest.importorskip("openai", reason="the openai client is a test extra: pip install -e '.[test]'")
+    pytest.importorskip("fastapi", reason="the serving stack: pip install -e '.[serve]'")
+    from tk.toolkit.serving.openai.process import ServeOptions, in_thread, open_server
+
+    art = hybrid("lfm2", "ort-cpu")
+    m = Manifest.read(art)
+    rng = np.random.default_rng(5)
+    asks = [(rng.integers(3, m.config.vocab_size, int(rng.integers(1, 200))).tolist(), int(rng.integers(1, 24)),
+             i % 2 == 0, i % 4 == 3) for i in range(16)]
+    with open_runtime(art, "ort", SLOTS) as rt:
+        solo = [generate(rt, [p], n, SamplingConfig(temperature=0.8, top_k=30, seed=i) if sampled else SamplingConfig(),
+                         m.eos_token_ids).rows[0].tokens for i, (p, n, _, sampled) in enumerate(asks)]
+    srv, sock = open_server(art, "ort", BackendOptions(), ServeOptions(port=0, limits=BatcherLimits(slots=4),
+                                                                         model_name="hybrid", drain_s=1.0))
+    sock.close()
+
+    def ask(i):
+        prompt, n, stream, sampled = asks[i]
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        extra = {"return_token_ids": True, **({"top_k": 30} if sampled else {})}
+        resp = client.completions.create(model="hybrid", prompt=prompt, max_tokens=n, stream=stream, extra_body=extra,
+                                         temperature=0.8 if sampled else 0, **({"seed": i} if sampled else {}))
+        chunks = list(resp) if stream else [resp]
+        return [t for c in chunks if c.choices for t in (c.choices[0].model_extra.get("token_ids") or [])]
+
+    with in_thread(srv) as url, ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(ask, range(16)))
+    srv.batcher.close()
+    for i, (tokens, want) in enumerate(zip(got, solo)):
+        assert tokens == want, i
+    assert srv.batcher.prefix is None
+
+
 def test_what_a_recurrent_state_cannot_do_is_refused_in_one_line(hybrid, caplog, tmp_path):
     art = hybrid("lfm2", "ort-cpu")
     result = run("generate", art, "--prompt-ids", "5,6,7", "--lookup")

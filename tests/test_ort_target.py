@@ -213,7 +213,8 @@ def test_fused_graphs_on_other_families(checkpoints, tmp_path, family, static):
 
 
 @pytest.mark.parametrize("family, why", [("qwen3", "head_dim 24 (GroupQueryAttention takes multiples of 16)"),
-                                         ("phi3", "partial rotary embeddings")])
+                                         ("phi3", "a rotary dim of 8 (GroupQueryAttention rotates multiples "
+                                                  "of 16)")])
 def test_ort_target_refuses_what_its_kernels_cannot_express(checkpoints, tmp_path, family, why):
     result = run("export", checkpoints(family), "-o", tmp_path / "out", "--target", "ort")
     assert result.exit_code == 2  # refused from config.json, before any weight is read

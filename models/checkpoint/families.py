@@ -10,47 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from tk.models.checkpoint import readers
 from tk.models.spec.config import DecoderConfig, UnsupportedModelError
-
-
-def _smollm3_layer_types(hf: dict, rope_layers: list[bool] | None) -> list[str]:
-    """SmolLM3Config's default: the layers without RoPE slide."""
-    return ["sliding_attention" if not r else "full_attention" for r in rope_layers or []]
-
-
-def _gemma_layer_types(pattern_key: str | None, pattern: int):
-    """Gemma 2 (every second layer global) and Gemma 3 (every `sliding_window_pattern`-th, 6 by default):
-    layer i slides unless (i + 1) % pattern == 0 (Gemma2Config / Gemma3TextConfig.__init__)."""
-    def types(hf: dict, rope_layers) -> list[str]:
-        every = int(hf.get(pattern_key, hf.get("_" + pattern_key, pattern)) if pattern_key else pattern)
-        return ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(hf["num_hidden_layers"])]
-    return types
-
-
-def _moe_mixtral(hf: dict, num_layers: int) -> dict:
-    """Mixtral: every layer routes over num_local_experts FFNs of intermediate_size, renormalized top-k."""
-    return dict(num_experts=hf.get("num_local_experts", hf.get("num_experts")), experts_per_token=hf.get("num_experts_per_tok"),
-                expert_size=hf.get("intermediate_size"), renormalize_experts=True)
-
-
-def _moe_qwen(hf: dict, num_layers: int) -> dict:
-    """Qwen2-MoE and Qwen3-MoE: layer i is sparse unless listed in mlp_only_layers, on every
-    decoder_sparse_step-th layer (the others are dense FFNs of intermediate_size); experts of
-    moe_intermediate_size, renormalized when norm_topk_prob; a gated shared expert (Qwen2-MoE)."""
-    experts = hf.get("num_experts") or hf.get("num_local_experts") or 0  # Qwen3MoeConfig saves the latter
-    step, dense = hf.get("decoder_sparse_step", 1) or 1, set(hf.get("mlp_only_layers") or [])
-    layers = [experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(num_layers)]
-    if not any(layers):
-        return {}
-    return dict(num_experts=experts, experts_per_token=hf.get("num_experts_per_tok"),
-                expert_size=hf.get("moe_intermediate_size"), renormalize_experts=bool(hf.get("norm_topk_prob", False)),
-                shared_expert_size=hf.get("shared_expert_intermediate_size") or 0, moe_layers=layers)
-
-
-def _moe_qwen35(hf: dict, num_layers: int) -> dict:
-    """Qwen3.5-MoE: every layer routes, top-k always renormalized (its router has no norm_topk_prob), a gated
-    shared expert."""
-    return _moe_qwen({**hf, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}, num_layers)
 
 
 @dataclass(frozen=True)
@@ -126,76 +87,6 @@ class Family:
     hybrid: Callable[[dict], dict] | None = None  # a hybrid's mixers: their DecoderConfig fields from config.json
 
 
-def _layer_types(hf: dict, linear: str, attention_every: int | None = None) -> list[str]:
-    """A hybrid's mixers (models/spec/config.py MIXERS) from its config's layer_types, where transformers 5
-    calls every recurrent layer "linear_attention" (an older config: "mamba", "conv") and every attention
-    layer "full_attention" ("attention"); without layer_types, every `attention_every`-th layer attends."""
-    n = hf["num_hidden_layers"]
-    types = hf.get("layer_types") or hf.get("layers_block_type")
-    if not types:
-        every = attention_every or 1
-        types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
-    mixers = {"full_attention": "attention", "attention": "attention", "linear_attention": linear, "mamba": linear,
-              "conv": linear}
-    unknown = [t for t in types if t not in mixers]
-    if unknown:
-        raise UnsupportedModelError(f"layer type {unknown[0]!r} is not supported in {hf['architectures'][0]}")
-    return [mixers[t] for t in types]
-
-
-def _hybrid_lfm2(hf: dict) -> dict:
-    """LFM2: short convolutions (conv_L_cache wide) between attention layers (layer_types, or full_attn_idxs);
-    the FFN's width adjusted as Lfm2MLP does (two thirds, times block_ffn_dim_multiplier, rounded up)."""
-    n = hf["num_hidden_layers"]
-    if not hf.get("layer_types") and hf.get("full_attn_idxs") is not None:
-        hf = {**hf, "layer_types": ["full_attention" if i in hf["full_attn_idxs"] else "conv" for i in range(n)]}
-    width = hf.get("intermediate_size") or hf.get("block_ff_dim")
-    if hf.get("block_auto_adjust_ff_dim", True):
-        width = int(2 * width / 3)
-        if hf.get("block_ffn_dim_multiplier", 1.0) is not None:
-            multiple = hf.get("block_multiple_of", 256)
-            width = int(hf.get("block_ffn_dim_multiplier", 1.0) * width)
-            width = multiple * ((width + multiple - 1) // multiple)
-    return dict(layer_types=_layer_types(hf, "conv"), conv_kernel=hf.get("conv_L_cache", 3),
-                conv_bias=bool(hf.get("conv_bias", False)), intermediate_size=width,
-                rms_norm_eps=float(hf.get("norm_eps", 1e-5)))
-
-
-def _hybrid_qwen35(hf: dict) -> dict:
-    """Qwen3.5 and Qwen3-Next: gated DeltaNet layers, every full_attention_interval-th layer a gated attention
-    one (Qwen3_5TextConfig's defaults where a key is left out)."""
-    return dict(layer_types=_layer_types(hf, "gdn", hf.get("full_attention_interval", 4)),
-                conv_kernel=hf.get("linear_conv_kernel_dim", 4), linear_key_heads=hf.get("linear_num_key_heads", 16),
-                linear_value_heads=hf.get("linear_num_value_heads", 32), linear_key_dim=hf.get("linear_key_head_dim", 128),
-                linear_value_dim=hf.get("linear_value_head_dim", 128))
-
-
-def _hybrid_granite(hf: dict) -> dict:
-    """Granite 4.0-H: Mamba2 layers (mamba_*; mamba_d_head "auto" is mamba_expand * hidden / heads) and
-    attention layers, with RoPE only where position_embedding_type is "rope"; a shared MLP in every layer,
-    added to the experts where num_local_experts > 0, else the layer's FFN."""
-    n, heads = hf["num_hidden_layers"], hf.get("mamba_n_heads", 128)
-    d_head = hf.get("mamba_d_head", "auto")
-    if d_head in (None, "auto"):
-        d_head = hf.get("mamba_expand", 2) * hf["hidden_size"] // heads
-    # transformers 5 writes infinity as {"__float__": "Infinity"}
-    limit = [float(x["__float__"] if isinstance(x, dict) else x) for x in hf.get("time_step_limit") or ()]
-    fields = dict(layer_types=_layer_types(hf, "mamba"), conv_kernel=hf.get("mamba_d_conv", 4),
-                  conv_bias=bool(hf.get("mamba_conv_bias", True)), mamba_heads=heads, mamba_head_dim=d_head,
-                  mamba_state=hf.get("mamba_d_state", 256), mamba_groups=hf.get("mamba_n_groups", 1),
-                  mamba_proj_bias=bool(hf.get("mamba_proj_bias", False)),
-                  mamba_dt_limit=None if not limit or tuple(limit) == (0.0, float("inf")) else limit)
-    if hf.get("position_embedding_type") != "rope":
-        fields["rope_layers"] = [False] * n
-    experts, shared = hf.get("num_local_experts", 8) or 0, hf.get("shared_intermediate_size", 1024)
-    if experts:
-        fields.update(num_experts=experts, experts_per_token=hf.get("num_experts_per_tok", 2),
-                      expert_size=hf.get("intermediate_size"), renormalize_experts=True, shared_expert_size=shared)
-    else:
-        fields["intermediate_size"] = shared
-    return fields
-
-
 _GRANITE_FLOATS = {"embedding_multiplier": ("embedding_multiplier", 1.0),
                    "residual_multiplier": ("residual_multiplier", 1.0),
                    "attention_scale": ("attention_multiplier", 1.0),  # GraniteConfig's default: 1, not 1/sqrt(D)
@@ -207,17 +98,17 @@ _GEMMA_2_3 = dict(hf_act="hidden_activation", tied=True, sliding="layer-types", 
 # model: tensors under model.language_model., beside the vision tower and the multi-token-prediction head tk
 # ignores), with experts (Qwen3.5-MoE), and Qwen3-Next (experts, its DeltaNet projections grouped by key head)
 _QWEN35 = dict(fixed={"norm_offset": 1.0, "qk_norm": "head", "attn_output_gate": True}, hf_bias="attention_bias",
-               hybrid=_hybrid_qwen35)
+               hybrid=readers.hybrid_qwen35)
 _QWEN35_TEXT = dict(prefix="model.language_model.", ignore=("model.visual.", "mtp."))
 _QWEN35_ROWS = {
     "Qwen3_5ForCausalLM": dict(names=Names(mixer="linear_attn."), ignore=("model.visual.", "mtp.")),
     "Qwen3_5ForConditionalGeneration": dict(names=Names(mixer="linear_attn."), text_config="qwen3_5_text",
                                             **_QWEN35_TEXT),
-    "Qwen3_5MoeForCausalLM": dict(names=Names(mixer="linear_attn."), moe=_moe_qwen35, experts=QWEN_EXPERTS,
+    "Qwen3_5MoeForCausalLM": dict(names=Names(mixer="linear_attn."), moe=readers.moe_qwen35, experts=QWEN_EXPERTS,
                                   ignore=("model.visual.", "mtp.")),
-    "Qwen3_5MoeForConditionalGeneration": dict(names=Names(mixer="linear_attn."), moe=_moe_qwen35, experts=QWEN_EXPERTS,
+    "Qwen3_5MoeForConditionalGeneration": dict(names=Names(mixer="linear_attn."), moe=readers.moe_qwen35, experts=QWEN_EXPERTS,
                                                text_config="qwen3_5_moe_text", **_QWEN35_TEXT),
-    "Qwen3NextForCausalLM": dict(names=Names(mixer="linear_attn.", gdn_grouped=True), moe=_moe_qwen,
+    "Qwen3NextForCausalLM": dict(names=Names(mixer="linear_attn.", gdn_grouped=True), moe=readers.moe_qwen,
                                  experts=QWEN_EXPERTS, ignore=("mtp.",)),
 }
 
@@ -229,34 +120,34 @@ FAMILIES: dict[str, Family] = {
     "Phi3ForCausalLM": Family(fixed={"fused_projections": True}, sliding="always"),
     "GemmaForCausalLM": Family(fixed=_GEMMA, hf_act="hidden_activation", tied=True),
     "Gemma2ForCausalLM": Family(fixed={**_GEMMA, "norm_placement": "sandwich"}, **_GEMMA_2_3,
-                                layer_types=_gemma_layer_types(None, 2), softcaps=("attn", "final")),
+                                layer_types=readers.gemma_layer_types(None, 2), softcaps=("attn", "final")),
     # attn_logit_softcapping is ignored by Gemma3's attention (docs/families.md, section 3)
     "Gemma3ForCausalLM": Family(fixed={**_GEMMA, "norm_placement": "sandwich", "qk_norm": "head"}, **_GEMMA_2_3,
-                                layer_types=_gemma_layer_types("sliding_window_pattern", 6), softcaps=("final",),
+                                layer_types=readers.gemma_layer_types("sliding_window_pattern", 6), softcaps=("final",),
                                 local_rope=True, refuse={"use_bidirectional_attention": "bidirectional attention"}),
     # the text of Gemma 3's image-text checkpoints (4B, 12B, 27B), which never softcaps its logits
     "Gemma3ForConditionalGeneration": Family(
         fixed={**_GEMMA, "norm_placement": "sandwich", "qk_norm": "head"}, **_GEMMA_2_3,
-        layer_types=_gemma_layer_types("sliding_window_pattern", 6), local_rope=True,
+        layer_types=readers.gemma_layer_types("sliding_window_pattern", 6), local_rope=True,
         refuse={"use_bidirectional_attention": "bidirectional attention"}, text_config="gemma3_text",
         prefix="language_model.model.", lm_head="language_model.lm_head.weight",
         ignore=("vision_tower.", "multi_modal_projector.")),
     "GraniteForCausalLM": Family(fixed={}, hf_bias="attention_bias", hf_floats=_GRANITE_FLOATS),
     "Olmo2ForCausalLM": Family(fixed={"qk_norm": "projection", "norm_placement": "post"}, hf_bias="attention_bias"),
     "SmolLM3ForCausalLM": Family(fixed={}, hf_bias="attention_bias", sliding="layer-types", tied=True,
-                                 layer_types=_smollm3_layer_types, sliding_gate="use_sliding_window",
+                                 layer_types=readers.smollm3_layer_types, sliding_gate="use_sliding_window",
                                  no_rope_layers=True),
-    "MixtralForCausalLM": Family(fixed={}, sliding="always", moe=_moe_mixtral, experts=MIXTRAL_EXPERTS),
-    "Qwen2MoeForCausalLM": Family(fixed={"qkv_bias": True}, sliding="opt-in", moe=_moe_qwen, experts=QWEN_EXPERTS),
-    "Qwen3MoeForCausalLM": Family(fixed={"qk_norm": "head"}, hf_bias="attention_bias", sliding="opt-in", moe=_moe_qwen,
+    "MixtralForCausalLM": Family(fixed={}, sliding="always", moe=readers.moe_mixtral, experts=MIXTRAL_EXPERTS),
+    "Qwen2MoeForCausalLM": Family(fixed={"qkv_bias": True}, sliding="opt-in", moe=readers.moe_qwen, experts=QWEN_EXPERTS),
+    "Qwen3MoeForCausalLM": Family(fixed={"qk_norm": "head"}, hf_bias="attention_bias", sliding="opt-in", moe=readers.moe_qwen,
                                   experts=QWEN_EXPERTS),
     # the hybrids: layers whose state is not a KV cache (models/reference/recurrent.py)
-    "Lfm2ForCausalLM": Family(fixed={"qk_norm": "head"}, tied=True, hybrid=_hybrid_lfm2, names=Names(
+    "Lfm2ForCausalLM": Family(fixed={"qk_norm": "head"}, tied=True, hybrid=readers.hybrid_lfm2, names=Names(
         norms={"attn_norm": "operator_norm", "ffn_norm": "ffn_norm"}, o_proj="out_proj", q_norm="q_layernorm",
         k_norm="k_layernorm", mlp="feed_forward.", ffn=("w1", "w3", "w2"), final_norm="embedding_norm", mixer="conv.")),
     **{arch: Family(**_QWEN35, **kw) for arch, kw in _QWEN35_ROWS.items()},
     "GraniteMoeHybridForCausalLM": Family(fixed={"shared_expert_gated": False}, hf_bias="attention_bias",
-                                          hf_floats=_GRANITE_FLOATS, hybrid=_hybrid_granite, experts=GRANITE_EXPERTS,
+                                          hf_floats=_GRANITE_FLOATS, hybrid=readers.hybrid_granite, experts=GRANITE_EXPERTS,
                                           names=Names(mixer="mamba.", mlp="shared_mlp.",
                                                       fused_ffn=("input_linear", "output_linear"))),
 }

@@ -308,12 +308,12 @@ def fused_unsupported(cfg: DecoderConfig) -> list[str]:
     window (local_window_size) and RoPE tables (Gemma 3); Granite's and Gemma's scales are its `scale`,
     Gemma 2's softcap its `softcap`; post and sandwich norms are plain RMSNorms; experts run as in the
     portable graphs."""
-    return [why for why, bad in (  # its CPU kernel: "cos_cache dimension 1 must be <= head_size / 2 and a multiple of 8"
-                                 (f"a rotary dim of {cfg.rotary_dim} (GroupQueryAttention rotates multiples of 16)",
-                                  cfg.rotary_dim % 16),
-                                 # its CPU kernel: "head_size shall be a multiple of 16" (ONNX Runtime 1.32)
+    return [why for why, bad in (  # its CPU kernel: "head_size shall be a multiple of 16" (ONNX Runtime 1.32)
                                  (f"head_dim {cfg.head_dim} (GroupQueryAttention takes multiples of 16)",
-                                  cfg.head_dim % 16)) if bad]
+                                  cfg.head_dim % 16),
+                                 # "cos_cache dimension 1 must be <= head_size / 2 and a multiple of 8"
+                                 (f"a rotary dim of {cfg.rotary_dim} (GroupQueryAttention rotates multiples of 16)",
+                                  cfg.rotary_dim < cfg.head_dim and cfg.rotary_dim % 16)) if bad]
 
 
 def layer_ks(cfg: DecoderConfig) -> dict[str, int]:

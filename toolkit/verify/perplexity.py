@@ -30,6 +30,7 @@ import numpy as np
 from tk.models.spec.manifest import Manifest
 from tk.models.spec.errors import UsageProblem
 from tk.runtimes.base import BackendUnavailable, InputError
+from tk.runtimes.serving.slots import Slots
 from tk.toolkit.backends import BackendOptions, open_runtime, reference_runtime
 from tk.toolkit.progress import Progress
 
@@ -66,8 +67,12 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def window_logits(runtime, chunk: list[int]) -> np.ndarray:
-    """(S, V) logits of one window, one prefill."""
+    """(S, V) logits of one window: one prefill, or where the prefill returns the last position's only,
+    the window through a decode graph that takes runs and keeps their logits (a hybrid's one graph)."""
     ids = np.array([chunk], dtype=np.int64)
+    if not runtime.all_prefill_logits:
+        with Slots(runtime, 1) as slot:
+            return slot.admit(0, chunk, every=True).logits[0]
     out, session = runtime.start(ids, np.ones_like(ids), room=1)
     session.close()
     return out.logits[0]
@@ -126,7 +131,7 @@ def evaluate(artifact: Path, text: str, backends: list[str], window: int | None 
     progress = Progress.of(progress)
     progress.step("load")
     manifest = Manifest.read(artifact)
-    if manifest.variant.prefill_logits.value != "all":
+    if manifest.variant.prefill_logits.value != "all" and not manifest.dims.keeps_logits:
         raise UsageProblem("tk eval needs every position's logits; this artifact's prefill returns the last "
                            "position only: re-export with --prefill-logits all")
     context = manifest.variant.capacity or manifest.max_context
