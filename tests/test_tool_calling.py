@@ -122,6 +122,24 @@ def test_a_malformed_call_in_auto_comes_back_as_content(client, said, stream):
     assert (content, calls, finish) == (said, [], "stop")
 
 
+BARE = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}'
+
+
+@pytest.mark.parametrize("said, calls", [
+    (BARE, [("get_weather", {"city": "Paris", "unit": "C"})]),  # what Qwen2.5-Coder-0.5B writes, untagged
+    (f"```json\n{BARE}\n```", [("get_weather", {"city": "Paris", "unit": "C"})]),
+    ('{"name": "get_weather", "arguments": {"city": "Rome"}}', []),  # fails its schema: content
+    ('{"name": "get_time", "arguments": {}}', []),  # names no tool given: content
+])
+def test_auto_reads_a_call_written_without_tags_streamed_as_whole(client, said, calls):
+    body = {"extra_body": {"guided_choice": [said]}, "temperature": 0, "max_tokens": 200}
+    reply = _chat(client, **body).choices[0]
+    content, streamed, finish, _ = _stream(client, **body)
+    assert _calls(reply.message) == calls == [(c["name"], json.loads(c["arguments"])) for c in streamed]
+    assert reply.message.content == content == (None if calls else said)
+    assert reply.finish_reason == finish == ("tool_calls" if calls else "stop")
+
+
 def test_tool_choice_none_renders_the_tools_and_parses_nothing(client, server):
     reply = _chat(client, tool_choice="none", extra_body={"guided_choice": [CALL]}, temperature=0, max_tokens=200)
     assert reply.choices[0].message.content == CALL and not reply.choices[0].message.tool_calls

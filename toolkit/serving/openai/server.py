@@ -92,7 +92,8 @@ class Server:
     """The FastAPI app over one batcher (`app`); the process module serves it."""
 
     def __init__(self, batcher: Batcher, tokenizer: Tokenizer, model_name: str, *, drain_s: float = 10.0,
-                 api_key: str | None = None, max_body: int = DEFAULT_BODY_LIMIT, tool_parser: str | None = None):
+                 api_key: str | None = None, max_body: int = DEFAULT_BODY_LIMIT, tool_parser: str | None = None,
+                 bare_tool_calls: bool | None = None):
         require()
         from tk.toolkit.serving.openai.schemas import schemas  # (pydantic: once the serving stack is known there)
 
@@ -104,7 +105,7 @@ class Server:
                                api.max_choices(limits.slots + limits.max_queue))
         self.metrics = PrometheusMetrics(batcher)
         self.constraints = structured.Compiler(tokenizer, batcher.runtime.dims.vocab_size, sorted(batcher.eos))
-        self.tools = ToolCalling(tokenizer, tool_parser)
+        self.tools = ToolCalling(tokenizer, tool_parser, bare_tool_calls)
         self.app = self._app()
 
     # --- the app ---
