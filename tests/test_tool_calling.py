@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 import pytest
 
 from test_serve_api import _serve
@@ -284,35 +283,16 @@ def test_an_assistant_message_appended_as_a_client_dumps_it_is_taken(client):
 @pytest.fixture(scope="module")
 def prose_after_a_call(tools_artifact):
     """A server of the tiny model planted to prefer prose after a call, as Qwen2.5-Coder-0.5B does:
-    its logits get +30 on a newline after ">" (a call's close), and on "I" after a newline (the
-    planted model: its own logits plus a bigram table, in every graph it runs)."""
-    import dataclasses
-
-    from tk.models.spec.manifest import Manifest
-    from tk.runtimes.serving.batching import Batcher
-    from tk.runtimes.serving.scheduler import BatcherLimits
-    from tk.toolkit.backends import BackendOptions, open_runtime
-    from tk.toolkit.serving.openai.server import Server
+    +30 on a newline after ">" (a call's close), and on "I" after a newline (tests/planted.py)."""
+    from planted import bigram, planted_server
     from tk.toolkit.textgen import Tokenizer
 
     tokenizer = Tokenizer(tools_artifact)
     (close,), (newline,), (prose,) = (tokenizer.encode(t, False) for t in (">", "\n", "I"))
-    bigram = np.zeros((512, 512), dtype=np.float32)
-    bigram[close, newline] = bigram[newline, prose] = 30.0
-    runtime = open_runtime(tools_artifact, "ort", dataclasses.replace(BackendOptions().for_runs(), static_cache=True))
-    run = runtime.run
-
-    def planted(graph, feeds, past, session, in_place=False):
-        out, present = run(graph, feeds, past, session, in_place)
-        b, s = out.logits.shape[:2]
-        return dataclasses.replace(out, logits=out.logits + bigram[feeds["input_ids"][:b, -s:]]), present
-    runtime.run = planted
-    batcher = Batcher(runtime, limits=BatcherLimits(slots=4, max_queue=16),
-                      eos_ids=Manifest.read(tools_artifact).eos_token_ids).start()
-    srv = Server(batcher, tokenizer, "tiny")
+    srv = planted_server(tools_artifact, bigram({close: newline, newline: prose}))
     with in_thread(srv) as url:
         yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
-    batcher.close()
+    srv.batcher.close()
 
 
 @pytest.mark.parametrize("stream", [False, True])

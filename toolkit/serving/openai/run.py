@@ -5,6 +5,8 @@ the events arrive (the api module's Choice), until all have finished or the requ
 
 from __future__ import annotations
 
+import asyncio
+
 from tk.runtimes.decoding.rows import FinishReason
 from tk.toolkit.serving import frontend
 from tk.toolkit.serving.openai import api
@@ -67,3 +69,34 @@ class Run:
         for c in self.choices:
             if not c.reason.completed:
                 raise self.failure(c.index)
+
+    async def collect(self, http) -> bool:
+        """Take every event until all choices finish: True; False (each cancelled) where the client of
+        `http` (a request whose body was read) went away, as nobody is left to answer."""
+        gone = asyncio.ensure_future(disconnected(http))
+        try:
+            while self.pending:
+                getter = asyncio.ensure_future(self.queue.get())
+                await asyncio.wait({getter, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done():
+                    getter.cancel()
+                    self.cancel()
+                    return False
+                self.take(*getter.result())
+        except asyncio.CancelledError:  # the server stops (uvicorn cancels its handlers): so do the choices
+            self.cancel()
+            raise
+        finally:
+            gone.cancel()
+        return True
+
+    async def cancel_when_gone(self, http) -> None:
+        """Cancel the choices when the client of `http` goes away (a stream's watch)."""
+        await disconnected(http)
+        self.cancel()
+
+
+async def disconnected(request) -> None:
+    """Returns when the client of a request whose body was read disconnects."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
