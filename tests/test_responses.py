@@ -188,6 +188,9 @@ def test_the_store_keeps_the_newest_responses():
     ({"tools": FUNCTIONS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice", "not one of the tools"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text", "schema is required"),
     ({"max_output_tokens": 100000}, "max_output_tokens", ""),
+    ({"max_output_tokens": 500, "input": "word " * 100}, "input", "exceeds the model's context"),  # said as chat's
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"$ref": "#/nope"}}}}, "text",
+     "text.format: not a valid json constraint"),
 ])
 def test_what_tk_does_not_implement_is_a_400_naming_it(client, body, param, words):
     with pytest.raises(openai.BadRequestError) as e:

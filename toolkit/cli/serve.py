@@ -74,6 +74,9 @@ def serve(ctx: click.Context, artifact: Path, backend: str, host: str, port: int
       call = reply.choices[0].message.tool_calls[0]        # finish_reason "tool_calls"
       msgs += [reply.choices[0].message, {"role": "tool", "tool_call_id": call.id, "content": "18C"}]
       answer = client.chat.completions.create(model=M, messages=msgs, tools=tools)
+    The Responses API (/v1/responses: the Agents SDK's default model) takes the same tools, as
+    `input` items; a required call ends where the model ends, and under auto a reply that is
+    nothing but a JSON call of a tool (hermes, granite) is that call (--no-bare-tool-calls: not).
     """
     from tk.runtimes.errors import InputError
     from tk.runtimes.serving.scheduler import BatcherLimits

@@ -28,6 +28,8 @@ from tk.toolkit.serving.openai.edge import documented, endpoint, run_in_threadpo
 from tk.toolkit.serving.openai.run import Run
 
 STORE_CAPACITY = 1024  # responses a server keeps
+# a chat body's fields in a 400, as the Responses body names them
+FIELDS = {"messages": "input", "response_format": "text.format", "max_tokens": "max_output_tokens"}
 
 
 class Store:
@@ -124,7 +126,13 @@ class Responses:
 
     def _prepare(self, body, loop, queue):
         chat, conversation = self.chat_body(body)
-        prompts, jobs, calls = self.server.prepare(chat, True, loop, queue)
+        try:
+            prompts, jobs, calls = self.server.prepare(chat, True, loop, queue)
+        except ApiError as e:
+            if e.param in FIELDS:  # said of the chat body: say it of this one
+                e.message = e.message.replace(f"{e.param}:", f"{FIELDS[e.param]}:", 1)
+                e.param = FIELDS[e.param].split(".")[0]
+            raise
         parsing = calls.stream() if calls is not None else None
         reply = Reply(self, body, items.Output(parsing, calls.parallel if calls else True), conversation)
         return Run(jobs, [Choice(0, prompts[0])], queue, len(prompts[0].ids)), reply

@@ -214,7 +214,7 @@ class Server:
         if body.stream:
             options = body.stream_options
             watch = asyncio.ensure_future(run.cancel_when_gone(http))  # even before the stream starts
-            return StreamingResponse(self._events(run, reply, options, watch), media_type="text/event-stream")
+            return StreamingResponse(run.chat_events(reply, options, watch), media_type="text/event-stream")
         return JSONResponse(await self._complete(http, run, reply))
 
     @staticmethod
@@ -238,44 +238,6 @@ class Server:
             return None
         run.raise_failure()  # the response's texts are decoded off the event loop
         return await run_in_threadpool(reply.complete, run.choices, run.prompt_scores(), run.usage())
-
-    async def _events(self, run: Run, reply: api.Reply, options, watch):
-        usage_at_end = options is not None and options.include_usage
-        continuous = options is not None and options.continuous_usage_stats
-        try:
-            if reply.chat:
-                for c in run.choices:
-                    yield reply.role(c.index)
-            while run.pending:
-                index, piece, event = await run.queue.get()
-                c = run.choices[index]
-                if reply.echo and not c.echoed:  # before its first event: the prompt's scores are in
-                    head, scores, ids = reply.head(c, run.jobs[index].request.prompt_scores)
-                    c.echoed = True
-                    yield reply.chunk(c, head, None, [], ids, scores, prompt=True)
-                run.take(index, piece, event)
-                if event.token is None and not event.finish_reason.completed:
-                    yield api.sse(run.failure(index).body())
-                    run.cancel()
-                    break
-                usage = run.usage() if continuous else None
-                text, calls = reply.text_and_calls(c, piece, event.token is None)
-                for chunk in calls:
-                    yield chunk
-                if event.token is None:
-                    eos = [] if c.eos is None else [c.eos]
-                    yield reply.chunk(c, text, event.finish_reason, c.before(), eos, c.scores[-1:] if eos
-                                      else [], usage)
-                elif text or reply.token_ids or reply.logprobs:
-                    yield reply.chunk(c, text, None, c.before(1), [event.token], [event.logprob], usage)
-            else:
-                if usage_at_end:
-                    yield reply.usage_chunk(run.usage())
-            yield "data: [DONE]\n\n"
-        finally:  # the client went away mid-stream (or the stream ended): its slots are freed
-            watch.cancel()
-            run.cancel()
-
 
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 
