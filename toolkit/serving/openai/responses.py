@@ -90,6 +90,8 @@ class Responses:
         self.Body = body(server.schemas.sizes)
 
     def routes(self, keyed: tuple) -> list[tuple]:
+        """Both operations, for the API document. (No OpenAPI link from a response's id to its GET: with
+        store: false, or a streamed body, there is nothing to follow.)"""
         generation = documented(400, *keyed, 404, 413, 429, 503, stream=True)
         return [("/v1/responses", endpoint("responses", self.create, self.Body), "POST", {"responses": generation}),
                 ("/v1/responses/{response_id}", self.get, "GET", {"name": "get_response",

@@ -144,7 +144,7 @@ def body(sizes: Sizes):
         text: Optional[TextConfig] = None
         stream: bool = False
         store: bool = True  # kept for GET /v1/responses/{id} and previous_response_id (bounded: oldest out)
-        previous_response_id: Optional[ItemId] = None
+        previous_response_id: Optional[Annotated[str, Field(min_length=1, max_length=256)]] = None
         include: Optional[Annotated[list[str], Field(max_length=0)]] = None  # tk adds nothing to a response
         metadata: Optional[Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
                                      Field(max_length=16)]] = None
