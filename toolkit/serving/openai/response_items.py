@@ -19,6 +19,7 @@ here (the responses module).
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 import uuid
@@ -91,7 +92,7 @@ class Output:
                  "text": part["text"], "logprobs": []},
                 {"type": "response.content_part.done", "item_id": m["id"], "output_index": at, "content_index": 0,
                  "part": dict(part)},
-                {"type": "response.output_item.done", "output_index": at, "item": json.loads(json.dumps(m))}]
+                {"type": "response.output_item.done", "output_index": at, "item": copy.deepcopy(m)}]
 
     def _call(self, call) -> list[dict]:
         item = {"id": new_id("fc"), "type": "function_call", "status": "completed", "call_id": call_id(),
