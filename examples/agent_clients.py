@@ -1,11 +1,14 @@
 """The clients and the task of examples/agent_tools.py: the two tools, the official `openai`
-package's loop by hand and the OpenAI Agents SDK's run, each recording its exchanges (requests and
-responses as sent and received) for --json. Imported by agent_tools.py, which starts the servers.
+package's loop by hand and the OpenAI Agents SDK's run (over Chat Completions, `agents`, or its
+default Responses model, `agents-responses`), each recording its exchanges (requests and responses
+as sent and received; a streamed Responses run keeps its requests only) for --json. Imported by
+agent_tools.py, which starts the servers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import time
@@ -108,10 +111,10 @@ def _same(got, want) -> bool:
         return False
 
 
-def record(client, exchanges: list[dict]):
-    """The client's chat.completions.create, wrapped to keep each request's body and its response
-    (or error) as sent and received; the Agents SDK calls the same method."""
-    completions = client.chat.completions
+def record(client, exchanges: list[dict], responses: bool = False):
+    """The client's chat.completions.create (responses.create), wrapped to keep each request's body
+    and its response (or error) as sent and received; the Agents SDK calls the same method."""
+    completions = client.responses if responses else client.chat.completions
     create = completions.create
 
     def body(kwargs):
@@ -239,13 +242,15 @@ def openai_loop(base_url: str, model: str, max_turns: int, max_tokens: int, mode
             "turns": turns, "seconds": round(seconds, 2), "error": error, "exchanges": exchanges}
 
 
-def agents_run(base_url: str, model: str, max_turns: int, max_tokens: int, mode: str, stream: bool) -> dict:
-    """The OpenAI Agents SDK over the server's Chat Completions API, temperature 0 (streamed:
-    Runner.run_streamed, its events read to the end)."""
+def agents_run(base_url: str, model: str, max_turns: int, max_tokens: int, mode: str, stream: bool,
+               responses: bool = False) -> dict:
+    """The OpenAI Agents SDK over the server's Chat Completions API (`responses`: its default model,
+    over the Responses API), temperature 0 (streamed: Runner.run_streamed, its events read to the end)."""
     from agents import (
         Agent,
         ModelSettings,
         OpenAIChatCompletionsModel,
+        OpenAIResponsesModel,
         Runner,
         function_tool,
         set_tracing_disabled,
@@ -276,11 +281,12 @@ def agents_run(base_url: str, model: str, max_turns: int, max_tokens: int, mode:
         return box.convert_temperature(celsius, to)
 
     client = record(AsyncOpenAI(base_url=base_url, api_key=OFFLINE["OPENAI_API_KEY"], max_retries=0, timeout=600),
-                    exchanges)
+                    exchanges, responses)
     # required-first: the SDK's reset_tool_choice (on by default) returns to auto once a tool ran
     forced = {"tool_choice": "required", "parallel_tool_calls": False} if mode == "required-first" else {}
     agent = Agent(name="weather", instructions=SYSTEM, tools=[get_weather, convert_temperature],
-                  model=OpenAIChatCompletionsModel(model=model, openai_client=client),
+                  model=(OpenAIResponsesModel if responses else OpenAIChatCompletionsModel)(model=model,
+                                                                                            openai_client=client),
                   model_settings=ModelSettings(temperature=0, max_tokens=max_tokens, **forced))
     final, finished, error, turns = None, False, None, 0
     t0 = time.perf_counter()
@@ -307,5 +313,5 @@ def agents_run(base_url: str, model: str, max_turns: int, max_tokens: int, mode:
             "turns": turns, "seconds": round(seconds, 2), "error": error, "exchanges": exchanges}
 
 
-CLIENTS = {"openai": openai_loop, "agents": agents_run}
+CLIENTS = {"openai": openai_loop, "agents": agents_run, "agents-responses": functools.partial(agents_run, responses=True)}
 MODES = ("auto", "required-first")

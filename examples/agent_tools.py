@@ -3,7 +3,7 @@ did the agent finish, which calls did it make (in order, with their arguments), 
 in how many model turns and how many seconds.
 
     python examples/agent_tools.py --tk ARTIFACT --gguf FILE.gguf --llama-server PATH/llama-server \
-        [--only tk|llama] [--clients openai,agents] [--modes auto,required-first] [--stream] \
+        [--only tk|llama] [--clients openai,agents,agents-responses] [--modes auto,required-first] [--stream] \
         [--max-turns 6] [--max-tokens 256] [--threads 2] [--json OUT.json] [--log-dir DIR]
 
 The task: two tools, `get_weather(city)` (a fixed report per city, the temperature in Celsius) and
@@ -21,7 +21,9 @@ at most --max-tokens new tokens:
      until a reply makes no call (finished) or --max-turns replies were made (not finished);
 (ii) agents: the OpenAI Agents SDK (`pip install openai-agents`): an Agent with two @function_tool
      tools on `OpenAIChatCompletionsModel` over `AsyncOpenAI(base_url=...)`, tracing off, run with
-     `Runner.run_sync(..., max_turns=--max-turns)`; finished where it returns a final output.
+     `Runner.run_sync(..., max_turns=--max-turns)`; finished where it returns a final output;
+(iii) agents-responses (asked for by name): the same on the SDK's default model class,
+     `OpenAIResponsesModel`, over tk serve's Responses API (llama-server has none: it is skipped there).
 Each client runs in two modes: `auto`, tool_choice left out (OpenAI's default where tools are given:
 the model decides, the server reads its calls out of the reply's text), and `required-first`, the
 first turn under tool_choice "required" with parallel_tool_calls false, the turns after it auto
@@ -202,7 +204,8 @@ def main() -> None:
     ap.add_argument("--gguf", type=Path, metavar="FILE", help="the same checkpoint as a GGUF (llama-server)")
     ap.add_argument("--llama-server", default=shutil.which("llama-server"), metavar="PATH", help="llama.cpp's llama-server binary")
     ap.add_argument("--only", choices=["tk", "llama"], help="one server only (default: both, one after the other)")
-    ap.add_argument("--clients", default="openai,agents", help="comma-separated: openai, agents")
+    ap.add_argument("--clients", default="openai,agents", help="comma-separated: openai, agents, agents-responses "
+                                                                "(the SDK's default model: the Responses API; tk only)")
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated: auto, required-first")
     ap.add_argument("--stream", action="store_true", help="both clients stream the replies (stream: true)")
     ap.add_argument("--max-turns", type=int, default=6, help="model replies an agent may make (default 6)")
@@ -234,6 +237,8 @@ def main() -> None:
                                                         "messages": [{"role": "user", "content": "Hi"}]})
             results[key] = {}
             for client, mode in ((c, m) for c in clients for m in modes):
+                if client == "agents-responses" and key != "tk":
+                    continue  # (llama-server serves no Responses API)
                 print(f"{key} / {client} / {mode} ...", flush=True)
                 load = os.getloadavg()[0]  # (the seconds are only as good as the machine was quiet)
                 results[key].setdefault(client, {})[mode] = r = CLIENTS[client](

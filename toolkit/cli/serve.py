@@ -49,6 +49,10 @@ def batcher_options(f):
 @click.option("--tool-call-parser", type=click.Choice(list(PARSERS)),
               help="How the model writes tool calls (vLLM's names) [default: what the chat template teaches: "
                    "<tool_call> is hermes, [TOOL_CALLS] mistral, <|tool_call|> granite, <|python_tag|> llama3_json].")
+@click.option("--bare-tool-calls/--no-bare-tool-calls", default=None,
+              help="Under tool_choice auto, read a reply that is nothing but a JSON call of one of the tools (valid "
+                   "against its schema), without the format's tags, as that call [default: on for hermes and granite, "
+                   "whose models write calls so].")
 @click.option("--enable-auto-tool-choice", is_flag=True, hidden=True,
               help="vLLM's flag, accepted so that its command lines run: tk answers tool_choice auto whenever the "
                    "format is known.")
@@ -56,7 +60,7 @@ def batcher_options(f):
 def serve(ctx: click.Context, artifact: Path, backend: str, host: str, port: int, slots: int, max_queue: int,
           model_name: str | None, drain: float, api_key: str | None, max_body_bytes: int, step_tokens: int | None,
           prefix_cache_mib: int, no_prefix_cache: bool, options: BackendOptions, speculate_max_rows: int,
-          tool_call_parser: str | None, enable_auto_tool_choice: bool) -> None:
+          tool_call_parser: str | None, bare_tool_calls: bool | None, enable_auto_tool_choice: bool) -> None:
     """Serve an ARTIFACT (static cache) over the OpenAI API, with continuous batching.
 
     \b
@@ -70,6 +74,9 @@ def serve(ctx: click.Context, artifact: Path, backend: str, host: str, port: int
       call = reply.choices[0].message.tool_calls[0]        # finish_reason "tool_calls"
       msgs += [reply.choices[0].message, {"role": "tool", "tool_call_id": call.id, "content": "18C"}]
       answer = client.chat.completions.create(model=M, messages=msgs, tools=tools)
+    The Responses API (/v1/responses: the Agents SDK's default model) takes the same tools, as
+    `input` items; a required call ends where the model ends, and under auto a reply that is
+    nothing but a JSON call of a tool (hermes, granite) is that call (--no-bare-tool-calls: not).
     """
     from tk.runtimes.errors import InputError
     from tk.runtimes.serving.scheduler import BatcherLimits
@@ -88,7 +95,7 @@ def serve(ctx: click.Context, artifact: Path, backend: str, host: str, port: int
                    "--host 127.0.0.1 keeps it on this one", err=True)
     serving = ServeOptions(host=host, port=port, limits=limits, model_name=model_name, drain_s=drain, api_key=api_key,
                            max_body=max_body_bytes, speculation=speculation, speculate_rows=speculate_max_rows,
-                           tool_parser=tool_call_parser)
+                           tool_parser=tool_call_parser, bare_tool_calls=bare_tool_calls)
     server, sock = open_server(artifact, backend, options, serving)
     url = f"http://{host}:{sock.getsockname()[1]}"
     click.echo(f"tk serve: {server.model_name} on {url}/v1 ({backend}, {slots} slots); Ctrl-C stops", err=True)

@@ -106,9 +106,10 @@ class Grammar(Protocol):
 
 
 class Constraint(Protocol):
-    """A grammar a request's text must follow: `start()` gives each of its generations a matcher."""
+    """A grammar a request's text must follow: `start(sampling)` gives each of its generations a
+    matcher (the sampling: a tool call's grammar lets the model's own draws end the reply)."""
 
-    def start(self) -> Grammar: ...
+    def start(self, sampling: SamplingConfig) -> Grammar: ...
 
 
 class Metrics:
@@ -138,9 +139,10 @@ class Job(ABC):
         self.batcher, self.prompt, self.metrics, self.min_tokens = batcher, list(prompt), metrics, params.min_tokens
         self.text = TextStream(tokenizer, params.stop, params.special_tokens) if tokenizer is not None else None
         self.last = time.perf_counter()  # the last token's time (at first: submission)
-        self.grammar = params.constraint.start() if params.constraint is not None else None
+        sampling = params.sampling(choice)
+        self.grammar = params.constraint.start(sampling) if params.constraint is not None else None
         processors = params.processors(batcher.runtime.dims.vocab_size, sorted(batcher.eos), self.grammar)
-        self.request = Request(self.prompt, params.max_tokens, params.sampling(choice), ignore_eos=params.ignore_eos,
+        self.request = Request(self.prompt, params.max_tokens, sampling, ignore_eos=params.ignore_eos,
                                on_event=self._on_event, stop=self._stopped, processors=processors,
                                logprobs=params.logprobs, prompt_logprobs=params.prompt_logprobs,
                                speculate=params.speculate)

@@ -3,7 +3,9 @@
 reply is read back for calls in the format that template teaches (the tools module's parsers).
 
 - `tool_choice: auto` (the default where tools are given): the model decides; its calls are
-  parsed out of the text, and a call that does not parse stays content (never a 500).
+  parsed out of the text, and a call that does not parse stays content (never a 500). A reply that
+  is nothing but a JSON call, without the format's markers, is a call too where the format's models
+  write so (the bare_calls module; `tk serve --no-bare-tool-calls` turns it off).
 - `required`, or a named function: the reply runs under a grammar that admits only the format's
   call syntax with arguments valid against each function's JSON schema, so it always parses.
 - `none`: the tools are rendered (vLLM's default), the reply is text.
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tk.toolkit.serving.openai import tool_grammar
+from tk.toolkit.serving.openai import bare_calls, tool_grammar
 from tk.toolkit.serving.openai import tools as formats
 from tk.toolkit.serving.openai.api import ApiError, call_id
 
@@ -62,12 +64,14 @@ def _agree(body) -> None:
 
 class ToolCalling:
     """A server's tool calling: its chat template's format (or `parser`, tk serve --tool-call-parser),
-    whether the template renders tools, and the special tokens a grammar names by id."""
+    whether the template renders tools, the special tokens a grammar names by id, and whether `auto`
+    reads bare JSON calls (`bare`; None: where the format's models write them, bare_calls.DEFAULT_ON)."""
 
-    def __init__(self, tokenizer, parser: str | None = None):
+    def __init__(self, tokenizer, parser: str | None = None, bare: bool | None = None):
         template = tokenizer.hf.chat_template if tokenizer is not None else None
         template = template if isinstance(template, str) else ""
         self.parser_name = parser or formats.detect(template)
+        self.bare = self.parser_name in (bare_calls.DEFAULT_ON if bare is None else bare_calls.FORMATS if bare else ())
         self.renders = bool(template) and tokenizer.renders_tools
         self.specials = tool_grammar.specials_of(tokenizer.hf) if template else {}
         parser = formats.PARSERS.get(self.parser_name)
@@ -91,6 +95,8 @@ class ToolCalling:
             raise ApiError(400, "tools: tk cannot tell this chat template's tool-call format; start tk serve with "
                                 f"--tool-call-parser ({', '.join(formats.PARSERS)})", "tools")
         parser = formats.PARSERS[self.parser_name]
+        if choice == "auto" and self.bare:
+            parser = bare_calls.BareCalls(parser, given)
         named = None if isinstance(choice, str) else choice.function.name
         grammar = None
         if choice != "auto":

@@ -7,7 +7,8 @@ would run on) and the API key's check.
 - `CountRequests`: responses by route template and status (an unknown path counts as "unmatched":
   a client cannot grow the metric's series by inventing URLs).
 - `bearer_check(key)`: a FastAPI dependency that answers 401 unless `Authorization: Bearer KEY`.
-- `documented(*codes)`: the error responses an endpoint declares in /openapi.json.
+- `documented(*codes)`: the error responses an endpoint declares in /openapi.json; `endpoint(name,
+  handle, schema)`: an endpoint whose body FastAPI validates; `run_in_threadpool`: Starlette's.
 - `PrometheusMetrics`: what the server counts (frontend.METRICS' names), in a registry of its own.
 """
 
@@ -124,7 +125,27 @@ def bearer_check(key: str):
     return check
 
 
+async def run_in_threadpool(fn, *args):
+    """`fn(*args)` on Starlette's worker threads (imported here: the serving stack is optional)."""
+    from starlette.concurrency import run_in_threadpool as run
+
+    return await run(fn, *args)
+
+
+def endpoint(name: str, handle, schema):
+    """An endpoint `name` (its operation in /openapi.json) whose body is `schema` (built at run time:
+    FastAPI reads the annotations given here, not the callers', which are strings) -> `handle(http, body)`."""
+    from fastapi import Request
+
+    async def call(request, body):
+        return await handle(request, body)
+    call.__name__ = call.__qualname__ = name
+    call.__annotations__ = {"request": Request, "body": schema}
+    return call
+
+
 ERRORS = {400: "A field is wrong or not implemented (the message names it)", 401: "A missing or wrong API key",
+          404: "No such stored response (unknown, made with store: false, or evicted from the bounded store)",
           413: "The body is over the server's limit", 429: "Every slot is busy and the queue is full",
           503: "The server is shutting down"}
 

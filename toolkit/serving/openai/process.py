@@ -39,6 +39,7 @@ class ServeOptions:
     speculation: SpeculationOptions = field(default_factory=SpeculationOptions)  # off unless it names a proposer
     speculate_rows: int | None = 4  # speculate while at most this many requests decode (None: always)
     tool_parser: str | None = None  # the tool-call format (tools.PARSERS); None: the chat template's
+    bare_tool_calls: bool | None = None  # auto reads bare JSON calls (bare_calls); None: the format's default
 
 
 def bind(host: str, port: int):
@@ -84,7 +85,8 @@ def open_server(artifact, backend: str, backend_options, options: ServeOptions =
         raise
     name = options.model_name or artifact.resolve().name
     return Server(batcher, tokenizer, name, drain_s=options.drain_s, api_key=options.api_key,
-                  max_body=options.max_body, tool_parser=options.tool_parser), sock
+                  max_body=options.max_body, tool_parser=options.tool_parser,
+                  bare_tool_calls=options.bare_tool_calls), sock
 
 
 class _Stopped(Exception):

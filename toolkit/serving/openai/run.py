@@ -1,9 +1,12 @@
 """One HTTP request of `tk serve` in flight: its choices (each prompt, `n` times) as batcher jobs
 whose events reach the event loop on one queue, tagged with the choice's index, and their state as
-the events arrive (the api module's Choice), until all have finished or the request is cancelled.
+the events arrive (the api module's Choice), until all have finished (`collect`; streamed:
+`chat_events`) or the request is cancelled (by the server, or by a client that went away).
 """
 
 from __future__ import annotations
+
+import asyncio
 
 from tk.runtimes.decoding.rows import FinishReason
 from tk.toolkit.serving import frontend
@@ -67,3 +70,73 @@ class Run:
         for c in self.choices:
             if not c.reason.completed:
                 raise self.failure(c.index)
+
+    async def chat_events(self, reply: api.Reply, options, watch):
+        """The server-sent events of a streamed completion or chat completion (`reply`'s chunks), until
+        every choice finishes (then [DONE]) or one fails; `watch` (cancel_when_gone) ends with it."""
+        usage_at_end = options is not None and options.include_usage
+        continuous = options is not None and options.continuous_usage_stats
+        try:
+            if reply.chat:
+                for c in self.choices:
+                    yield reply.role(c.index)
+            while self.pending:
+                index, piece, event = await self.queue.get()
+                c = self.choices[index]
+                if reply.echo and not c.echoed:  # before its first event: the prompt's scores are in
+                    head, scores, ids = reply.head(c, self.jobs[index].request.prompt_scores)
+                    c.echoed = True
+                    yield reply.chunk(c, head, None, [], ids, scores, prompt=True)
+                self.take(index, piece, event)
+                if event.token is None and not event.finish_reason.completed:
+                    yield api.sse(self.failure(index).body())
+                    self.cancel()
+                    break
+                usage = self.usage() if continuous else None
+                text, calls = reply.text_and_calls(c, piece, event.token is None)
+                for chunk in calls:
+                    yield chunk
+                if event.token is None:
+                    eos = [] if c.eos is None else [c.eos]
+                    yield reply.chunk(c, text, event.finish_reason, c.before(), eos, c.scores[-1:] if eos
+                                      else [], usage)
+                elif text or reply.token_ids or reply.logprobs:
+                    yield reply.chunk(c, text, None, c.before(1), [event.token], [event.logprob], usage)
+            else:
+                if usage_at_end:
+                    yield reply.usage_chunk(self.usage())
+            yield "data: [DONE]\n\n"
+        finally:  # the client went away mid-stream (or the stream ended): its slots are freed
+            watch.cancel()
+            self.cancel()
+
+    async def collect(self, http) -> bool:
+        """Take every event until all choices finish: True; False (each cancelled) where the client of
+        `http` (a request whose body was read) went away, as nobody is left to answer."""
+        gone = asyncio.ensure_future(disconnected(http))
+        try:
+            while self.pending:
+                getter = asyncio.ensure_future(self.queue.get())
+                await asyncio.wait({getter, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done():
+                    getter.cancel()
+                    self.cancel()
+                    return False
+                self.take(*getter.result())
+        except asyncio.CancelledError:  # the server stops (uvicorn cancels its handlers): so do the choices
+            self.cancel()
+            raise
+        finally:
+            gone.cancel()
+        return True
+
+    async def cancel_when_gone(self, http) -> None:
+        """Cancel the choices when the client of `http` goes away (a stream's watch)."""
+        await disconnected(http)
+        self.cancel()
+
+
+async def disconnected(request) -> None:
+    """Returns when the client of a request whose body was read disconnects."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -16,7 +16,7 @@ server refuses. What no JSON schema can say is in the fields' descriptions (RULE
 its budget within the context (tokens, not characters), prompts x n within the choices, one
 constraint per request, a grammar, regex or JSON schema llguidance compiles, a named tool_choice
 among the tools, tool names distinct. The parts that do not depend on the model are classes here; a
-body that does is made by a small factory per schema from the model's `_Sizes` (`schemas` makes
+body that does is made by a small factory per schema from the model's `Sizes` (`schemas` makes
 them all). Imported once the serving stack is known to be installed (pydantic).
 No `from __future__ import annotations`: pydantic and FastAPI read the annotations of classes made
 inside functions as objects.
@@ -39,6 +39,7 @@ class Schemas:
     Tokenize: Any
     TokenizeChat: Any
     Detokenize: Any
+    sizes: "Sizes"  # what they were made for (the Responses body's module makes its own from them)
 
 
 def _integral(value):
@@ -81,17 +82,17 @@ class Strict(BaseModel):  # no coercion either: `"seed": false` or `"max_tokens"
 NOT_NULL, ABSENT = {"not": {"type": "null"}}, {"type": "null"}  # (ABSENT: a field left out, or null)
 
 
-def _when(condition: dict, then: dict, otherwise: dict | None = None) -> dict:
+def when(condition: dict, then: dict, otherwise: dict | None = None) -> dict:
     """A rule between an object's fields, in JSON Schema (the validators that enforce it are pydantic's)."""
     return {"if": condition, "then": then, **({"else": otherwise} if otherwise is not None else {})}
 
 
-def _given(field: str, schema: dict) -> dict:
+def given(field: str, schema: dict) -> dict:
     """An object whose `field` is present and matches `schema`."""
     return {"properties": {field: schema}, "required": [field]}
 
 
-def _rules(*clauses: dict) -> ConfigDict:
+def rules(*clauses: dict) -> ConfigDict:
     """A model's cross-field rules in its JSON schema."""
     return ConfigDict(json_schema_extra={"allOf": list(clauses)})
 
@@ -127,7 +128,7 @@ class JsonSchema(Strict):
 
 
 class ResponseFormat(Strict):
-    model_config = _rules(_when(_given("type", {"const": "json_schema"}), _given("json_schema", NOT_NULL),
+    model_config = rules(when(given("type", {"const": "json_schema"}), given("json_schema", NOT_NULL),
                                {"properties": {"json_schema": {"type": "null"}}}))
 
     type: Literal["text", "json_object", "json_schema"]
@@ -172,14 +173,14 @@ class ToolCall(Strict):  # an assistant turn's call, sent back in the conversati
 class Message(Strict):
     # the roles' rules (_roles), by role: a tool turn answers a call with content; an assistant turn has content,
     # calls or a refusal; the other turns have content, and no calls
-    model_config = _rules(
-        _when(_given("role", {"const": "tool"}), {"properties": {
+    model_config = rules(
+        when(given("role", {"const": "tool"}), {"properties": {
             "tool_call_id": {"type": "string"}, "content": NOT_NULL, "tool_calls": ABSENT}, "required": [
             "tool_call_id", "content"]}),
-        _when(_given("role", {"const": "assistant"}), {"properties": {"tool_call_id": ABSENT}, "anyOf": [
-            _given("content", NOT_NULL), _given("tool_calls", {"type": "array", "minItems": 1}),
-            _given("refusal", {"type": "string"})]}),
-        _when(_given("role", {"enum": ["system", "developer", "user"]}), {"properties": {
+        when(given("role", {"const": "assistant"}), {"properties": {"tool_call_id": ABSENT}, "anyOf": [
+            given("content", NOT_NULL), given("tool_calls", {"type": "array", "minItems": 1}),
+            given("refusal", {"type": "string"})]}),
+        when(given("role", {"enum": ["system", "developer", "user"]}), {"properties": {
             "content": NOT_NULL, "tool_calls": ABSENT, "tool_call_id": ABSENT}, "required": ["content"]}))
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -232,7 +233,7 @@ Messages = Annotated[list[Message], Field(min_length=1, max_length=LIMITS["messa
 
 
 @dataclass(frozen=True)
-class _Sizes:
+class Sizes:
     """What the served model puts in its bodies' schemas: its name (`model`: optional, vLLM's default is
     the one served), its token ids and its context; and the server's choices per request (prompts x n)."""
 
@@ -243,11 +244,11 @@ class _Sizes:
     max_choices: int
 
     @classmethod
-    def of(cls, model_name: str, vocab_size: int, max_context: int, max_choices: int) -> "_Sizes":
+    def of(cls, model_name: str, vocab_size: int, max_context: int, max_choices: int) -> "Sizes":
         return cls(Optional[Literal[model_name]], Int(ge=0, lt=vocab_size), vocab_size, max_context, max_choices)
 
 
-def _body(sizes: _Sizes):
+def _body(sizes: Sizes):
     """What completions and chat completions share."""
     Budget = Int(ge=1, le=max(1, sizes.max_context - 1))
     vocab_size = sizes.vocab_size
@@ -308,15 +309,15 @@ def _body(sizes: _Sizes):
     return Body
 
 
-STREAM_OPTIONS = _when(_given("stream_options", NOT_NULL), _given("stream", {"const": True}))  # _options_need_a_stream
+STREAM_OPTIONS = when(given("stream_options", NOT_NULL), given("stream", {"const": True}))  # _options_need_a_stream
 
 
-def _completion(body, sizes: _Sizes):
+def _completion(body, sizes: Sizes):
     TokenId, max_context = sizes.token_id, sizes.max_context
     prompts = min(LIMITS["prompts"], sizes.max_choices)  # each prompt a choice at least
 
     class Completion(body):
-        model_config = _rules(STREAM_OPTIONS)
+        model_config = rules(STREAM_OPTIONS)
 
         prompt: Union[Text, Annotated[list[Text], Field(min_length=1, max_length=prompts)],
                       Annotated[list[TokenId], Field(min_length=1, max_length=max_context)],
@@ -330,11 +331,11 @@ def _completion(body, sizes: _Sizes):
 
 def _chat(body):
     class Chat(body):
-        model_config = _rules(
-            STREAM_OPTIONS, _when(_given("top_logprobs", {"type": "integer", "minimum": 1}),  # _top_needs_logprobs
-                                  _given("logprobs", {"const": True})),
-            _when(_given("tool_choice", {"anyOf": [{"const": "required"}, {"type": "object"}]}),  # calling._agree
-                  _given("tools", NOT_NULL)))
+        model_config = rules(
+            STREAM_OPTIONS, when(given("top_logprobs", {"type": "integer", "minimum": 1}),  # _top_needs_logprobs
+                                  given("logprobs", {"const": True})),
+            when(given("tool_choice", {"anyOf": [{"const": "required"}, {"type": "object"}]}),  # calling._agree
+                  given("tools", NOT_NULL)))
 
         messages: Messages = Field(description=RULES["messages"])
         logprobs: bool = False
@@ -354,7 +355,7 @@ def _chat(body):
     return Chat
 
 
-def _tokenize(sizes: _Sizes):
+def _tokenize(sizes: Sizes):
     class Tokenize(Strict):  # vLLM's TokenizeCompletionRequest
         model: sizes.model = None
         prompt: str
@@ -364,7 +365,7 @@ def _tokenize(sizes: _Sizes):
     return Tokenize
 
 
-def _tokenize_chat(sizes: _Sizes):
+def _tokenize_chat(sizes: Sizes):
     class TokenizeChat(Strict):  # vLLM's TokenizeChatRequest
         model: sizes.model = None
         messages: Messages
@@ -375,7 +376,7 @@ def _tokenize_chat(sizes: _Sizes):
     return TokenizeChat
 
 
-def _detokenize(sizes: _Sizes):
+def _detokenize(sizes: Sizes):
     class Detokenize(Strict):
         model: sizes.model = None
         tokens: Annotated[list[sizes.token_id], Field(max_length=sizes.max_context * 4)]
@@ -385,6 +386,7 @@ def _detokenize(sizes: _Sizes):
 
 def schemas(model_name: str, vocab_size: int, max_context: int, max_choices: int = LIMITS["choices"]) -> Schemas:
     """The bodies of a server of `model_name` taking `max_choices` choices (prompts x n) per request."""
-    sizes = _Sizes.of(model_name, vocab_size, max_context, max_choices)
+    sizes = Sizes.of(model_name, vocab_size, max_context, max_choices)
     body = _body(sizes)
-    return Schemas(_completion(body, sizes), _chat(body), _tokenize(sizes), _tokenize_chat(sizes), _detokenize(sizes))
+    return Schemas(_completion(body, sizes), _chat(body), _tokenize(sizes), _tokenize_chat(sizes), _detokenize(sizes),
+                   sizes)

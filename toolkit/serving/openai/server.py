@@ -1,13 +1,14 @@
 """`tk serve`'s routes: the OpenAI API over the continuous batcher, as a FastAPI app (`Server.app`).
 
 `POST /v1/completions` and `/v1/chat/completions` (the artifact's chat template), `stream: true`
-as server-sent events, vLLM's `POST /tokenize`, `/detokenize` and `GET /tokenizer_info`, `GET
-/v1/models`, `/health` and Prometheus `/metrics`. Bodies are the schemas module's pydantic models
+as server-sent events, OpenAI's Responses API (`POST /v1/responses`, `GET /v1/responses/{id}`: the
+responses module, over the same preparation), vLLM's `POST /tokenize`, `/detokenize` and `GET
+/tokenizer_info`, `GET /v1/models`, `/health` and Prometheus `/metrics`. Bodies are the schemas module's pydantic models
 (validated by FastAPI, documented in /openapi.json); prompts are tokenized, grammars compiled and
 jobs submitted on a worker thread; each choice becomes one batcher job (`HttpJob`; the front end's
 `Job`: its `Request`, text, stop strings and metrics), whose events the batcher's thread hands to
 the event loop. The edge limits bodies, checks the API key and counts requests by route. Errors
-are OpenAI's JSON shape (400 naming the field, 401, 413, 429, 503); a client that goes away
+are OpenAI's JSON shape (400 naming the field, 401, 404, 413, 429, 503); a client that goes away
 cancels its request. The response shapes are the api module's. The process around the app
 (loading, the socket, uvicorn, signals) is the process module's.
 """
@@ -27,7 +28,8 @@ from tk.toolkit.serving.openai import structured
 from tk.toolkit.serving.openai.api import ApiError
 from tk.toolkit.serving.openai.calling import Calls, ToolCalling
 from tk.toolkit.serving.openai.edge import (DEFAULT_BODY_LIMIT, BodyLimit, CountRequests, PrometheusMetrics,
-                                            bearer_check, documented)
+                                            bearer_check, documented, endpoint, run_in_threadpool)
+from tk.toolkit.serving.openai.responses import Responses
 from tk.toolkit.serving.openai.run import HttpJob, Run
 from tk.toolkit.textgen import Tokenizer
 from tk.toolkit.versions import package_version
@@ -41,25 +43,6 @@ def require() -> None:
         import fastapi, prometheus_client, uvicorn  # noqa: F401, E401 (what tk[serve] installs)
     except ImportError:
         raise UsageProblem(MISSING) from None
-
-
-async def run_in_threadpool(fn, *args):
-    """`fn(*args)` on Starlette's worker threads (imported here: the serving stack is optional)."""
-    from starlette.concurrency import run_in_threadpool as run
-
-    return await run(fn, *args)
-
-
-def _endpoint(name: str, handle, schema):
-    """An endpoint `name` (its operation in /openapi.json) whose body is `schema` (built at run time:
-    FastAPI reads the annotations given here, not this module's, which are strings) -> `handle(http, body)`."""
-    from fastapi import Request
-
-    async def endpoint(request, body):
-        return await handle(request, body)
-    endpoint.__name__ = endpoint.__qualname__ = name
-    endpoint.__annotations__ = {"request": Request, "body": schema}
-    return endpoint
 
 
 def _handle_errors(app, model_name: str) -> None:
@@ -92,7 +75,8 @@ class Server:
     """The FastAPI app over one batcher (`app`); the process module serves it."""
 
     def __init__(self, batcher: Batcher, tokenizer: Tokenizer, model_name: str, *, drain_s: float = 10.0,
-                 api_key: str | None = None, max_body: int = DEFAULT_BODY_LIMIT, tool_parser: str | None = None):
+                 api_key: str | None = None, max_body: int = DEFAULT_BODY_LIMIT, tool_parser: str | None = None,
+                 bare_tool_calls: bool | None = None):
         require()
         from tk.toolkit.serving.openai.schemas import schemas  # (pydantic: once the serving stack is known there)
 
@@ -104,7 +88,8 @@ class Server:
                                api.max_choices(limits.slots + limits.max_queue))
         self.metrics = PrometheusMetrics(batcher)
         self.constraints = structured.Compiler(tokenizer, batcher.runtime.dims.vocab_size, sorted(batcher.eos))
-        self.tools = ToolCalling(tokenizer, tool_parser)
+        self.tools = ToolCalling(tokenizer, tool_parser, bare_tool_calls)
+        self.responses = Responses(self)
         self.app = self._app()
 
     # --- the app ---
@@ -141,13 +126,14 @@ class Server:
             ("/metrics", self._scrape, "GET", {"name": "metrics", "responses": info,
                                                 "response_class": PlainTextResponse}),
             ("/v1/models", self._models, "GET", {"name": "models", "responses": info}),
-            ("/v1/completions", _endpoint("completions", lambda http, body: self._generate(http, body, False),
+            ("/v1/completions", endpoint("completions", lambda http, body: self._generate(http, body, False),
                                           S.Completion), "POST", {"responses": generation}),
-            ("/v1/chat/completions", _endpoint("chat", lambda http, body: self._generate(http, body, True), S.Chat),
+            ("/v1/chat/completions", endpoint("chat", lambda http, body: self._generate(http, body, True), S.Chat),
              "POST", {"responses": generation}),
-            ("/tokenize", _endpoint("tokenize", lambda http, body: run_in_threadpool(self._tokenize, body),
+            ("/tokenize", endpoint("tokenize", lambda http, body: run_in_threadpool(self._tokenize, body),
                                     Union[S.TokenizeChat, S.Tokenize]), "POST", {"responses": tokens}),
-            ("/detokenize", _endpoint("detokenize", self._detokenize, S.Detokenize), "POST", {"responses": tokens}),
+            ("/detokenize", endpoint("detokenize", self._detokenize, S.Detokenize), "POST", {"responses": tokens}),
+            *self.responses.routes(keyed),
             ("/tokenizer_info", self._tokenizer_info, "GET", {"name": "tokenizer_info", "responses": info}),
         ]
 
@@ -189,7 +175,7 @@ class Server:
         return {"count": len(ids), "max_model_len": self.batcher.runtime.max_context, "tokens": ids,
                 "token_strs": strs}
 
-    def _prepare(self, body, chat: bool, loop, queue) -> tuple[list[api.Prompt], list[HttpJob], Calls | None]:
+    def prepare(self, body, chat: bool, loop, queue) -> tuple[list[api.Prompt], list[HttpJob], Calls | None]:
         """The request's prompts, its jobs, submitted, and its tool calling (on a worker thread:
         tokenizing, chat templates, compiling a grammar and starting its matchers take time the
         event loop must not spend). The batcher's submit checks each prompt."""
@@ -219,7 +205,7 @@ class Server:
         from fastapi.responses import JSONResponse, StreamingResponse
 
         queue = asyncio.Queue()
-        prompts, jobs, calls = await run_in_threadpool(self._prepare, body, chat, asyncio.get_running_loop(), queue)
+        prompts, jobs, calls = await run_in_threadpool(self.prepare, body, chat, asyncio.get_running_loop(), queue)
         choices = [api.Choice(job.index, prompts[job.index // body.n], parsing=calls.stream() if calls else None)
                    for job in jobs]
         reply = api.Reply(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", self.model_name, chat, body,
@@ -227,8 +213,8 @@ class Server:
         run = Run(jobs, choices, queue, sum(len(p.ids) for p in prompts))
         if body.stream:
             options = body.stream_options
-            watch = asyncio.ensure_future(self._cancel_when_gone(http, run))  # even before the stream starts
-            return StreamingResponse(self._events(run, reply, options, watch), media_type="text/event-stream")
+            watch = asyncio.ensure_future(run.cancel_when_gone(http))  # even before the stream starts
+            return StreamingResponse(run.chat_events(reply, options, watch), media_type="text/event-stream")
         return JSONResponse(await self._complete(http, run, reply))
 
     @staticmethod
@@ -248,65 +234,10 @@ class Server:
             raise
 
     async def _complete(self, http, run: Run, reply: api.Reply):
-        gone = asyncio.ensure_future(_disconnected(http))
-        try:
-            while run.pending:
-                getter = asyncio.ensure_future(run.queue.get())
-                await asyncio.wait({getter, gone}, return_when=asyncio.FIRST_COMPLETED)
-                if not getter.done():  # the client went away: nobody to answer
-                    getter.cancel()
-                    run.cancel()
-                    return None
-                run.take(*getter.result())
-        except asyncio.CancelledError:  # the server stops (uvicorn cancels its handlers): so do the choices
-            run.cancel()
-            raise
-        finally:
-            gone.cancel()
+        if not await run.collect(http):  # the client went away: nobody to answer
+            return None
         run.raise_failure()  # the response's texts are decoded off the event loop
         return await run_in_threadpool(reply.complete, run.choices, run.prompt_scores(), run.usage())
-
-    async def _cancel_when_gone(self, http, run: Run) -> None:
-        await _disconnected(http)
-        run.cancel()
-
-    async def _events(self, run: Run, reply: api.Reply, options, watch):
-        usage_at_end = options is not None and options.include_usage
-        continuous = options is not None and options.continuous_usage_stats
-        try:
-            if reply.chat:
-                for c in run.choices:
-                    yield reply.role(c.index)
-            while run.pending:
-                index, piece, event = await run.queue.get()
-                c = run.choices[index]
-                if reply.echo and not c.echoed:  # before its first event: the prompt's scores are in
-                    head, scores, ids = reply.head(c, run.jobs[index].request.prompt_scores)
-                    c.echoed = True
-                    yield reply.chunk(c, head, None, [], ids, scores, prompt=True)
-                run.take(index, piece, event)
-                if event.token is None and not event.finish_reason.completed:
-                    yield api.sse(run.failure(index).body())
-                    run.cancel()
-                    break
-                usage = run.usage() if continuous else None
-                text, calls = reply.text_and_calls(c, piece, event.token is None)
-                for chunk in calls:
-                    yield chunk
-                if event.token is None:
-                    eos = [] if c.eos is None else [c.eos]
-                    yield reply.chunk(c, text, event.finish_reason, c.before(), eos, c.scores[-1:] if eos
-                                      else [], usage)
-                elif text or reply.token_ids or reply.logprobs:
-                    yield reply.chunk(c, text, None, c.before(1), [event.token], [event.logprob], usage)
-            else:
-                if usage_at_end:
-                    yield reply.usage_chunk(run.usage())
-            yield "data: [DONE]\n\n"
-        finally:  # the client went away mid-stream (or the stream ended): its slots are freed
-            watch.cancel()
-            run.cancel()
-
 
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 
@@ -330,9 +261,3 @@ def _whole_bounds(schema):
         return {k: int(v) if k in _BOUNDS and isinstance(v, float) and v.is_integer() else _whole_bounds(v)
                 for k, v in schema.items()}
     return [_whole_bounds(v) for v in schema] if isinstance(schema, list) else schema
-
-
-async def _disconnected(request) -> None:
-    """Returns when the client of a request whose body was read disconnects."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass

@@ -10,10 +10,18 @@ mask on the fly from the grammar (no compile step per schema, so 64 requests wit
 schemas cost nothing up front), it works on numpy (xgrammar's masks are torch tensors), and its
 JSON-schema coverage is the wider. JSON is compact (no free whitespace): a free-whitespace grammar
 lets a weak model emit blanks until its token budget runs out, which is never valid JSON.
+
+A tool call's grammar (`tool_choice` required or named: the calling module's) ends where the model
+ends: once a call has closed, the grammar would admit EOS or another call, and masking alone would
+turn a model that means to stop (or to write prose, which no grammar here admits) into one more
+forced call. So from a call's close until the text opens another (its first non-blank token), the
+model's own draw decides (`Grammar`): where it is a token the grammar cannot take, the reply ends
+there. Every call written stays whole and valid; a second one begins only when the model opens it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import threading
@@ -21,6 +29,7 @@ from typing import Sequence
 
 import numpy as np
 
+from tk.runtimes.decoding.sampling import NO_TOKEN, Sampler, SamplingConfig
 from tk.toolkit.serving.openai.api import ApiError
 
 MISSING = "structured outputs need llguidance: pip install 'tk[serve]'"
@@ -117,36 +126,59 @@ class Compiler:
         if failed:
             raise ApiError(400, f"{field}: not a valid {kind.replace('_', ' ')} constraint: "
                                 f"{_one_line(messages[0]) if messages else 'refused'}", field)
-        return Constraint(llg, tok, grammar, self.vocab_size)
+        return Constraint(llg, tok, grammar, self.vocab_size, model_ends=field == "tool_choice")
 
 
 class Constraint:
-    """A compiled grammar; `start()` gives one generation its own `Grammar` (frontend.Constraint)."""
+    """A compiled grammar; `start(sampling)` gives one generation its own `Grammar` (frontend.Constraint).
+    `model_ends`: the model's own draws may end the reply between calls (a tool call's grammar)."""
 
-    def __init__(self, llg, tokenizer, grammar: str, vocab_size: int):
+    def __init__(self, llg, tokenizer, grammar: str, vocab_size: int, model_ends: bool = False):
         self.llg, self.tokenizer, self.grammar, self.vocab_size = llg, tokenizer, grammar, vocab_size
+        self.model_ends = model_ends
 
-    def start(self) -> "Grammar":
-        return Grammar(self)
+    def start(self, sampling: SamplingConfig | None = None) -> "Grammar":
+        return Grammar(self, sampling if self.model_ends else None)
+
+
+def own_draws(sampling: SamplingConfig) -> Sampler:
+    """A sampler that draws as the request's does (greedy, or its temperature, top-k and top-p), from
+    a stream of its own derived from the request's seed: the model's own choice, before a mask. (The
+    repetition penalty is left out: it needs the prompt's tokens, and it only reorders near-ties.)"""
+    seed = int(np.random.SeedSequence([sampling.seed, 1]).generate_state(1, np.uint64)[0]) >> 1
+    return Sampler(dataclasses.replace(sampling, repetition_penalty=1.0, seed=seed))
 
 
 class Grammar:
     """One generation's matcher, as a logits processor: it feeds the matcher the tokens kept since
     its last call, then bans every token the grammar forbids next (a new array: the raw logits stay
-    what log-probabilities are computed from). `complete(tokens)`: nothing may follow but EOS."""
+    what log-probabilities are computed from). `complete(tokens)`: nothing may follow but EOS.
 
-    def __init__(self, c: Constraint):
+    With `sampling` (a tool call's grammar), between calls (`between`: the grammar has accepted, and
+    no non-blank token has followed) the model's own draw from the logits it is given comes first:
+    where the grammar cannot take it, every token is banned, so the row draws NO_TOKEN and ends with
+    its text as it is. The request's sampler then draws from the masked logits only when the model's
+    own draw was a token the grammar takes, so a reply ends exactly as often as the model leaves the
+    format, greedy or sampled."""
+
+    def __init__(self, c: Constraint, sampling: SamplingConfig | None = None):
         from llguidance.numpy import allocate_token_bitmask
 
         self.matcher = c.llg.LLMatcher(c.tokenizer, c.grammar, log_level=0,
                                        limits=c.llg.LLParserLimits(verbose_errors=False))
         self.bits = allocate_token_bitmask(1, c.vocab_size)
-        self.vocab_size, self.fed = c.vocab_size, 0
+        self.vocab_size, self.fed, self.tokenizer = c.vocab_size, 0, c.tokenizer
+        self.own = own_draws(sampling) if sampling is not None else None
+        self.between = False  # a call has closed, and nothing of another is written yet
 
     def _feed(self, tokens: Sequence[int]) -> None:
         for token in tokens[self.fed:]:
             if not self.matcher.consume_token(token):
                 raise RuntimeError(f"the grammar refused token {token}: {_one_line(self.matcher.get_error())}")
+            if self.matcher.is_accepting():
+                self.between = True
+            elif self.between and self.tokenizer.decode_bytes([token]).strip():
+                self.between = False  # the model opened another call: the grammar holds it to a whole one
         self.fed = len(tokens)
 
     def __call__(self, logits: np.ndarray, tokens: Sequence[int]) -> np.ndarray:
@@ -155,6 +187,10 @@ class Grammar:
         self._feed(tokens)
         fill_next_token_bitmask(self.matcher, self.bits)
         allowed = np.unpackbits(self.bits.view(np.uint8), bitorder="little")[: self.vocab_size].astype(bool)
+        if self.between and self.own is not None:
+            own = int(self.own(logits)[0])
+            if own == NO_TOKEN or own >= self.vocab_size or not allowed[own]:  # the model leaves the format
+                return np.full_like(logits, -np.inf, dtype=np.float32)
         return np.where(allowed[None, : logits.shape[-1]], logits, np.float32(-np.inf))
 
     def complete(self, tokens: Sequence[int]) -> bool:

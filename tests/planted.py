@@ -1,0 +1,63 @@
+"""Planted models for tk serve's tests: the tiny model's own graphs, with logits added to what they
+compute, so that an untrained model writes what a test needs it to mean (a call, prose after it, an
+agent's turns), through the whole server: the batcher, grammars, parsers and the HTTP API."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+def planted_server(artifact, plant, *, slots: int = 4):
+    """A `Server` of `artifact` on ONNX Runtime whose graphs' logits (B, S, V) become
+    `plant(graph, input_ids (B, S), logits)` ("prefill" or "decode"); no prefix cache, so that each
+    prompt is prefilled whole."""
+    from tk.models.spec.manifest import Manifest
+    from tk.runtimes.serving.batching import Batcher
+    from tk.runtimes.serving.scheduler import BatcherLimits
+    from tk.toolkit.backends import BackendOptions, open_runtime
+    from tk.toolkit.serving.openai.server import Server
+    from tk.toolkit.textgen import Tokenizer
+
+    runtime = open_runtime(artifact, "ort", dataclasses.replace(BackendOptions().for_runs(), static_cache=True))
+    run = runtime.run
+
+    def planted(graph, feeds, past, session, in_place=False):
+        out, present = run(graph, feeds, past, session, in_place)
+        b, s = out.logits.shape[:2]
+        return dataclasses.replace(out, logits=plant(graph, feeds["input_ids"][:b, -s:], out.logits)), present
+    runtime.run = planted
+    batcher = Batcher(runtime, limits=BatcherLimits(slots=slots, max_queue=16, prefix_cache_bytes=0),
+                      eos_ids=Manifest.read(artifact).eos_token_ids).start()
+    return Server(batcher, Tokenizer(artifact), "tiny")
+
+
+def bigram(table: dict[int, int], vocab: int = 512, margin: float = 30.0):
+    """A plant: after token a (the graph's input), +margin on token table[a]."""
+    added = np.zeros((vocab, vocab), dtype=np.float32)
+    for a, b in table.items():
+        added[a, b] = margin
+
+    def plant(graph, ids, logits):
+        return logits + added[ids]
+    return plant
+
+
+class Script:
+    """A plant for a server of one slot: a model that means one reply to each conversation,
+    `reply_for(prompt_text)`, then EOS: each position's logits get +margin on its next token."""
+
+    def __init__(self, tokenizer, eos: int, reply_for, margin: float = 50.0):
+        self.tokenizer, self.eos, self.reply_for, self.margin = tokenizer, eos, reply_for, margin
+        self.target, self.at = [eos], 0
+
+    def __call__(self, graph, ids, logits):
+        if graph == "prefill":  # a new request (one slot: every decode step after it is its own)
+            prompt = self.tokenizer.decode(ids[0].tolist(), False)
+            self.target, self.at = [*self.tokenizer.encode(self.reply_for(prompt), False), self.eos], 0
+        else:
+            self.at += 1
+        out = logits.copy()
+        out[:, -1, self.target[min(self.at, len(self.target) - 1)]] += self.margin
+        return out
