@@ -151,8 +151,7 @@ def _tokens(artifact, backend: str, prompt: list[int], n: int, sampling=Sampling
 def test_exports_pass_parity_and_give_transformers_tokens(checkpoints, hybrid, family, profile):
     """One graph, decode.onnx, which takes prompts in runs: validated, tk parity with its probes (leaks,
     drift, cache and state vs recompute), and greedy tokens equal to transformers' after prompts past
-    the convolution's width (5), past a run of 64 (70) and of 1,100 tokens, through ONNX Runtime and the
-    torch backend over the same static layout."""
+    the convolution's width (5) and past a run of 64 (70), through ONNX Runtime and the torch backend."""
     art = hybrid(family, profile)
     manifest = Manifest.read(art)
     assert manifest.validation.passed and set(manifest.graphs) == {"decode"}
@@ -160,16 +159,25 @@ def test_exports_pass_parity_and_give_transformers_tokens(checkpoints, hybrid, f
     report = parity(art, ["ort"], steps=8)
     assert report.passed and all(p.passed for p in report.backends["ort"].probes), report.backends["ort"]
     rng = np.random.default_rng(0)
-    for length in (5, 70, 1100):
+    for length in (5, 70):
         prompt = rng.integers(2, manifest.config.vocab_size, length).tolist()
         expected = hf_greedy(checkpoints(family), prompt, 12)
         assert _tokens(art, "ort", prompt, 12) == expected, length
-        if length < 1100:
-            assert _tokens(art, "torch", prompt, 12) == expected, length
+        assert _tokens(art, "torch", prompt, 12) == expected, length
     ops = {n.op_type for n in onnx.load(str(art / "decode.onnx"), load_external_data=False).graph.node}
     fused = {"CausalConvWithState", "LinearAttention"} & ops
     assert fused == (set() if profile is None else {"CausalConvWithState"} | ({"LinearAttention"} if family != "lfm2"
                                                                                else set()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, profile", ci_picks(
+    [(f, p) for f in HYBRIDS for p in (None, "ort-cpu")], {("lfm2", "ort-cpu")}))
+def test_a_prompt_of_1100_tokens_gives_transformers_tokens(checkpoints, hybrid, family, profile):
+    """Past 17 runs of a portable graph (one run through the fused kernels), the state carried between them."""
+    art = hybrid(family, profile)
+    prompt = np.random.default_rng(1).integers(2, Manifest.read(art).config.vocab_size, 1100).tolist()
+    assert _tokens(art, "ort", prompt, 12) == hf_greedy(checkpoints(family), prompt, 12)
 
 
 def test_seeded_sampling_equals_the_torch_backend(hybrid):
@@ -242,8 +250,9 @@ def test_parity_catches_a_planted_state_fault_and_names_its_layer(hybrid, tmp_pa
     first = report.backends["ort"].first_divergence
     layer = int(where.split(".")[1])
     assert (first.where, first.layer, first.step) == (where, layer, 0), first
-    result = run("parity", art, "--backends", "ort", "--steps", "4")
-    assert result.exit_code == 3 and where in result.output and f"layer {layer}" in result.output
+    if family == "lfm2":  # tk parity says it too, and exits 3
+        result = run("parity", art, "--backends", "ort", "--steps", "4")
+        assert result.exit_code == 3 and where in result.output and f"layer {layer}" in result.output
 
 
 def test_served_rows_enter_and_leave_and_each_equals_its_solo_run(hybrid):
