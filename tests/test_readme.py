@@ -1,5 +1,5 @@
 """README as a newcomer runs it: every fenced command block, verbatim, top to bottom, in one fresh
-folder, on a tiny model where the README says path/to/hf-checkpoint.
+folder, on a tiny model where the README says path/to/hf-checkpoint (and a tiny LFM2 at path/to/lfm2).
 
 A block that cannot run here is marked in the README by an HTML comment on the line before it,
 `<!-- readme-test: skip (the reason) -->`, and the test prints the reason. `tk serve` runs in the
@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from chat import TOOLS_TEMPLATE, add_chat_template
+from hf_models import make_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.readme]  # CI leaves it to `pytest -m readme` (README, "Tests")
 
@@ -140,6 +141,7 @@ def test_every_readme_block_runs_verbatim_in_one_fresh_folder(tmp_path):
     ckpt = write_preset("tiny", tmp_path / "path" / "to" / "hf-checkpoint", hidden_size=128, intermediate_size=256,
                         max_position_embeddings=4096)
     add_chat_template(ckpt, template=TOOLS_TEMPLATE)
+    make_checkpoint("lfm2", tmp_path / "path" / "to" / "lfm2")  # a hybrid ("Hybrid decoders")
     (tmp_path / "held-out.txt").write_text(CORPUS)  # tk eval --text held-out.txt: the user's own text
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     server, took, said = None, [], []
