@@ -143,6 +143,11 @@ def _depthwise(channels: int, kernel: int, bias: bool):
     return nn.Parameter(torch.zeros(channels, 1, kernel)), nn.Parameter(torch.zeros(channels)) if bias else None
 
 
+def _repeat(t: torch.Tensor, rep: int) -> torch.Tensor:
+    """(B, S, G, d) -> (B, S, G * rep, d), each group's head repeated for the heads it serves (none: as it is)."""
+    return t if rep == 1 else t.repeat_interleave(rep, dim=2)
+
+
 def _zeros_like_state(x: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(x.shape[0], *shape, dtype=dtype, device=x.device)
 
@@ -167,8 +172,9 @@ class GatedRMSNorm(nn.Module):
         if self.gate_first:
             h = h * gate
         lead = h.shape[:-1]
-        g = h.reshape(*lead, -1, self.group)
-        h = (g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)).reshape(*lead, -1)
+        if self.group != h.shape[-1]:  # (one RMSNormalization node in the graph, over each group)
+            h = h.reshape(*lead, -1, self.group)
+        h = F.rms_norm(h, (self.group,), None, self.eps).reshape(*lead, -1)
         if self.gate_first:
             return self.weight * h.to(dtype)
         return (self.weight.float() * h.to(dtype).float() * gate).to(dtype)
@@ -228,8 +234,7 @@ class GatedDeltaNet(nn.Module):
         B, _, S = mixed.shape
         q, k, v = mixed.transpose(1, 2).float().split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], -1)
         rep = self.hv // self.hk
-        q, k = (l2norm(t.reshape(B, S, self.hk, self.dk).repeat_interleave(rep, dim=2)).transpose(1, 2)
-                for t in (q, k))
+        q, k = (l2norm(_repeat(t.reshape(B, S, self.hk, self.dk), rep)).transpose(1, 2) for t in (q, k))
         return q, k, v.reshape(B, S, self.hv, self.dv).transpose(1, 2)
 
     def forward(self, x, token_mask, past, kernels: Kernels = REFERENCE):
@@ -285,7 +290,7 @@ class Mamba2(nn.Module):
         xbc = _masked(xbc.transpose(1, 2), token_mask).float()
         x, b, c = xbc.split([self.h * self.p, self.g * self.n, self.g * self.n], dim=-1)
         rep = self.h // self.g
-        b, c = (t.reshape(B, S, self.g, self.n).repeat_interleave(rep, dim=2).transpose(1, 2) for t in (b, c))
+        b, c = (_repeat(t.reshape(B, S, self.g, self.n), rep).transpose(1, 2) for t in (b, c))
         x = x.reshape(B, S, self.h, self.p).transpose(1, 2)  # (B, H, S, p)
         return c, b, x * dt[..., None], x
 

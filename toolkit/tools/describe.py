@@ -196,9 +196,10 @@ def format_info(info: dict) -> str:
         f"weights {_mib(m['weights_bytes'])} + "
         f"KV {_mib(m['kv_bytes'])} = {_mib(m['total_bytes'])}  (KV per token {m['kv_bytes_per_token']:,} B; "
         f"{m['kv_cache']} cache, positions per layer: {_positions(m)})",
-        f"on ONNX Runtime both graphs share one memory-mapped copy of the weights; TensorRT's two engines hold "
-        f"one each: {_mib(m['trt_weights_bytes'])} of weights on the GPU",
     ]
+    if "state" not in m:  # (a hybrid has one graph, and no TensorRT engines)
+        lines.append(f"on ONNX Runtime both graphs share one memory-mapped copy of the weights; TensorRT's two engines "
+                     f"hold one each: {_mib(m['trt_weights_bytes'])} of weights on the GPU")
     if "state" in m:
         lines += _state_lines(m["state"])
     if "target" in info:
