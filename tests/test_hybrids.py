@@ -329,15 +329,17 @@ def test_what_a_recurrent_state_cannot_do_is_refused_in_one_line(hybrid, caplog,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ci_picks(list(HYBRIDS), {"lfm2"}))
-def test_int4_exports_validate_with_the_state_in_float(hybrid, family):
-    """Every projection (a recurrent layer's in and out ones too) in int4, fused into MatMulNBits; the
-    convolutions, decays and norms stay float; validated against the quantized reference."""
-    art = hybrid(family, "ort-cpu", weights="int4")
+@pytest.mark.parametrize("family, weights", ci_picks([(f, w) for f in HYBRIDS for w in ("int4", "int8")],
+                                                     {("lfm2", "int4")}))
+def test_quantized_exports_validate_with_the_state_in_float(hybrid, family, weights):
+    """Every projection (a recurrent layer's in and out ones too) in int4 or int8, fused into MatMulNBits;
+    the convolutions, decays and norms stay float; validated against the quantized reference."""
+    art = hybrid(family, "ort-cpu", weights=weights)
     m = Manifest.read(art)
     assert m.validation.passed and m.validation.fused_matmulnbits
     dtypes = {n.removeprefix("model."): e.dtype for n, e in m.weights.items()}
-    assert dtypes["layers.0.mixer.conv_weight"] == "float32" and dtypes["layers.0.mixer.w_in.weight_t.quant"] == "uint4"
+    assert dtypes["layers.0.mixer.conv_weight"] == "float32"
+    assert dtypes["layers.0.mixer.w_in.weight_t.quant"] == {"int4": "uint4", "int8": "uint8"}[weights]
     assert "layers.0.mixer.w_in.weight_t" not in dtypes  # stored only quantized
     report = parity(art, ["ort"], steps=8)
     assert report.passed, report.backends["ort"].first_divergence
