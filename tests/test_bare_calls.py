@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 
 from tk.toolkit.serving.openai.bare_calls import BareCalls
-from tk.toolkit.serving.openai.tools import PARSERS, StreamParser, ToolCall
+from tk.toolkit.serving.openai.tool_formats import PARSERS
+from tk.toolkit.serving.openai.tools import StreamParser, ToolCall
 
 pytest.importorskip("jsonschema", reason="the serve extra: pip install -e '.[serve]'")
 TOOLS = [

@@ -9,7 +9,7 @@ import click
 
 from tk.toolkit.backends import BackendOptions
 from tk.toolkit.cli.options import BackendName, backend_options, progress, speculation_from, speculation_options
-from tk.toolkit.serving.openai.tools import PARSERS
+from tk.toolkit.serving.openai.tool_formats import PARSERS
 
 
 def batcher_options(f):
