@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tk.toolkit.serving.openai import bare_calls, tool_formats as formats, tool_grammar, tools
-from tk.toolkit.serving.openai.api import ApiError, call_id
+from tk.toolkit.serving.openai.api import ApiError
 
 
 @dataclass
@@ -35,14 +35,6 @@ class Calls:
     grammar: str | None = None  # required or named: the Lark grammar the reply runs under
     parallel: bool = True  # False: the first call only (parallel_tool_calls: false)
     keep_special: bool = False  # the format's marker is a special token: the text keeps special tokens
-
-    def parse(self, text: str) -> tuple[str | None, list[dict]]:
-        """(content, calls in OpenAI's shape) of a whole reply."""
-        if self.parser is None:
-            return text, []
-        parsed = self.parser.parse(text, set(self.names))
-        calls = parsed.calls if self.parallel else parsed.calls[:1]
-        return parsed.content, [c.openai(call_id()) for c in calls]
 
     def stream(self) -> "tools.StreamParser | None":
         return None if self.parser is None else tools.StreamParser(self.parser, set(self.names))
