@@ -62,20 +62,21 @@ def _serve(artifact, reply_for, **options):
     return srv, seen
 
 
+def _served(srv, seen):
+    """(server, its openai client, the prompts it saw, its URL) while it serves on a thread."""
+    with in_thread(srv) as url:
+        yield srv, openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120), seen, url
+    srv.batcher.close()
+
+
 @pytest.fixture(scope="module")
 def gpt_oss(artifacts):
-    srv, seen = _serve(artifacts("gpt-oss"), lambda prompt: HARMONY_REPLY)
-    with in_thread(srv) as url:
-        yield srv, openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120), seen
-    srv.batcher.close()
+    yield from _served(*_serve(artifacts("gpt-oss"), lambda prompt: HARMONY_REPLY))
 
 
 @pytest.fixture(scope="module")
 def qwen3(artifacts):
-    srv, seen = _serve(artifacts("qwen3"), lambda prompt: QWEN_REPLY)
-    with in_thread(srv) as url:
-        yield srv, openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120), seen
-    srv.batcher.close()
+    yield from _served(*_serve(artifacts("qwen3"), lambda prompt: QWEN_REPLY))
 
 
 def _whole(client, **body):
@@ -128,7 +129,7 @@ def test_without_tools_the_call_is_not_read_but_reasoning_is(family, request):
 def test_the_reasoning_goes_back_to_the_template_in_the_next_turn(qwen3):
     """The agent's loop: the reply's message sent back as the client has it (reasoning_content with it),
     then the tool's result; Qwen3's template writes the reasoning of a turn after the last question."""
-    srv, client, seen = qwen3
+    srv, client, _, _ = qwen3
     first = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], temperature=0, max_tokens=120)
     message = first.choices[0].message
     follow = [*ASK, message.model_dump(exclude_none=True),
@@ -145,11 +146,8 @@ def test_the_reasoning_goes_back_to_the_template_in_the_next_turn(qwen3):
 @pytest.fixture(scope="module")
 def qwen35(artifacts):
     """Qwen3.5: the template opens the block (the reply starts inside it) unless enable_thinking is false."""
-    srv, seen = _serve(artifacts("qwen3.5"), lambda prompt: "Sunny." if prompt.endswith("</think>\n\n")
-                       else "Weather means tools.\n</think>\n\nSunny.")
-    with in_thread(srv) as url:
-        yield srv, openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120), url
-    srv.batcher.close()
+    yield from _served(*_serve(artifacts("qwen3.5"), lambda prompt: "Sunny." if prompt.endswith("</think>\n\n")
+                               else "Weather means tools.\n</think>\n\nSunny."))
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -162,10 +160,22 @@ def test_chat_template_kwargs_reach_the_template(qwen35, stream):
     assert ask(client, extra_body={"chat_template_kwargs": {"enable_thinking": False}}) == (None, "Sunny.", [], "stop")
 
 
+def test_a_grammar_where_the_reply_begins_in_its_reasoning_is_a_400(qwen35):
+    """Qwen3.5's reply begins inside <think>: a grammar would hold the reasoning, so tk says so (and
+    with enable_thinking false the JSON is the content)."""
+    client = qwen35[1]
+    with pytest.raises(openai.BadRequestError, match="enable_thinking") as refused:
+        _whole(client, response_format={"type": "json_object"})
+    assert refused.value.body["param"] == "response_format"
+    thought, content, _, _ = _whole(client, response_format={"type": "json_object"}, max_tokens=40,
+                                    extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert thought is None and content.startswith("{")
+
+
 def test_chat_template_kwargs_in_tokenize_and_their_400s(qwen35):
     from test_serve_api import _call
 
-    srv, _, url = qwen35
+    srv, _, _, url = qwen35
     on = _call(url, "/tokenize", {"messages": ASK}, key=None)[1]["tokens"]
     off = _call(url, "/tokenize", {"messages": ASK, "chat_template_kwargs": {"enable_thinking": False}}, key=None)
     assert srv.tokenizer.decode(off[1]["tokens"], False).endswith("<think>\n\n</think>\n\n") and off[1]["tokens"] != on
@@ -186,6 +196,7 @@ def test_a_responses_reply_has_a_reasoning_item_streamed_and_whole(gpt_oss):
     _strict(whole)
     assert [i.type for i in whole.output] == ["reasoning", "function_call", "message"]
     assert whole.output[0].content[0].text == THOUGHT and whole.output_text == SAID
+    assert 0 < whole.usage.output_tokens_details.reasoning_tokens < whole.usage.output_tokens
     events = list(client.responses.create(model="tiny", stream=True, **body))
     for e in events:
         _strict(e)

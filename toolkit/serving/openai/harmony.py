@@ -27,7 +27,7 @@ ENDS = ("<|end|>", "<|call|>", "<|return|>")  # a message's end
 OPENS = "<|start|>"  # the next message's beginning, which also ends one left open
 MESSAGE = "<|message|>"
 MAX_HEADER = 256  # characters: a longer "header" is text
-TOKENS = (*HEADS[:2], HEADS[3], *ENDS, MESSAGE)  # the special tokens the text must keep
+TOKENS = ("<|start|>", "<|channel|>", "<|constrain|>", MESSAGE, *ENDS)  # the special tokens the text must keep
 _CHANNEL, _RECIPIENT = re.compile(r"<\|channel\|>\s*([^\s<]+)"), re.compile(r"(?:^|\s|>)to=([^\s<]+)")
 
 
@@ -84,7 +84,7 @@ class HarmonyStream:
         if at is None:
             if self.recipient is not None and not final:
                 return False  # a call is handed over whole
-            at = len(self.text) if final or self.recipient is not None else held(self.text, (*ENDS, OPENS), False)
+            at = len(self.text) if final else held(self.text, (*ENDS, OPENS), False)
         body, self.text = self.text[:at], self.text[at + (len(end) if end in ENDS else 0):]
         if self.recipient is not None:
             if end is not None or final:

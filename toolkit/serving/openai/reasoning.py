@@ -153,11 +153,21 @@ class Reasoning:
         specials = tool_grammar.specials_of(tokenizer.hf) if self.parser is not None else {}
         self.keep_special = self.parser is not None and tool_grammar.loses(tokenizer, specials, self.parser.tokens)
 
+    def thinks_first(self, prompt_ids: list[int]) -> bool:
+        """Whether a reply after `prompt_ids` is read as reasoning from its first token (the template
+        opened a `<think>` block, or deepseek_r1): a grammar there would hold the reasoning, not the answer."""
+        if not isinstance(self.parser, Think):
+            return False
+        return self.parser.always or self.parser.stream(self._tail(prompt_ids)).state == "think"
+
+    def _tail(self, prompt_ids: list[int]) -> str:
+        return self.tokenizer.decode(prompt_ids[-TAIL_TOKENS:], False)
+
     def stream(self, calls, prompt_ids: list[int]) -> ReplyStream | None:
         """A chat reply's reader after `prompt_ids` (None: its text is content as it is), with the
         request's tool calling (`calls`: the calling module's Calls, or None)."""
         tools = calls.stream() if calls is not None else None
+        parallel = calls.parallel if calls is not None else True
         if self.parser is None:
-            return None if tools is None else ReplyStream(None, tools, calls.parallel)
-        tail = self.tokenizer.decode(prompt_ids[-TAIL_TOKENS:], False)
-        return ReplyStream(self.parser.stream(tail), tools, calls.parallel if calls is not None else True)
+            return None if tools is None else ReplyStream(None, tools, parallel)
+        return ReplyStream(self.parser.stream(self._tail(prompt_ids)), tools, parallel)

@@ -121,9 +121,9 @@ class Output:
         return {**event, "output_index": len(self.items) - 1}
 
 
-def usage(prompt: int, completion: int) -> dict:
+def usage(prompt: int, completion: int, reasoning: int = 0) -> dict:
     return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
-            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": reasoning},
             "total_tokens": prompt + completion}
 
 

@@ -206,7 +206,11 @@ class Reply:
     def done(self, c: Choice, usage: dict) -> dict:
         """The finished response (stored where the body says store)."""
         status = "incomplete" if c.reason == FinishReason.LENGTH else "completed"
-        out = self.snapshot(status, self.output.items, items.usage(usage["prompt_tokens"], usage["completion_tokens"]))
+        # reasoning tokens: its text's, encoded again (the parser reads text; its markers are not counted)
+        thought = "".join(p["text"] for i in self.output.items if i["type"] == "reasoning" for p in i["content"])
+        reasoning = len(self.api.server.tokenizer.encode(thought, False)) if thought else 0
+        out = self.snapshot(status, self.output.items, items.usage(usage["prompt_tokens"], usage["completion_tokens"],
+                                                                   reasoning))
         if self.body.store:
             self.api.store.put(self.ident, out, self.conversation + messages(self.output.items))
         return out

@@ -88,6 +88,7 @@ class ReasoningItem(Strict):
 
 
 Item = Union[MessageItem, FunctionCallItem, FunctionCallOutputItem, ReasoningItem]
+REASONING = {"properties": {"type": {"const": "reasoning"}}, "required": ["type"]}
 
 
 class FunctionTool(Strict):
@@ -145,7 +146,9 @@ def body(sizes: Sizes):
 
         model: sizes.model = None
         # (one message fewer than a chat's: the instructions are the conversation's first)
-        input: Union[Text, Annotated[list[Item], Field(min_length=1, max_length=LIMITS["messages"] - 1)]] = Field(
+        # (a reasoning item is the next turn's: an input of nothing else is no conversation)
+        input: Union[Text, Annotated[list[Item], Field(min_length=1, max_length=LIMITS["messages"] - 1,
+                                                       json_schema_extra={"contains": {"not": REASONING}})]] = Field(
             description=RULES["messages"])
         instructions: Optional[str] = None
         tools: Optional[Annotated[list[FunctionTool], Field(max_length=LIMITS["tools"])]] = Field(
@@ -166,6 +169,13 @@ def body(sizes: Sizes):
                                      Field(max_length=16)]] = None
         user: Optional[str] = Field(None, max_length=256)
         truncation: Optional[Literal["disabled"]] = None
+
+        @field_validator("input")
+        @classmethod
+        def _more_than_reasoning(cls, given):
+            if isinstance(given, list) and all(isinstance(i, ReasoningItem) for i in given):
+                raise ValueError("reasoning items only: send the messages, calls or call outputs they go with")
+            return given
 
         @field_validator("tools", mode="before")
         @classmethod

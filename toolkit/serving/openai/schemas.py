@@ -185,10 +185,11 @@ class NamedToolChoice(Strict):
 ToolChoice = Union[Literal["none", "auto", "required"], NamedToolChoice, None]
 Tools = Optional[Annotated[list[Tool], Field(min_length=1, max_length=LIMITS["tools"])]]
 Messages = Annotated[list[Message], Field(min_length=1, max_length=LIMITS["messages"])]
-# apply_chat_template's own arguments and what tk passes itself, which chat_template_kwargs may not set
+# apply_chat_template's own arguments, what tk passes itself and the functions transformers gives every
+# template, which chat_template_kwargs may not set
 TEMPLATE_OWN = ("messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
                 "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
-                "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs")
+                "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "raise_exception", "strftime_now")
 _KWARG = r"^[A-Za-z_][A-Za-z0-9_]{0,63}$"  # a template variable's name
 
 

@@ -185,6 +185,11 @@ class Server:
         calls = self.tools.request(body) if chat else None
         prompts = api.prompts(body, chat, self.tokenizer, calls.template_tools if calls else None)
         constraint = self.constraints.compile(body, calls.grammar if calls else None)
+        if constraint is not None and chat and self.reasoning.thinks_first(prompts[0].ids):
+            field = "tool_choice" if calls is not None and calls.grammar else structured.requested(body)[0]
+            raise ApiError(400, f"{field}: this model's reply begins in its reasoning (its chat template opens a "
+                                "<think> block), which a grammar would hold instead of the answer; send "
+                                "chat_template_kwargs {\"enable_thinking\": false}, or leave the constraint out", field)
         limits = self.batcher.limits
         if problem := api.choices_problem(len(prompts) * body.n, limits.slots + limits.max_queue):
             raise ApiError(400, problem, "n")
@@ -209,8 +214,8 @@ class Server:
 
         queue = asyncio.Queue()
         prompts, jobs, calls = await run_in_threadpool(self.prepare, body, chat, asyncio.get_running_loop(), queue)
-        choices = [api.Choice(job.index, prompt, parsing=self.reasoning.stream(calls, prompt.ids) if chat else None)
-                   for job in jobs for prompt in [prompts[job.index // body.n]]]
+        readers = [self.reasoning.stream(calls, p.ids) if chat else None for p in prompts for _ in range(body.n)]
+        choices = [api.Choice(job.index, prompts[job.index // body.n], parsing=readers[job.index]) for job in jobs]
         reply = api.Reply(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", self.model_name, chat, body,
                           self.tokenizer, reasoning=self.reasoning.parser is not None)
         run = Run(jobs, choices, queue, sum(len(p.ids) for p in prompts))
