@@ -9,10 +9,10 @@ import dataclasses
 import numpy as np
 
 
-def planted_server(artifact, plant, *, slots: int = 4):
+def planted_server(artifact, plant, *, slots: int = 4, **options):
     """A `Server` of `artifact` on ONNX Runtime whose graphs' logits (B, S, V) become
     `plant(graph, input_ids (B, S), logits)` ("prefill" or "decode"); no prefix cache, so that each
-    prompt is prefilled whole."""
+    prompt is prefilled whole. `options`: the Server's (reasoning_parser, ...)."""
     from tk.models.spec.manifest import Manifest
     from tk.runtimes.serving.batching import Batcher
     from tk.runtimes.serving.scheduler import BatcherLimits
@@ -28,9 +28,12 @@ def planted_server(artifact, plant, *, slots: int = 4):
         b, s = out.logits.shape[:2]
         return dataclasses.replace(out, logits=plant(graph, feeds["input_ids"][:b, -s:], out.logits)), present
     runtime.run = planted
-    batcher = Batcher(runtime, limits=BatcherLimits(slots=slots, max_queue=16, prefix_cache_bytes=0),
+    # a prompt in one prefill run (no prefix cache; an idle step's budget over any context): a Script
+    # reads each prefill run as a new request
+    batcher = Batcher(runtime, limits=BatcherLimits(slots=slots, max_queue=16, prefix_cache_bytes=0,
+                                                    idle_tokens=runtime.max_context),
                       eos_ids=Manifest.read(artifact).eos_token_ids).start()
-    return Server(batcher, Tokenizer(artifact), "tiny")
+    return Server(batcher, Tokenizer(artifact), "tiny", **options)
 
 
 def bigram(table: dict[int, int], vocab: int = 512, margin: float = 30.0):

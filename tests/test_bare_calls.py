@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 
 from tk.toolkit.serving.openai.bare_calls import BareCalls
-from tk.toolkit.serving.openai.tools import PARSERS, StreamParser, ToolCall
+from tk.toolkit.serving.openai.tool_formats import PARSERS
+from tk.toolkit.serving.openai.tools import StreamParser, ToolCall
 
 pytest.importorskip("jsonschema", reason="the serve extra: pip install -e '.[serve]'")
 TOOLS = [
@@ -104,6 +105,7 @@ def test_which_formats_read_bare_calls_and_the_switch(tiny, tmp_path):
 
     from chat import TOOLS_TEMPLATE, add_chat_template
     from tk.toolkit.serving.openai.calling import ToolCalling
+    from tk.toolkit.serving.openai.reasoning import ReplyStream
     from tk.toolkit.serving.openai.schemas import schemas
     from tk.toolkit.textgen import Tokenizer
 
@@ -111,11 +113,14 @@ def test_which_formats_read_bare_calls_and_the_switch(tiny, tmp_path):
     tokenizer = Tokenizer(add_chat_template(tmp_path / "ckpt", template=TOOLS_TEMPLATE))
     body = schemas("tiny", 512, 128).Chat.model_validate({"messages": [{"role": "user", "content": "hi"}],
                                                           "tools": TOOLS})
-    reads = {(fmt, bare): ToolCalling(tokenizer, fmt, bare).request(body).parse(W)[1] != []
+    def calls(c) -> list:  # a whole reply's, as the server reads it
+        return ReplyStream(None, c.stream(), c.parallel).whole(W)[2] if c.parser is not None else []
+
+    reads = {(fmt, bare): calls(ToolCalling(tokenizer, fmt, bare).request(body)) != []
              for fmt in PARSERS for bare in (None, True, False)}
     assert {k for k, v in reads.items() if v} == {("hermes", None), ("granite", None), ("hermes", True),
                                                   ("granite", True), ("mistral", True), ("llama3_json", None),
                                                   ("llama3_json", True), ("llama3_json", False)}
     # (llama3_json's own format is the bare object: its parser reads it whatever the switch says)
     required = body.model_copy(update={"tool_choice": "required"})
-    assert not ToolCalling(tokenizer, "hermes").request(required).parse(W)[1]  # auto only
+    assert not calls(ToolCalling(tokenizer, "hermes").request(required))  # auto only

@@ -71,7 +71,7 @@ def generate(constraint, model, sampling: SamplingConfig, model_ends: bool = Tru
 
 
 def _calls(tokenizer, tokens) -> tuple[str | None, list[str]]:
-    from tk.toolkit.serving.openai.tools import PARSERS
+    from tk.toolkit.serving.openai.tool_formats import PARSERS
 
     parsed = PARSERS["hermes"].parse(tokenizer.decode(tokens), NAMES)
     return parsed.content, [c.name for c in parsed.calls]

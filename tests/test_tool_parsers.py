@@ -9,7 +9,8 @@ import random
 import pytest
 
 from tk.toolkit.serving.openai.tool_grammar import grammar, specials_of
-from tk.toolkit.serving.openai.tools import PARSERS, Delta, Parsed, StreamParser, ToolCall, detect, tool_names
+from tk.toolkit.serving.openai.tool_formats import PARSERS, detect
+from tk.toolkit.serving.openai.tools import Delta, Parsed, StreamParser, ToolCall, tool_names
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.", "parameters": {

@@ -72,10 +72,11 @@ class Tokenizer:
         return self._hf
 
     def chat_messages(self, messages: list[dict], add_generation_prompt: bool = True,
-                      tools: list[dict] | None = None) -> list[int]:
+                      tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
         """The prompt ids of a conversation as the checkpoint's chat template renders it, ready for
         the assistant's reply: transformers' apply_chat_template with add_generation_prompt (and the
-        tools the reply may call, as OpenAI's tool dicts), from chat_template.jinja or tokenizer_config.json."""
+        tools the reply may call, as OpenAI's tool dicts, and the variables the template reads,
+        `template_kwargs`: `enable_thinking`, ...), from chat_template.jinja or tokenizer_config.json."""
         if not self.hf.chat_template:
             raise InputError(f"{self.folder} has no chat template (no chat_template.jinja, and no chat_template in "
                              "tokenizer_config.json): it is not an instruction-tuned checkpoint; use --prompt")
@@ -84,7 +85,7 @@ class Tokenizer:
         try:
             return list(self._hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                      tokenize=True, return_dict=False,
-                                                     **({"tools": tools} if tools else {})))
+                                                     **({"tools": tools} if tools else {}), **(template_kwargs or {})))
         except TemplateError as e:  # the template's own raise_exception: roles out of order, say
             raise InputError(f"the chat template refused these messages: {e}") from None
         except (TypeError, KeyError, AttributeError, ValueError) as e:  # a template that reads a field a turn lacks

@@ -9,7 +9,8 @@ import click
 
 from tk.toolkit.backends import BackendOptions
 from tk.toolkit.cli.options import BackendName, backend_options, progress, speculation_from, speculation_options
-from tk.toolkit.serving.openai.tools import PARSERS
+from tk.toolkit.serving.openai.reasoning import PARSERS as REASONING
+from tk.toolkit.serving.openai.tool_formats import PARSERS
 
 
 def batcher_options(f):
@@ -53,6 +54,10 @@ def batcher_options(f):
               help="Under tool_choice auto, read a reply that is nothing but a JSON call of one of the tools (valid "
                    "against its schema), without the format's tags, as that call [default: on for hermes and granite, "
                    "whose models write calls so].")
+@click.option("--reasoning-parser", type=click.Choice([*REASONING, "none"]),
+              help="How the model writes its reasoning, returned as reasoning_content apart from content (vLLM's "
+                   "names) [default: what the chat template shows: <|channel|> is openai_gptoss, <think> qwen3 "
+                   "(deepseek_r1 with DeepSeek's); none: read no reasoning].")
 @click.option("--enable-auto-tool-choice", is_flag=True, hidden=True,
               help="vLLM's flag, accepted so that its command lines run: tk answers tool_choice auto whenever the "
                    "format is known.")
@@ -60,7 +65,8 @@ def batcher_options(f):
 def serve(ctx: click.Context, artifact: Path, backend: str, host: str, port: int, slots: int, max_queue: int,
           model_name: str | None, drain: float, api_key: str | None, max_body_bytes: int, step_tokens: int | None,
           prefix_cache_mib: int, no_prefix_cache: bool, options: BackendOptions, speculate_max_rows: int,
-          tool_call_parser: str | None, bare_tool_calls: bool | None, enable_auto_tool_choice: bool) -> None:
+          tool_call_parser: str | None, bare_tool_calls: bool | None, reasoning_parser: str | None,
+          enable_auto_tool_choice: bool) -> None:
     """Serve an ARTIFACT (static cache) over the OpenAI API, with continuous batching.
 
     \b
@@ -77,6 +83,8 @@ def serve(ctx: click.Context, artifact: Path, backend: str, host: str, port: int
     The Responses API (/v1/responses: the Agents SDK's default model) takes the same tools, as
     `input` items; a required call ends where the model ends, and under auto a reply that is
     nothing but a JSON call of a tool (hermes, granite) is that call (--no-bare-tool-calls: not).
+    A reasoning model's thinking (Qwen3's <think>, gpt-oss's analysis channel) comes back as
+    reasoning_content (--reasoning-parser); chat_template_kwargs (enable_thinking, ...) reach the template.
     """
     from tk.runtimes.errors import InputError
     from tk.runtimes.serving.scheduler import BatcherLimits
@@ -95,7 +103,8 @@ def serve(ctx: click.Context, artifact: Path, backend: str, host: str, port: int
                    "--host 127.0.0.1 keeps it on this one", err=True)
     serving = ServeOptions(host=host, port=port, limits=limits, model_name=model_name, drain_s=drain, api_key=api_key,
                            max_body=max_body_bytes, speculation=speculation, speculate_rows=speculate_max_rows,
-                           tool_parser=tool_call_parser, bare_tool_calls=bare_tool_calls)
+                           tool_parser=tool_call_parser, bare_tool_calls=bare_tool_calls,
+                           reasoning_parser=reasoning_parser)
     server, sock = open_server(artifact, backend, options, serving)
     url = f"http://{host}:{sock.getsockname()[1]}"
     click.echo(f"tk serve: {server.model_name} on {url}/v1 ({backend}, {slots} slots); Ctrl-C stops", err=True)

@@ -74,7 +74,8 @@ def prompts(body, chat: bool, tokenizer, tools: list[dict] | None = None) -> lis
     call), or each prompt encoded (or given as ids)."""
     try:
         if chat:
-            return [Prompt(tokenizer.chat_messages(messages(body.messages), tools=tools))]
+            return [Prompt(tokenizer.chat_messages(messages(body.messages), tools=tools,
+                                                   template_kwargs=body.chat_template_kwargs))]
         given = body.prompt
         if isinstance(given, str) or (given and isinstance(given[0], int)):
             given = [given]
@@ -86,7 +87,8 @@ def prompts(body, chat: bool, tokenizer, tools: list[dict] | None = None) -> lis
 def messages(given) -> list[dict]:
     """Chat messages as the template takes them: text parts joined (no content: ""), an assistant
     turn's tool calls with their arguments as objects (templates write them with `tojson`, as vLLM
-    hands them over), a tool turn's call id."""
+    hands them over), its reasoning as `reasoning_content` (what Qwen's templates read) and `thinking`
+    (gpt-oss's), a tool turn's call id."""
     out = []
     for m in given:
         content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
@@ -97,6 +99,8 @@ def messages(given) -> list[dict]:
                                      for c in m.tool_calls]
         if m.tool_call_id is not None:
             message["tool_call_id"] = m.tool_call_id
+        if getattr(m, "reasoning_content", None) is not None:
+            message["reasoning_content"] = message["thinking"] = m.reasoning_content
         out.append(message)
     return out
 
@@ -170,7 +174,8 @@ class Choice:
     echoed: bool = False  # a stream sent its prompt (echo)
     eos: int | None = None  # the EOS token that ended it, where its log-probability was asked for (not kept)
     calls: int = 0  # tool calls its stream has sent
-    parsing: object | None = None  # its stream's tool-call parser (tools.StreamParser), where tools are parsed
+    parsing: object | None = None  # its reader (reasoning.ReplyStream) where reasoning or tools are read: fed as
+    # it streams, or once with the whole text
 
     def before(self, newest: int = 0) -> list[int]:
         """The CONTEXT tokens before its `newest` last ones (what their texts are read after)."""
@@ -188,9 +193,9 @@ class Reply:
     CONTEXT: a SentencePiece token keeps its leading space, a special token reads as ""), so that
     `text_offset` follows the returned text; its alternatives are named the same way."""
 
-    def __init__(self, ident: str, model: str, chat: bool, body, tokenizer, calls=None):
+    def __init__(self, ident: str, model: str, chat: bool, body, tokenizer, reasoning: bool = False):
         self.ident, self.model, self.chat, self.tokenizer = ident, model, chat, tokenizer
-        self.calls = calls  # the calling module's Calls: tools are parsed out of the reply (None: none)
+        self.reasoning = reasoning  # the server reads reasoning: messages carry reasoning_content
         self.token_ids, self.echo = body.return_token_ids, (not chat and body.echo)
         self.logprobs = (body.logprobs if chat else body.logprobs is not None)
 
@@ -259,8 +264,10 @@ class Reply:
             head, head_scores, head_ids = self.head(c, prompt_scores.get(c.index))
             body, called = {"text": head + c.text}, False
             if self.chat:
-                content, calls = self.calls.parse(c.text) if self.calls is not None else (c.text, [])
-                body = {"message": {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}}
+                reasoning, content, calls = c.parsing.whole(c.text) if c.parsing is not None else (None, c.text, [])
+                calls = [call.openai(call_id()) for call in calls]
+                body = {"message": {"role": "assistant", "content": content, **(
+                    {"reasoning_content": reasoning} if self.reasoning else {}), **({"tool_calls": calls} if calls else {})}}
                 called = bool(calls)
             before = [] if self.echo else c.prompt.ids
             lp = self._logprobs(c, before, [*head_ids, *c.scored()], [*head_scores, *c.scores])
@@ -280,34 +287,38 @@ class Reply:
                                           "logprobs": None, "finish_reason": None}]))
 
     def chunk(self, c: Choice, text: str, reason: FinishReason | None, before: list[int], tokens: list[int],
-              scores: Sequence[TokenLogprob | None], usage: dict | None = None, prompt: bool = False) -> str:
-        """One chunk of choice `c`: its new text, and its new tokens after the ones `before` (with
-        `prompt`, the echoed prompt's; at a finish by EOS, that EOS, scored but not kept)."""
-        body = {"delta": {"content": text} if text else {}} if self.chat else {"text": text}
+              scores: Sequence[TokenLogprob | None], usage: dict | None = None, prompt: bool = False,
+              reasoning: str = "") -> str:
+        """One chunk of choice `c`: its new text (and reasoning), and its new tokens after the ones `before`
+        (with `prompt`, the echoed prompt's; at a finish by EOS, that EOS, scored but not kept)."""
+        delta = {**({"reasoning_content": reasoning} if reasoning else {}), **({"content": text} if text else {})}
+        body = {"delta": delta} if self.chat else {"text": text}
         choice = {"index": c.index, **body, "logprobs": self._logprobs(c, before, tokens, scores),
                   "finish_reason": None if reason is None else finish(reason, c.calls > 0)}
         if self.token_ids:
             choice["prompt_token_ids" if prompt else "token_ids"] = tokens if reason is None else []
         return sse({**self._envelope(True, [choice]), **({"usage": usage} if usage else {})})
 
-    def text_and_calls(self, c: Choice, piece: str, final: bool) -> tuple[str, list[str]]:
-        """A streamed chat choice's new text where tools are parsed: its content, held back while it
-        may open a call, and the chunks of each call that closed (OpenAI's shape: the id, type and
-        name, then the arguments), numbered in the choice's order."""
+    def text_and_calls(self, c: Choice, piece: str, final: bool) -> tuple[str, str, list[str]]:
+        """A streamed chat choice's new text where its reader reads reasoning or tools: its content, held
+        back while it may open a call, its reasoning, and the chunks of each call that closed (OpenAI's
+        shape: the id, type and name, then the arguments), numbered in the choice's order."""
         if c.parsing is None:
-            return piece, []
+            return piece, "", []
         deltas = c.parsing.feed(piece) + (c.parsing.finish() if final else [])
-        text, chunks = "", []
+        text, reasoning, chunks = "", "", []
         for d in deltas:
-            if d.call is None:
+            if d.reasoning is not None:
+                reasoning += d.reasoning
+            elif d.call is None:
                 text += d.content
-            elif self.calls.parallel or c.calls == 0:
+            else:
                 head = {"index": c.calls, "id": call_id(), "type": "function",
                         "function": {"name": d.call.name, "arguments": ""}}
                 chunks += [self._call_chunk(c, head), self._call_chunk(c, {"index": c.calls,
                                                                            "function": {"arguments": d.call.arguments}})]
                 c.calls += 1
-        return text, chunks
+        return text, reasoning, chunks
 
     def _call_chunk(self, c: Choice, call: dict) -> str:
         return sse(self._envelope(True, [{"index": c.index, "delta": {"tool_calls": [call]}, "logprobs": None,

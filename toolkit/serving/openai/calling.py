@@ -20,9 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tk.toolkit.serving.openai import bare_calls, tool_grammar
-from tk.toolkit.serving.openai import tools as formats
-from tk.toolkit.serving.openai.api import ApiError, call_id
+from tk.toolkit.serving.openai import bare_calls, tool_formats as formats, tool_grammar, tools
+from tk.toolkit.serving.openai.api import ApiError
 
 
 @dataclass
@@ -37,16 +36,8 @@ class Calls:
     parallel: bool = True  # False: the first call only (parallel_tool_calls: false)
     keep_special: bool = False  # the format's marker is a special token: the text keeps special tokens
 
-    def parse(self, text: str) -> tuple[str | None, list[dict]]:
-        """(content, calls in OpenAI's shape) of a whole reply."""
-        if self.parser is None:
-            return text, []
-        parsed = self.parser.parse(text, set(self.names))
-        calls = parsed.calls if self.parallel else parsed.calls[:1]
-        return parsed.content, [c.openai(call_id()) for c in calls]
-
-    def stream(self) -> "formats.StreamParser | None":
-        return None if self.parser is None else formats.StreamParser(self.parser, set(self.names))
+    def stream(self) -> "tools.StreamParser | None":
+        return None if self.parser is None else tools.StreamParser(self.parser, set(self.names))
 
 
 def _agree(body) -> None:
@@ -75,9 +66,8 @@ class ToolCalling:
         self.renders = bool(template) and tokenizer.renders_tools
         self.specials = tool_grammar.specials_of(tokenizer.hf) if template else {}
         parser = formats.PARSERS.get(self.parser_name)
-        marks = [*getattr(parser, "markers", ()), *getattr(parser, "heads", ())]
-        # a marker the text would lose (a special token, skipped when decoding): the text keeps special tokens
-        self.keep_special = any(m in self.specials and tokenizer.decode([self.specials[m]]) == "" for m in marks)
+        marks = [*getattr(parser, "markers", ()), *getattr(parser, "heads", ()), *getattr(parser, "tokens", ())]
+        self.keep_special = tool_grammar.loses(tokenizer, self.specials, marks)
 
     def request(self, body) -> Calls | None:
         """A chat body's tool calling (None: it sends no tools), or a 400 naming the field."""
@@ -94,6 +84,11 @@ class ToolCalling:
         if self.parser_name is None:
             raise ApiError(400, "tools: tk cannot tell this chat template's tool-call format; start tk serve with "
                                 f"--tool-call-parser ({', '.join(formats.PARSERS)})", "tools")
+        if self.parser_name in formats.UNREAD:
+            raise ApiError(400, f"tools: this chat template writes calls in the {self.parser_name} format (vLLM's name), "
+                                "which tk serve does not read; leave tools out, or start tk serve with "
+                                f"--tool-call-parser ({', '.join(formats.PARSERS)}) if the model writes one of those",
+                           "tools")
         parser = formats.PARSERS[self.parser_name]
         if choice == "auto" and self.bare:
             parser = bare_calls.BareCalls(parser, given)

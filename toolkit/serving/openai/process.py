@@ -40,6 +40,7 @@ class ServeOptions:
     speculate_rows: int | None = 4  # speculate while at most this many requests decode (None: always)
     tool_parser: str | None = None  # the tool-call format (tools.PARSERS); None: the chat template's
     bare_tool_calls: bool | None = None  # auto reads bare JSON calls (bare_calls); None: the format's default
+    reasoning_parser: str | None = None  # reasoning.PARSERS' name, or "none"; None: the chat template's
 
 
 def bind(host: str, port: int):
@@ -86,7 +87,7 @@ def open_server(artifact, backend: str, backend_options, options: ServeOptions =
     name = options.model_name or artifact.resolve().name
     return Server(batcher, tokenizer, name, drain_s=options.drain_s, api_key=options.api_key,
                   max_body=options.max_body, tool_parser=options.tool_parser,
-                  bare_tool_calls=options.bare_tool_calls), sock
+                  bare_tool_calls=options.bare_tool_calls, reasoning_parser=options.reasoning_parser), sock
 
 
 class _Stopped(Exception):

@@ -11,7 +11,11 @@ back as Responses items and events (the response_items module).
 (`Store`: the least recently stored go first), for `GET /v1/responses/{id}` and for a later
 request's `previous_response_id`; an id that is not there (unknown, made with store: false, or
 evicted) is a 404 saying so, never a 500. As OpenAI does, a previous response's instructions are
-not carried over. No reasoning items: tk has no reasoning parser yet, and `reasoning` is a 400.
+not carried over. Where the server reads reasoning (`--reasoning-parser`), a reply's reasoning is a
+`reasoning` item before its message or call, streamed as `response.reasoning_text.delta` events; a
+reasoning item sent back as input is that turn's `reasoning_content`. The request's `reasoning`
+(effort, summaries) is a 400: tk has no effort to set beyond what the chat template takes
+(gpt-oss's `reasoning_effort` is a template variable) and writes no summaries.
 """
 
 from __future__ import annotations
@@ -62,21 +66,28 @@ def _text(content) -> str:
 def messages(given: list[dict]) -> list[dict]:
     """Responses items (as dicts) as chat messages: a message's text parts joined; function_call items
     as the `tool_calls` of an assistant turn (the one before them where it has none of a tool's
-    results after it), function_call_output items as `role: tool` turns."""
+    results after it), function_call_output items as `role: tool` turns; a reasoning item's text as
+    the `reasoning_content` of the assistant turn after it (what reasoning templates read)."""
     out: list[dict] = []
+    thought = None
     for item in given:
         kind = item.get("type") or "message"
+        if kind == "reasoning":
+            thought = (thought or "") + "".join(part["text"] for part in item.get("content") or [])
+            continue
         if kind == "message":
             out.append({"role": item["role"], "content": _text(item["content"])})
         elif kind == "function_call":
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
-            if out and out[-1]["role"] == "assistant":
+            if out and out[-1]["role"] == "assistant" and thought is None:
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         else:  # function_call_output
             out.append({"role": "tool", "tool_call_id": item["call_id"], "content": _text(item["output"])})
+        if thought is not None and out[-1]["role"] == "assistant":
+            out[-1]["reasoning_content"], thought = thought, None
     return out
 
 
@@ -135,8 +146,7 @@ class Responses:
                 e.message = e.message.replace(f"{e.param}:", f"{FIELDS[e.param]}:", 1)
                 e.param = FIELDS[e.param].split(".")[0]
             raise
-        parsing = calls.stream() if calls is not None else None
-        reply = Reply(self, body, items.Output(parsing, calls.parallel if calls else True), conversation)
+        reply = Reply(self, body, items.Output(self.server.reasoning.stream(calls, prompts[0].ids)), conversation)
         return Run(jobs, [Choice(0, prompts[0])], queue, len(prompts[0].ids)), reply
 
     async def create(self, http, body):
@@ -196,7 +206,11 @@ class Reply:
     def done(self, c: Choice, usage: dict) -> dict:
         """The finished response (stored where the body says store)."""
         status = "incomplete" if c.reason == FinishReason.LENGTH else "completed"
-        out = self.snapshot(status, self.output.items, items.usage(usage["prompt_tokens"], usage["completion_tokens"]))
+        # reasoning tokens: its text's, encoded again (the parser reads text; its markers are not counted)
+        thought = "".join(p["text"] for i in self.output.items if i["type"] == "reasoning" for p in i["content"])
+        reasoning = len(self.api.server.tokenizer.encode(thought, False)) if thought else 0
+        out = self.snapshot(status, self.output.items, items.usage(usage["prompt_tokens"], usage["completion_tokens"],
+                                                                   reasoning))
         if self.body.store:
             self.api.store.put(self.ident, out, self.conversation + messages(self.output.items))
         return out

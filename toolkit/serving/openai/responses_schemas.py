@@ -1,13 +1,13 @@
 """The body of `POST /v1/responses` (OpenAI's Responses API) as tk serve takes it, in pydantic, so that
 FastAPI validates and documents it beside chat completions (the schemas module, whose pieces it
 shares): `input` as a string or a list of items (messages, with text parts; `function_call`;
-`function_call_output`; an output message sent back as it came), `instructions`, function
+`function_call_output`; an output message or reasoning item sent back as it came), `instructions`, function
 `tools`, `tool_choice`, `parallel_tool_calls`, `max_output_tokens`, `temperature`, `top_p`, tk's
 `seed`, `text.format` (text, json_object, json_schema), `stream`, `store`, `previous_response_id`,
 `include` (empty: tk adds nothing), `metadata`, `user`, `truncation` (disabled).
 
 As every tk body, it forbids what it does not name, so what tk does not implement is a 400 naming
-it: `reasoning`, `background`, `conversation`, `prompt`, image and file parts, reasoning items, and
+it: `reasoning`, `background`, `conversation`, `prompt`, image and file parts, encrypted reasoning, and
 hosted tools (web search, file search, code interpreter, computer use, image generation, MCP, ...),
 which `_hosted` names by their type. Rules between fields are in the document (`if`/`then`), as the
 chat body's. No `from __future__ import annotations` (pydantic reads these classes' annotations).
@@ -18,8 +18,8 @@ from typing import Annotated, Literal, Optional, Union
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from tk.toolkit.serving.openai.api import LIMITS
-from tk.toolkit.serving.openai.schemas import (NOT_NULL, RULES, FunctionName, Int, Sizes, Strict, Text, given,
-                                                rules, when)
+from tk.toolkit.serving.openai.schema_rules import NOT_NULL, Int, Strict, Text, given, rules, when
+from tk.toolkit.serving.openai.schemas import RULES, FunctionName, Sizes
 
 ItemId = Annotated[str, Field(max_length=256)]
 Status = Optional[Literal["in_progress", "completed", "incomplete"]]
@@ -71,7 +71,24 @@ class FunctionCallOutputItem(Strict):
     status: Status = None
 
 
-Item = Union[MessageItem, FunctionCallItem, FunctionCallOutputItem]
+class ReasoningText(Strict):
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ReasoningItem(Strict):
+    """A reply's reasoning sent back (tk's own: text, no encrypted content): the next assistant turn's."""
+
+    type: Literal["reasoning"]
+    summary: Annotated[list[ReasoningText], Field(max_length=LIMITS["messages"])] = []
+    content: Optional[Annotated[list[ReasoningText], Field(max_length=LIMITS["messages"])]] = None
+    id: Optional[ItemId] = None
+    status: Status = None
+    encrypted_content: Literal[None] = None  # (tk writes none, and reads none of another server's)
+
+
+Item = Union[MessageItem, FunctionCallItem, FunctionCallOutputItem, ReasoningItem]
+REASONING = {"properties": {"type": {"const": "reasoning"}}, "required": ["type"]}
 
 
 class FunctionTool(Strict):
@@ -129,7 +146,9 @@ def body(sizes: Sizes):
 
         model: sizes.model = None
         # (one message fewer than a chat's: the instructions are the conversation's first)
-        input: Union[Text, Annotated[list[Item], Field(min_length=1, max_length=LIMITS["messages"] - 1)]] = Field(
+        # (a reasoning item is the next turn's: an input of nothing else is no conversation)
+        input: Union[Text, Annotated[list[Item], Field(min_length=1, max_length=LIMITS["messages"] - 1,
+                                                       json_schema_extra={"contains": {"not": REASONING}})]] = Field(
             description=RULES["messages"])
         instructions: Optional[str] = None
         tools: Optional[Annotated[list[FunctionTool], Field(max_length=LIMITS["tools"])]] = Field(
@@ -150,6 +169,13 @@ def body(sizes: Sizes):
                                      Field(max_length=16)]] = None
         user: Optional[str] = Field(None, max_length=256)
         truncation: Optional[Literal["disabled"]] = None
+
+        @field_validator("input")
+        @classmethod
+        def _more_than_reasoning(cls, given):
+            if isinstance(given, list) and all(isinstance(i, ReasoningItem) for i in given):
+                raise ValueError("reasoning items only: send the messages, calls or call outputs they go with")
+            return given
 
         @field_validator("tools", mode="before")
         @classmethod

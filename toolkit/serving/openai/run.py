@@ -93,15 +93,19 @@ class Run:
                     self.cancel()
                     break
                 usage = self.usage() if continuous else None
-                text, calls = reply.text_and_calls(c, piece, event.token is None)
+                text, reasoning, calls = reply.text_and_calls(c, piece, event.token is None)
+                if reasoning and calls:  # the reasoning before the calls it led to
+                    yield reply.chunk(c, "", None, [], [], [], reasoning=reasoning)
+                    reasoning = ""
                 for chunk in calls:
                     yield chunk
                 if event.token is None:
                     eos = [] if c.eos is None else [c.eos]
                     yield reply.chunk(c, text, event.finish_reason, c.before(), eos, c.scores[-1:] if eos
-                                      else [], usage)
-                elif text or reply.token_ids or reply.logprobs:
-                    yield reply.chunk(c, text, None, c.before(1), [event.token], [event.logprob], usage)
+                                      else [], usage, reasoning=reasoning)
+                elif text or reasoning or reply.token_ids or reply.logprobs:
+                    yield reply.chunk(c, text, None, c.before(1), [event.token], [event.logprob], usage,
+                                      reasoning=reasoning)
             else:
                 if usage_at_end:
                     yield reply.usage_chunk(self.usage())

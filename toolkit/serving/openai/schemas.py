@@ -25,9 +25,11 @@ inside functions as objects.
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
+from pydantic import AfterValidator, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
 from tk.toolkit.serving.openai.api import LIMITS
+from tk.toolkit.serving.openai.schema_rules import (ABSENT, NOT_NULL, Int, Stop, Strict, Text, below, given,
+                                                    rules, when)
 
 
 @dataclass
@@ -40,61 +42,6 @@ class Schemas:
     TokenizeChat: Any
     Detokenize: Any
     sizes: "Sizes"  # what they were made for (the Responses body's module makes its own from them)
-
-
-def _integral(value):
-    """JSON Schema's integer includes 2.0: take it as 2 (strict models refuse floats, bools and strings)."""
-    return int(value) if isinstance(value, float) and value.is_integer() else value
-
-
-def _below(n: int) -> str:
-    """A regex of the decimal numbers 0 .. n - 1, no leading zeros (logit_bias' keys: token ids as JSON keys)."""
-    def digits(low: int, high: int) -> str:
-        return str(low) if low == high else f"[{low}-{high}]"
-
-    def any_digits(k: int) -> str:
-        return "" if k == 0 else "[0-9]" if k == 1 else f"[0-9]{{{k}}}"
-
-    top = str(n - 1)
-    if len(top) == 1:
-        return f"^{digits(0, n - 1)}$"
-    alternatives = ["[0-9]"] + [f"[1-9]{any_digits(k - 1)}" for k in range(2, len(top))]  # the shorter numbers
-    for i, d in enumerate(top):  # as long as top: equal to it before digit i, below it there
-        if int(d) > (low := 1 if i == 0 else 0):
-            alternatives.append(f"{top[:i]}{digits(low, int(d) - 1)}{any_digits(len(top) - i - 1)}")
-    return f"^({'|'.join([*alternatives, top])})$"
-
-
-def Int(**bounds):  # the bounds inside, so that the JSON schema says minimum/maximum (not pydantic's ge/le)
-    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
-
-
-Text = Annotated[str, Field(min_length=1)]  # an empty prompt has no token to start from
-Stop = Union[Annotated[str, Field(max_length=LIMITS["stop_chars"])],
-             Annotated[list[Annotated[str, Field(max_length=LIMITS["stop_chars"])]], Field(max_length=LIMITS["stop"])],
-             None]
-
-
-class Strict(BaseModel):  # no coercion either: `"seed": false` or `"max_tokens": "5"` is a 400, as the schema says
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-NOT_NULL, ABSENT = {"not": {"type": "null"}}, {"type": "null"}  # (ABSENT: a field left out, or null)
-
-
-def when(condition: dict, then: dict, otherwise: dict | None = None) -> dict:
-    """A rule between an object's fields, in JSON Schema (the validators that enforce it are pydantic's)."""
-    return {"if": condition, "then": then, **({"else": otherwise} if otherwise is not None else {})}
-
-
-def given(field: str, schema: dict) -> dict:
-    """An object whose `field` is present and matches `schema`."""
-    return {"properties": {field: schema}, "required": [field]}
-
-
-def rules(*clauses: dict) -> ConfigDict:
-    """A model's cross-field rules in its JSON schema."""
-    return ConfigDict(json_schema_extra={"allOf": list(clauses)})
 
 
 # What no JSON schema can say, said where a client reads the field (the server's 400s name the field)
@@ -112,6 +59,9 @@ RULES = {
     "tools": "Each function named once; a required or named tool_choice holds the reply to a grammar built from "
              "the functions' parameters, which llguidance compiles or the request is a 400.",
     "tool_choice": "required needs tools; a named function must be one of the tools.",
+    "chat_template_kwargs": "Variables the chat template reads (vLLM's), e.g. {\"enable_thinking\": false} (Qwen3) "
+                            "or {\"reasoning_effort\": \"high\"} (gpt-oss); none of apply_chat_template's own "
+                            "arguments.",
 }
 
 
@@ -172,16 +122,17 @@ class ToolCall(Strict):  # an assistant turn's call, sent back in the conversati
 
 class Message(Strict):
     # the roles' rules (_roles), by role: a tool turn answers a call with content; an assistant turn has content,
-    # calls or a refusal; the other turns have content, and no calls
+    # calls, a refusal or reasoning; the other turns have content, and no calls or reasoning
     model_config = rules(
         when(given("role", {"const": "tool"}), {"properties": {
-            "tool_call_id": {"type": "string"}, "content": NOT_NULL, "tool_calls": ABSENT}, "required": [
-            "tool_call_id", "content"]}),
+            "tool_call_id": {"type": "string"}, "content": NOT_NULL, "tool_calls": ABSENT,
+            "reasoning_content": ABSENT}, "required": ["tool_call_id", "content"]}),
         when(given("role", {"const": "assistant"}), {"properties": {"tool_call_id": ABSENT}, "anyOf": [
             given("content", NOT_NULL), given("tool_calls", {"type": "array", "minItems": 1}),
-            given("refusal", {"type": "string"})]}),
+            given("refusal", {"type": "string"}), given("reasoning_content", {"type": "string"})]}),
         when(given("role", {"enum": ["system", "developer", "user"]}), {"properties": {
-            "content": NOT_NULL, "tool_calls": ABSENT, "tool_call_id": ABSENT}, "required": ["content"]}))
+            "content": NOT_NULL, "tool_calls": ABSENT, "tool_call_id": ABSENT, "reasoning_content": ABSENT},
+            "required": ["content"]}))
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None  # None only where an assistant turn calls tools
@@ -189,6 +140,7 @@ class Message(Strict):
     tool_calls: Optional[Annotated[list[ToolCall], Field(max_length=LIMITS["tools"])]] = None
     tool_call_id: Optional[str] = Field(None, max_length=256)  # a tool turn's: the call it answers
     refusal: Optional[str] = None  # an assistant turn's, as OpenAI's clients send it back
+    reasoning_content: Optional[str] = None  # vLLM's: an assistant turn's reasoning (reasoning templates read it)
     # what else a reply's message carries when a client appends it as is (`message.model_dump()`), as
     # llama-server takes it: no template reads these (a legacy function_call is refused: send tool_calls)
     annotations: Optional[Annotated[list[dict], Field(max_length=LIMITS["tools"])]] = None
@@ -201,8 +153,11 @@ class Message(Strict):
             raise ValueError("tool_calls belong to an assistant message")
         if (self.tool_call_id is not None) != (self.role == "tool"):
             raise ValueError("a tool message answers one call: tool_call_id is required there, and only there")
-        if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.refusal is not None)):
-            raise ValueError("content is required (null only for an assistant message with tool_calls)")
+        if self.reasoning_content is not None and self.role != "assistant":
+            raise ValueError("reasoning_content belongs to an assistant message")
+        if self.content is None and not (self.role == "assistant" and (
+                self.tool_calls or self.refusal is not None or self.reasoning_content is not None)):
+            raise ValueError("content is required (null only for an assistant message with tool_calls or reasoning)")
         return self
 
 
@@ -230,6 +185,24 @@ class NamedToolChoice(Strict):
 ToolChoice = Union[Literal["none", "auto", "required"], NamedToolChoice, None]
 Tools = Optional[Annotated[list[Tool], Field(min_length=1, max_length=LIMITS["tools"])]]
 Messages = Annotated[list[Message], Field(min_length=1, max_length=LIMITS["messages"])]
+# apply_chat_template's own arguments, what tk passes itself and the functions transformers gives every
+# template, which chat_template_kwargs may not set
+TEMPLATE_OWN = ("messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+                "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+                "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "raise_exception", "strftime_now")
+_KWARG = r"^[A-Za-z_][A-Za-z0-9_]{0,63}$"  # a template variable's name
+
+
+def _template_kwargs(kwargs: dict) -> dict:
+    if own := [k for k in kwargs if k in TEMPLATE_OWN]:
+        raise ValueError(f"{', '.join(own)}: set by tk serve itself, not a template variable")
+    return kwargs
+
+
+TemplateKwargs = Optional[Annotated[  # vLLM's chat_template_kwargs: variables the chat template reads
+    dict[Annotated[str, Field(pattern=_KWARG)], Any], Field(max_length=64), AfterValidator(_template_kwargs),
+    WithJsonSchema({"type": "object", "maxProperties": 64, "description": RULES["chat_template_kwargs"],
+                    "propertyNames": {"pattern": _KWARG, "not": {"enum": list(TEMPLATE_OWN)}}})]]
 
 
 @dataclass(frozen=True)
@@ -254,7 +227,7 @@ def _body(sizes: Sizes):
     vocab_size = sizes.vocab_size
     # keys as digits (the 400 names the key beyond the vocabulary: _bias_keys); documented as the ids' range
     # (propertyNames: pydantic's patternProperties would admit any other key)
-    bias_doc = {"type": "object", "propertyNames": {"pattern": _below(vocab_size)},
+    bias_doc = {"type": "object", "propertyNames": {"pattern": below(vocab_size)},
                 "maxProperties": LIMITS["logit_bias"],
                 "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}
 
@@ -344,6 +317,7 @@ def _chat(body):
         # OpenAI's default: auto where tools are given, else none
         tool_choice: ToolChoice = Field(None, description=RULES["tool_choice"])
         parallel_tool_calls: bool = True
+        chat_template_kwargs: TemplateKwargs = None
 
         @field_validator("top_logprobs")
         @classmethod
@@ -372,6 +346,7 @@ def _tokenize_chat(sizes: Sizes):
         add_generation_prompt: bool = True
         tools: Tools = None  # rendered by the chat template, as in a chat request
         return_token_strs: bool = False
+        chat_template_kwargs: TemplateKwargs = None
 
     return TokenizeChat
 

@@ -29,6 +29,7 @@ from tk.toolkit.serving.openai.api import ApiError
 from tk.toolkit.serving.openai.calling import Calls, ToolCalling
 from tk.toolkit.serving.openai.edge import (DEFAULT_BODY_LIMIT, BodyLimit, CountRequests, PrometheusMetrics,
                                             bearer_check, documented, endpoint, run_in_threadpool)
+from tk.toolkit.serving.openai.reasoning import Reasoning
 from tk.toolkit.serving.openai.responses import Responses
 from tk.toolkit.serving.openai.run import HttpJob, Run
 from tk.toolkit.textgen import Tokenizer
@@ -76,7 +77,7 @@ class Server:
 
     def __init__(self, batcher: Batcher, tokenizer: Tokenizer, model_name: str, *, drain_s: float = 10.0,
                  api_key: str | None = None, max_body: int = DEFAULT_BODY_LIMIT, tool_parser: str | None = None,
-                 bare_tool_calls: bool | None = None):
+                 bare_tool_calls: bool | None = None, reasoning_parser: str | None = None):
         require()
         from tk.toolkit.serving.openai.schemas import schemas  # (pydantic: once the serving stack is known there)
 
@@ -89,6 +90,7 @@ class Server:
         self.metrics = PrometheusMetrics(batcher)
         self.constraints = structured.Compiler(tokenizer, batcher.runtime.dims.vocab_size, sorted(batcher.eos))
         self.tools = ToolCalling(tokenizer, tool_parser, bare_tool_calls)
+        self.reasoning = Reasoning(tokenizer, reasoning_parser)
         self.responses = Responses(self)
         self.app = self._app()
 
@@ -166,7 +168,8 @@ class Server:
         try:
             if hasattr(body, "messages"):
                 tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-                ids = self.tokenizer.chat_messages(api.messages(body.messages), body.add_generation_prompt, tools)
+                ids = self.tokenizer.chat_messages(api.messages(body.messages), body.add_generation_prompt, tools,
+                                                   body.chat_template_kwargs)
             else:
                 ids = self.tokenizer.encode(body.prompt, body.add_special_tokens)
         except InputError as e:
@@ -182,16 +185,21 @@ class Server:
         calls = self.tools.request(body) if chat else None
         prompts = api.prompts(body, chat, self.tokenizer, calls.template_tools if calls else None)
         constraint = self.constraints.compile(body, calls.grammar if calls else None)
+        if constraint is not None and chat and self.reasoning.thinks_first(prompts[0].ids):
+            field = "tool_choice" if calls is not None and calls.grammar else structured.requested(body)[0]
+            raise ApiError(400, f"{field}: this model's reply begins in its reasoning (its chat template opens a "
+                                "<think> block), which a grammar would hold instead of the answer; send "
+                                "chat_template_kwargs {\"enable_thinking\": false}, or leave the constraint out", field)
         limits = self.batcher.limits
         if problem := api.choices_problem(len(prompts) * body.n, limits.slots + limits.max_queue):
             raise ApiError(400, problem, "n")
         if problem := api.echo_problem(body, chat, self.batcher.runtime):
             raise ApiError(400, problem, "echo")
-        jobs = []
+        jobs, special = [], chat and (calls is not None and calls.keep_special or self.reasoning.keep_special)
         try:
             for i, prompt in enumerate(prompts):
                 params = api.params(body, chat, len(prompt.ids), self.batcher.runtime.max_context, constraint,
-                                    special_tokens=calls is not None and calls.keep_special)
+                                    special_tokens=special)
                 jobs += [HttpJob(self.batcher, prompt.ids, params, tokenizer=self.tokenizer, metrics=self.metrics,
                                  loop=loop, queue=queue, index=i * body.n + j, choice=j) for j in range(body.n)]
             self._submit(jobs)
@@ -206,10 +214,10 @@ class Server:
 
         queue = asyncio.Queue()
         prompts, jobs, calls = await run_in_threadpool(self.prepare, body, chat, asyncio.get_running_loop(), queue)
-        choices = [api.Choice(job.index, prompts[job.index // body.n], parsing=calls.stream() if calls else None)
-                   for job in jobs]
+        readers = [self.reasoning.stream(calls, p.ids) if chat else None for p in prompts for _ in range(body.n)]
+        choices = [api.Choice(job.index, prompts[job.index // body.n], parsing=readers[job.index]) for job in jobs]
         reply = api.Reply(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", self.model_name, chat, body,
-                          self.tokenizer, calls)
+                          self.tokenizer, reasoning=self.reasoning.parser is not None)
         run = Run(jobs, choices, queue, sum(len(p.ids) for p in prompts))
         if body.stream:
             options = body.stream_options

@@ -6,7 +6,8 @@ that the arguments follow each function's JSON schema, compact as the models wer
 
 from __future__ import annotations
 
-from tk.toolkit.serving.openai.tools import _JSON_OPTIONS, PARSERS, _JsonList
+from tk.toolkit.serving.openai.tool_formats import PARSERS, JsonList
+from tk.toolkit.serving.openai.tools import JSON_OPTIONS
 
 
 def _relocate(schema, base: str):
@@ -28,15 +29,18 @@ def grammar(parser_name: str, tools: list[dict], *, name: str | None = None, par
     functions = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
     if not functions:
         raise ValueError(f"no function named {name!r} among the tools" if name else "no tools to call")
+    if getattr(fmt, "names_outside", False):  # one call, its name in the format's text and its arguments a root
+        return fmt.grammar_of([(f["name"], {"x-guidance": dict(JSON_OPTIONS), "type": "object",
+                                            **(f.get("parameters") or {})}) for f in functions], specials or {})
     # One branch a function, `name` first as every format writes it; where the list formats nest the
-    # branches under "items", `_JsonList.grammar` moves them, so its refs are relocated under /items.
-    base = "/items" if isinstance(fmt, _JsonList) else ""
+    # branches under "items", `JsonList.grammar` moves them, so its refs are relocated under /items.
+    base = "/items" if isinstance(fmt, JsonList) else ""
     branches = [{"type": "object", "properties": {
         "name": {"const": f["name"]},
         fmt.args_key: _relocate({"type": "object", **(f.get("parameters") or {})},  # (arguments are an object)
                                 f"{base}/anyOf/{i}/properties/{fmt.args_key}")},
         "required": ["name", fmt.args_key], "additionalProperties": False} for i, f in enumerate(functions)]
-    return fmt.grammar({"x-guidance": dict(_JSON_OPTIONS), "anyOf": branches}, parallel, specials or {})
+    return fmt.grammar({"x-guidance": dict(JSON_OPTIONS), "anyOf": branches}, parallel, specials or {})
 
 
 def specials_of(hf_tokenizer) -> dict[str, int]:
@@ -48,3 +52,9 @@ def specials_of(hf_tokenizer) -> dict[str, int]:
     added = hf_tokenizer.get_added_tokens_decoder() if added is None else added
     return {t.content: i for i, t in added.items()
             if t.special or (t.content.startswith("<") and t.content.endswith(">"))}
+
+
+def loses(tokenizer, specials: dict[str, int], marks) -> bool:
+    """Whether decoding would drop one of `marks` (a special token, skipped when decoding): a reply read
+    for them keeps special tokens in its text."""
+    return any(m in specials and tokenizer.decode([specials[m]]) == "" for m in marks)
