@@ -5,7 +5,9 @@ Two numbers per stack, as issue 43 asks: decode ms/token after a --prompt-len (5
 (--new-tokens, 128, of them), and the prefill time of a --prefill-len (2,048) prompt (its time to first
 token). Every stack runs in a process of its own each time (no two thread pools in one process, nothing
 left warm between stacks), round by round in the same order (the machine is shared: compare within one
-run, as ratios); medians over --rounds. Prompt ids are numpy's default_rng(0).integers(0, vocab) (llama-bench
+run, as ratios); medians over --rounds. Before each run the machine must be quiet (--quiet: at most that
+share of its CPUs busy, from /proc/stat, waiting up to --max-wait seconds), and each run records the
+share of its threads' time it got (process CPU / wall / threads): a run under 0.8 had neighbours. Prompt ids are numpy's default_rng(0).integers(0, vocab) (llama-bench
 draws its own: timing only). Anchors run where given:
 
 - `--genai DIR ...`: onnxruntime-genai model folders, run by --genai-python (its own venv: genai pins
@@ -22,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -94,6 +98,28 @@ def _in_process(python: str, kind: str, path: Path, threads: int, jobs: list[dic
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _busy(seconds: float) -> float:
+    """The share of every CPU busy over `seconds`, while this process waits (/proc/stat)."""
+    def snap():
+        ticks = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:8]]
+        return sum(ticks), ticks[3] + ticks[4]
+    (t0, i0), _ = snap(), time.sleep(seconds)
+    t1, i1 = snap()
+    return 1 - (i1 - i0) / max(1, t1 - t0)
+
+
+def _quietly(run, threads: int, quiet: float, max_wait: float):
+    """run() once the machine is quiet (or after max_wait) -> (its result, the CPU share its children got)."""
+    start = time.time()
+    while _busy(1.0) > quiet and time.time() - start < max_wait:
+        pass
+    before, wall = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+    out = run()
+    after, wall = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter() - wall
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return out, cpu / (wall * threads)
+
+
 def _llama(bench: Path, gguf: Path, threads: int, args: list[str]) -> float:
     """One llama-bench run -> its mean seconds per test (tokens / tokens per second)."""
     cmd = [str(bench), "-m", str(gguf), "-t", str(threads), "-r", "1", "-o", "json", *args]
@@ -126,6 +152,8 @@ def main() -> None:
     ap.add_argument("--prefill-len", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quiet", type=float, default=0.2, help="the busy share of the CPUs a run waits for")
+    ap.add_argument("--max-wait", type=float, default=600)
     ap.add_argument("--report", type=Path)
     a = ap.parse_args()
     cfg = json.loads((a.checkpoint / "config.json").read_text())
@@ -133,25 +161,29 @@ def main() -> None:
     jobs = [{"kind": "decode", "prompt": _prompt(vocab, a.prompt_len), "new": a.new_tokens},
             {"kind": "prefill", "prompt": _prompt(vocab, a.prefill_len), "new": 1}]
     stacks = {_label(p): p for p in [*a.artifacts, *a.genai, *a.gguf]}
-    times: dict[str, dict[str, list[float]]] = {s: {"decode_ms": [], "prefill_ms": []} for s in stacks}
+    times: dict[str, dict[str, list[float]]] = {s: {"decode_ms": [], "prefill_ms": [], "cpu_share": []}
+                                                for s in stacks}
     tokens: dict[str, list[int]] = {}
+    quietly = lambda run: _quietly(run, a.threads, a.quiet, a.max_wait)  # noqa: E731
     for r in range(a.rounds):
         for label, path in stacks.items():
             if path.suffix == ".gguf":
-                decode = _llama(a.llama_bin / "llama-bench", path, a.threads,
-                                ["-p", "0", "-n", str(a.new_tokens), "-d", str(a.prompt_len)])
-                prefill = _llama(a.llama_bin / "llama-bench", path, a.threads, ["-p", str(a.prefill_len), "-n", "0"])
-                times[label]["decode_ms"].append(decode / a.new_tokens * 1e3)
-                times[label]["prefill_ms"].append(prefill * 1e3)
+                bench = a.llama_bin / "llama-bench"
+                decode, share = quietly(lambda: _llama(bench, path, a.threads, ["-p", "0", "-n", str(a.new_tokens),
+                                                                                "-d", str(a.prompt_len)]))
+                prefill, share2 = quietly(lambda: _llama(bench, path, a.threads, ["-p", str(a.prefill_len), "-n", "0"]))
+                d, p = {"decode_ms": decode / a.new_tokens * 1e3}, {"ttft_ms": prefill * 1e3}
+                share = min(share, share2)
             else:
                 genai = path in a.genai
-                d, p = _in_process(a.genai_python if genai else sys.executable, "genai" if genai else "tk", path,
-                                   a.threads, jobs)
-                times[label]["decode_ms"].append(d["decode_ms"])
-                times[label]["prefill_ms"].append(p["ttft_ms"])
+                (d, p), share = quietly(lambda: _in_process(a.genai_python if genai else sys.executable,
+                                                            "genai" if genai else "tk", path, a.threads, jobs))
                 tokens[label] = d["tokens"]
-            print(f"round {r + 1}: {label}: decode {times[label]['decode_ms'][-1]:.2f} ms/token, prefill "
-                  f"{times[label]['prefill_ms'][-1]:.0f} ms", file=sys.stderr)
+            times[label]["decode_ms"].append(d["decode_ms"])
+            times[label]["prefill_ms"].append(p["ttft_ms"])
+            times[label]["cpu_share"].append(share)
+            print(f"round {r + 1}: {label}: decode {d['decode_ms']:.2f} ms/token, prefill {p['ttft_ms']:.0f} ms "
+                  f"(CPU share {share:.2f}, load {os.getloadavg()[0]:.1f})", file=sys.stderr)
     report = {"workload": {"prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "prefill_len": a.prefill_len,
                            "threads": a.threads, "rounds": a.rounds, "batch": 1}, "stacks": {}}
     first_tk = next(iter(stacks))
@@ -160,13 +192,14 @@ def main() -> None:
     print(f"{'stack':16} {'decode ms/tok':>14} {'prefill ms':>11}  ratios to {first_tk} (above 1: it is slower)")
     for label, t in times.items():
         med = {k: statistics.median(v) for k, v in t.items()}
-        ratio = {k: statistics.median(x / y for x, y in zip(t[k], times[first_tk][k])) for k in t}
+        ratio = {k: statistics.median(x / y for x, y in zip(t[k], times[first_tk][k])) for k in t if k != "cpu_share"}
         report["stacks"][label] = {"path": str(stacks[label]), **med, "runs": t,
                                    f"ratio_to_{first_tk}": ratio,
                                    "same_tokens_as_first": tokens.get(label) == tokens.get(first_tk)
                                    if label in tokens else None}
         print(f"{label:16} {med['decode_ms']:14.2f} {med['prefill_ms']:11.0f}  "
-              f"decode {ratio['decode_ms']:.2f}x, prefill {ratio['prefill_ms']:.2f}x")
+              f"decode {ratio['decode_ms']:.2f}x, prefill {ratio['prefill_ms']:.2f}x  (CPU share {min(t['cpu_share']):.2f}"
+              f"..{max(t['cpu_share']):.2f})")
     if a.report:
         a.report.write_text(json.dumps(report, indent=2))
 
