@@ -136,14 +136,15 @@ HYBRIDS_LOADED = {
 }
 # The attention families of 2026 (tests/test_attention_2026.py): windows of 8 (prompts cross them several times) and
 # a context of 2048 (prompts of 1,100 tokens). gpt-oss: sinks, biased attention, a sliding then a full layer, YaRN,
-# 4 experts (top 2) with a router bias and a SwiGLU clamped at 1.5 (so that the clamp bites at these sizes).
+# 4 experts (top 2, 64 wide: MXFP4 blocks are 32) with a router bias and a SwiGLU clamped at 1.5 (so that the clamp
+# bites at these sizes).
 # Gemma 4: per-layer inputs, full layers with a head twice as wide (32) and one kv head whose values are their keys'
 # projection (attention_k_eq_v), the last two layers reading layers 3's and 2's caches with FFNs twice as wide, a
 # final softcap. OLMo 3: three sliding layers to one full, YaRN on the full one only, with its own attention factor.
 ATTENTION_2026 = {
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
-        intermediate_size=48, sliding_window=8, swiglu_limit=1.5, tie_word_embeddings=False, max_position_embeddings=2048,
+        intermediate_size=64, sliding_window=8, swiglu_limit=1.5, tie_word_embeddings=False, max_position_embeddings=2048,
         rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                          "original_max_position_embeddings": 512, "rope_theta": 10000.0})),
     "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(
