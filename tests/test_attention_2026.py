@@ -16,7 +16,9 @@ and checkpoint layout (Gemma 4's image-text one too), are tests/test_models.py's
 from __future__ import annotations
 
 import json
+import logging
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import onnx
@@ -37,7 +39,9 @@ from tk.models.spec.manifest import Manifest, Precision
 from tk.models.spec.variant import Variant
 from tk.runtimes.backends.ort import OrtRuntime
 from tk.runtimes.decoding.generate import generate, left_pad
+from tk.runtimes.decoding.sampling import SamplingConfig
 from tk.runtimes.decoding.speculative import PromptLookup, Speculation
+from tk.runtimes.serving.batching import Batcher, BatcherLimits, Request, wait_all
 from tk.toolkit.backends import BackendOptions, open_runtime
 from tk.toolkit.verify.compare import parity
 
@@ -147,6 +151,62 @@ def test_greedy_speculation_is_the_plain_output(exported, family):
     plain = generate(rt, prompts, 40, ignore_eos=True)
     spec = generate(rt, prompts, 40, ignore_eos=True, speculation=Speculation(PromptLookup(1, 3), 4))
     assert spec.rows[0].tokens == plain.rows[0].tokens and spec.speculation.proposed > 0
+
+
+def test_served_rows_over_shared_layers_and_rings_equal_their_solo_runs(exported, caplog):
+    """12 requests on 3 slots, prompts in chunks (a row sits decode steps out mid-prompt), rows entering and
+    leaving, some sampled: each request's tokens are its solo run's. Rings turn prefix caching off, in one line."""
+    art = exported("gemma4", "ort-cpu")
+    m = Manifest.read(art)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, m.config.vocab_size, int(rng.integers(1, 60))).tolist() for _ in range(12)]
+    budgets = [int(rng.integers(1, 20)) for _ in range(12)]
+    sampling = [SamplingConfig(temperature=0.9, top_k=40, seed=i) if i % 3 == 0 else SamplingConfig() for i in range(12)]
+    slots = BackendOptions(static_cache=True)
+    with open_runtime(art, "ort", slots) as rt:
+        solo = [generate(rt, [p], n, s, m.eos_token_ids).rows[0] for p, n, s in zip(prompts, budgets, sampling)]
+    with caplog.at_level(logging.INFO), Batcher(open_runtime(art, "ort", slots), limits=BatcherLimits(
+            slots=3, max_queue=12, step_tokens=16), eos_ids=m.eos_token_ids) as batcher:
+        with ThreadPoolExecutor(12) as pool:
+            requests = list(pool.map(lambda a: batcher.submit(Request(*a)), zip(prompts, budgets, sampling)))
+        assert wait_all(requests, 120)
+    for i, (r, s) in enumerate(zip(requests, solo)):
+        assert (r.tokens, r.finish_reason) == (s.tokens, s.finish_reason), i
+    assert batcher.chunked and batcher.prefix is None
+    assert any(r.message.startswith("prefix caching is off: a sliding layer's cache is a ring") for r in caplog.records)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gpt_oss", "gemma4"])
+def test_the_api_scores_prompts_and_follows_a_schema_over_sinks_and_shared_layers(checkpoints, exported, family):
+    """tk serve over these graphs: echoed log-probabilities of a prompt that crosses every window are transformers'
+    log-softmax (prompts scored in runs through rings, sinks and shared layers), and a JSON schema is followed."""
+    pytest.importorskip("fastapi", reason="the serving stack: pip install -e '.[serve]'")
+    pytest.importorskip("llguidance", reason="structured outputs need llguidance: pip install -e '.[serve]'")
+    from test_serve_api import _call
+    from tk.toolkit.serving.openai.process import ServeOptions, in_thread, open_server
+
+    srv, sock = open_server(exported(family, "ort-cpu"), "ort", BackendOptions(), ServeOptions(
+        port=0, limits=BatcherLimits(slots=2), model_name="m", drain_s=1.0))
+    sock.close()
+    prompt = np.random.default_rng(2).integers(3, 384, 40).tolist()
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"],
+              "additionalProperties": False}
+    with in_thread(srv) as url:
+        status, scored = _call(url, "/v1/completions", {"model": "m", "prompt": [prompt], "echo": True, "logprobs": 1,
+                                                        "max_tokens": 1, "temperature": 0, "return_token_ids": True},
+                               key=None)
+        _, shaped = _call(url, "/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 40, "temperature": 0,
+                                                   "response_format": {"type": "json_schema", "json_schema": {
+                                                       "name": "a", "schema": schema, "strict": True}}}, key=None)
+    srv.batcher.close()
+    assert status == 200, scored
+    (new,) = scored["choices"][0]["token_ids"]
+    with torch.no_grad():
+        want = torch.log_softmax(load_hf(checkpoints(family))(torch.tensor([prompt + [new]])).logits[0], -1).numpy()
+    np.testing.assert_allclose(scored["choices"][0]["logprobs"]["token_logprobs"][1:],
+                               want[np.arange(len(prompt)), prompt[1:] + [new]], atol=1e-4)
+    assert json.loads(shaped["choices"][0]["text"])["answer"] in ("yes", "no")
 
 
 @pytest.mark.slow

@@ -146,7 +146,7 @@ def test_exports_pass_parity_and_give_transformers_tokens(checkpoints, hybrid, f
     art = hybrid(family, profile)
     manifest = Manifest.read(art)
     assert manifest.validation.passed and set(manifest.graphs) == {"decode"}
-    assert not (art / "prefill.onnx").exists() and manifest.contract_version == 6
+    assert not (art / "prefill.onnx").exists() and manifest.contract_version == contract.CONTRACT_VERSION
     report = parity(art, ["ort"], steps=8)
     assert report.passed and all(p.passed for p in report.backends["ort"].probes), report.backends["ort"]
     rng = np.random.default_rng(0)

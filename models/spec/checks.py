@@ -1,16 +1,35 @@
-"""The checks a `DecoderConfig` (models/spec/config.py) passes when it is made, and the normalizations they make
-(derived sizes filled only where unset, per-layer lists of all-true spelled None). A bad field is a one-line
-ValueError; a family tk does not implement, an UnsupportedModelError.
+"""The tables of what a `DecoderConfig` (models/spec/config.py) may say, the checks it passes when it is made, and
+the normalizations they make (derived sizes filled only where unset, per-layer lists of all-true spelled None).
+A bad field is a one-line ValueError; a family tk does not implement, an UnsupportedModelError.
 """
 
 from __future__ import annotations
 
-from tk.models.spec.config import (ACTIVATIONS, MIXERS, NORM_PLACEMENTS, PER_LAYER, QK_NORMS, ROPE_TYPES, ROUTINGS,
-                                   DecoderConfig, UnsupportedModelError)
+from tk.models.spec.errors import TkError
+
+# "yarn": gpt-oss, OLMo 3's full layers (its attention factor scales cos and sin); "proportional": Gemma 4's full
+# layers (a leading share of each head's frequencies rotate, the rest are 0: the whole head in the half-split layout)
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
+# what mixes a layer's tokens (DecoderConfig.layer_types): attention over a KV cache, or a layer whose state
+# is not a cache that grows: LFM2's gated short convolution ("conv": a carry of conv_kernel - 1 positions),
+# the gated DeltaNet of Qwen3.5 / Qwen3-Next ("gdn": a carry and a d_k x d_v matrix per value head), and
+# Mamba2 ("mamba": a carry and a d_state x head_dim matrix per head, Granite 4.0-H)
+MIXERS = ("attention", "conv", "gdn", "mamba")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
+QK_NORMS = ("head", "projection")
+NORM_PLACEMENTS = ("pre", "post", "sandwich")
+PER_LAYER = ("rope_layers", "sliding_layers", "moe_layers")  # list fields with one entry per layer
+# how a router turns its logits into weights: a softmax over every expert then the top k (renormalized when
+# renormalize_experts), or the top k logits then a softmax over them (gpt-oss)
+ROUTINGS = ("softmax_topk", "topk_softmax")
 
 
-def check_config(cfg: DecoderConfig) -> None:
-    """Every check, in the order a field's derived values need."""
+class UnsupportedModelError(TkError, ValueError):
+    """The checkpoint describes a model tk does not implement."""
+
+
+def check_config(cfg) -> None:
+    """Every check of `cfg` (a DecoderConfig being made: it calls this), in the order a field's derived values need."""
     _sizes(cfg)
     _per_layer(cfg)
     _experts(cfg)
@@ -45,7 +64,7 @@ def check_config(cfg: DecoderConfig) -> None:
         raise ValueError(f"rope type {rope_type} needs {', '.join(missing)} in its parameters")
 
 
-def _sizes(cfg: DecoderConfig) -> None:
+def _sizes(cfg) -> None:
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                  "max_position_embeddings"):
         _require_positive(name, getattr(cfg, name))
@@ -76,7 +95,7 @@ def _sizes(cfg: DecoderConfig) -> None:
         raise ValueError(f"rope_local_theta must be positive, got {cfg.rope_local_theta!r}")
 
 
-def _per_layer(cfg: DecoderConfig) -> None:
+def _per_layer(cfg) -> None:
     for name in PER_LAYER:
         flags = getattr(cfg, name)
         if flags is None:
@@ -89,7 +108,7 @@ def _per_layer(cfg: DecoderConfig) -> None:
         raise ValueError("sliding_layers needs sliding_window: how many keys a sliding layer's query sees")
 
 
-def _experts(cfg: DecoderConfig) -> None:
+def _experts(cfg) -> None:
     if cfg.num_experts:
         _require_positive("num_experts", cfg.num_experts)
         _require_positive("experts_per_token", cfg.experts_per_token)
@@ -102,7 +121,7 @@ def _experts(cfg: DecoderConfig) -> None:
         raise ValueError("moe_layers and shared_expert_size describe experts (and router_bias); set num_experts")
 
 
-def _layer_heads(cfg: DecoderConfig) -> None:
+def _layer_heads(cfg) -> None:
     """Gemma 4's fields: wider full-attention heads, KV-shared layers, per-layer inputs."""
     for name in ("global_head_dim", "global_kv_heads", "per_layer_vocab_size"):
         if getattr(cfg, name) is not None:
@@ -124,7 +143,7 @@ def _layer_heads(cfg: DecoderConfig) -> None:
                          "a table is as wide as its layers' heads")
 
 
-def _mixers(cfg: DecoderConfig) -> None:
+def _mixers(cfg) -> None:
     if cfg.layer_types is None:
         return
     if len(cfg.layer_types) != cfg.num_layers:

@@ -12,27 +12,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from tk.models.spec.errors import TkError
-
-# "yarn": gpt-oss, OLMo 3's full layers (its attention factor scales cos and sin); "proportional": Gemma 4's full
-# layers (a leading share of each head's frequencies rotate, the rest are 0: the whole head in the half-split layout)
-ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
-# what mixes a layer's tokens (DecoderConfig.layer_types): attention over a KV cache, or a layer whose state
-# is not a cache that grows: LFM2's gated short convolution ("conv": a carry of conv_kernel - 1 positions),
-# the gated DeltaNet of Qwen3.5 / Qwen3-Next ("gdn": a carry and a d_k x d_v matrix per value head), and
-# Mamba2 ("mamba": a carry and a d_state x head_dim matrix per head, Granite 4.0-H)
-MIXERS = ("attention", "conv", "gdn", "mamba")
-ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
-QK_NORMS = ("head", "projection")
-NORM_PLACEMENTS = ("pre", "post", "sandwich")
-PER_LAYER = ("rope_layers", "sliding_layers", "moe_layers")  # list fields with one entry per layer
-# how a router turns its logits into weights: a softmax over every expert then the top k (renormalized when
-# renormalize_experts), or the top k logits then a softmax over them (gpt-oss)
-ROUTINGS = ("softmax_topk", "topk_softmax")
-
-
-class UnsupportedModelError(TkError, ValueError):
-    """The checkpoint describes a model tk does not implement."""
+# the tables of allowed values and the checks are checks.py's; callers import UnsupportedModelError from here too
+from tk.models.spec.checks import PER_LAYER, UnsupportedModelError, check_config  # noqa: F401
 
 
 @dataclass
@@ -126,8 +107,6 @@ class DecoderConfig:
     pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        from tk.models.spec.checks import check_config  # it reads this module's tables
-
         check_config(self)
 
     @property
