@@ -139,8 +139,8 @@ HYBRIDS_LOADED = {
 # 4 experts (top 2, 64 wide: MXFP4 blocks are 32) with a router bias and a SwiGLU clamped at 1.5 (so that the clamp
 # bites at these sizes).
 # Gemma 4: per-layer inputs, full layers with a head twice as wide (32) and one kv head whose values are their keys'
-# projection (attention_k_eq_v), the last two layers reading layers 3's and 2's caches with FFNs twice as wide, a
-# final softcap. OLMo 3: three sliding layers to one full, YaRN on the full one only, with its own attention factor.
+# projection (attention_k_eq_v), the last two layers reading layers 0's and 1's caches with FFNs twice as wide, a
+# final softcap; untied (tied, a tiny random Gemma echoes one token: WINDOWED's note on Gemma 2). OLMo 3: three sliding layers to one full, YaRN on the full one only, with its own attention factor.
 ATTENTION_2026 = {
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
@@ -149,9 +149,9 @@ ATTENTION_2026 = {
                          "original_max_position_embeddings": 512, "rope_theta": 10000.0})),
     "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
-        attention_k_eq_v=True, sliding_window=8, layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+        attention_k_eq_v=True, sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2,
         num_kv_shared_layers=2, use_double_wide_mlp=True, hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB,
-        final_logit_softcapping=9.0, tie_word_embeddings=True, max_position_embeddings=2048)),
+        final_logit_softcapping=9.0, tie_word_embeddings=False, max_position_embeddings=2048)),
     "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", dict(
         num_attention_heads=4, num_key_value_heads=2, sliding_window=8, tie_word_embeddings=False,
         max_position_embeddings=2048,
@@ -169,7 +169,7 @@ ATTENTION_2026_LOADED = {
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2),
         audio_config=None, tie_word_embeddings=False)),
 }
-LAYERS = {"gemma3": 3, "gemma3_mm": 3, **{f: 4 for f in [*HYBRIDS, *HYBRIDS_LOADED]}, "gemma4": 6, "olmo3": 4,
+LAYERS = {"gemma3": 3, "gemma3_mm": 3, **{f: 4 for f in [*HYBRIDS, *HYBRIDS_LOADED]}, "gemma4": 4, "olmo3": 4,
           "gemma4_mm": 3}  # deeper than 2 layers
 # A second Llama: linear rope scaling, tied embeddings, MQA.
 EXTRA = {

@@ -62,17 +62,17 @@ def test_configs_read_as_transformers_builds_them(checkpoints):
                                                                                             "topk_softmax")
     assert oss.windows == [8, None] and oss.rope_scaling["rope_type"] == "yarn" and oss.swiglu_limit == 1.5
     g4 = read_config(checkpoints("gemma4"))
-    kinds = [g4.layer(i) for i in range(6)]
+    kinds = [g4.layer(i) for i in range(4)]
     assert [(k.head_dim, k.kv_heads, k.reads, k.values_from_keys) for k in kinds] == [
-        (16, 2, None, False), (16, 2, None, False), (32, 1, None, True), (16, 2, None, False), (16, 2, 3, False),
-        (32, 1, 2, False)]
-    assert (g4.per_layer_input_size, g4.norm_offset, g4.attention_scale, g4.ffn_size(4)) == (8, 0.0, 1.0, 192)
+        (16, 2, None, False), (32, 1, None, True), (16, 2, 0, False), (32, 1, 1, False)]
+    assert (g4.per_layer_input_size, g4.norm_offset, g4.attention_scale, g4.ffn_size(1), g4.ffn_size(2)) == (
+        8, 0.0, 1.0, 96, 192)
     assert g4.rope_dim("global") == 32 and g4.rope_dim("local") == 16 and g4.rope_scaling["partial_rotary_factor"] == 0.25
     olmo = read_config(checkpoints("olmo3"))
     assert olmo.windows == [8, 8, 8, None] and [olmo.layer(i).rope for i in range(4)] == ["local"] * 3 + ["global"]
     dims = contract.GraphDims.of(g4, Precision(), Variant())
-    assert [s.name for s in dims.inputs(contract.DECODE)][-2:] == ["past_key_values.3.key", "past_key_values.3.value"]
-    assert [s.dims for s in dims.outputs(contract.PREFILL) if s.name == "present.2.key"] == [(contract.BATCH, 1,
+    assert [s.name for s in dims.inputs(contract.DECODE)][-2:] == ["past_key_values.1.key", "past_key_values.1.value"]
+    assert [s.dims for s in dims.outputs(contract.PREFILL) if s.name == "present.1.key"] == [(contract.BATCH, 1,
                                                                                                contract.SEQ, 32)]
 
 
@@ -134,10 +134,9 @@ def test_exports_pass_parity_and_give_transformers_tokens(checkpoints, exported,
 def test_inspect_says_each_layers_cache_and_whose_a_shared_layer_reads(exported):
     result = run("inspect", exported("gemma4", "ort-cpu"))
     assert result.exit_code == 0, result.output
-    assert "KV caches per layer: layers 0, 1, 3: 2 kv heads x head_dim 16; layer 2: 1 kv heads x head_dim 32" \
-        in result.output
-    assert "KV-shared layers (no cache of their own): layer 4 reads layer 3's, layer 5 reads layer 2's" in result.output
-    assert "present.4.key" not in result.output and "past_key_values.2.key        float32  ['batch_size', 1, 2048, 32]" \
+    assert "KV caches per layer: layer 0: 2 kv heads x head_dim 16; layer 1: 1 kv heads x head_dim 32" in result.output
+    assert "KV-shared layers (no cache of their own): layer 2 reads layer 0's, layer 3 reads layer 1's" in result.output
+    assert "present.2.key" not in result.output and "past_key_values.1.key        float32  ['batch_size', 1, 2048, 32]" \
         in result.output
 
 

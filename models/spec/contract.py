@@ -173,8 +173,8 @@ def inputs(graph: str, num_layers: int, capacity: int | None = None, decode_pref
     With `keep` (a decode graph that takes runs) `logits_to_keep` follows write_indices: the positions
     of the run (0 .. sequence_length - 1, the same for every row) whose logits the graph returns, as
     transformers' `logits_to_keep` tensor: [S - 1] for a prompt's run, 0 .. k for a verify step.
-    With `layers` (a hybrid: LayerState per layer), a recurrent layer's past and present are its carry
-    and its matrix state, fixed in size, in place of a key and a value.
+    With `layers` (LayerState per layer), a layer's keys and values have its own head sizes, a recurrent
+    layer's past and present are its carry and matrix state (fixed in size), and a KV-shared layer has none.
     """
     if graph == DECODE and capacity is not None:
         new = SEQ if decode_prefills else 1
