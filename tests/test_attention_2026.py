@@ -28,6 +28,7 @@ from safetensors.torch import load_file, save_file
 
 from clitools import run
 from hf_models import ATTENTION_2026, ci_picks, hf_greedy, load_hf
+from test_batching import SLOTS, _mix, _solo
 from test_ort_target import PROMPTS, _decode_both
 from tk.models.checkpoint import mxfp4
 from tk.models.checkpoint.loading import CheckpointError, load_decoder, read_config
@@ -39,7 +40,6 @@ from tk.models.spec.manifest import Manifest, Precision
 from tk.models.spec.variant import Variant
 from tk.runtimes.backends.ort import OrtRuntime
 from tk.runtimes.decoding.generate import generate, left_pad
-from tk.runtimes.decoding.sampling import SamplingConfig
 from tk.runtimes.decoding.speculative import PromptLookup, Speculation
 from tk.runtimes.serving.batching import Batcher, BatcherLimits, Request, wait_all
 from tk.toolkit.backends import BackendOptions, open_runtime
@@ -157,14 +157,9 @@ def test_served_rows_over_shared_layers_and_rings_equal_their_solo_runs(exported
     leaving, some sampled: each request's tokens are its solo run's. Rings turn prefix caching off, in one line."""
     art = exported("gemma4", "ort-cpu")
     m = Manifest.read(art)
-    rng = np.random.default_rng(3)
-    prompts = [rng.integers(3, m.config.vocab_size, int(rng.integers(1, 60))).tolist() for _ in range(12)]
-    budgets = [int(rng.integers(1, 20)) for _ in range(12)]
-    sampling = [SamplingConfig(temperature=0.9, top_k=40, seed=i) if i % 3 == 0 else SamplingConfig() for i in range(12)]
-    slots = BackendOptions(static_cache=True)
-    with open_runtime(art, "ort", slots) as rt:
-        solo = [generate(rt, [p], n, s, m.eos_token_ids).rows[0] for p, n, s in zip(prompts, budgets, sampling)]
-    with caplog.at_level(logging.INFO), Batcher(open_runtime(art, "ort", slots), limits=BatcherLimits(
+    prompts, budgets, sampling = _mix(m.config.vocab_size, 12, seed=3)
+    solo = _solo(art, "ort", prompts, budgets, sampling, m.eos_token_ids)
+    with caplog.at_level(logging.INFO), Batcher(open_runtime(art, "ort", SLOTS), limits=BatcherLimits(
             slots=3, max_queue=12, step_tokens=16), eos_ids=m.eos_token_ids) as batcher:
         with ThreadPoolExecutor(12) as pool:
             requests = list(pool.map(lambda a: batcher.submit(Request(*a)), zip(prompts, budgets, sampling)))

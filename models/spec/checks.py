@@ -156,18 +156,17 @@ def _mixers(cfg) -> None:
         cfg.layer_types = None  # the usual model, spelled once
         return
     _require_positive("conv_kernel", cfg.conv_kernel)
-    if "gdn" in cfg.layer_types:
-        for name in ("linear_key_heads", "linear_value_heads", "linear_key_dim", "linear_value_dim"):
+    # each recurrent mixer's sizes, and (heads, what they come in groups of)
+    sizes = {"gdn": (("linear_key_heads", "linear_value_heads", "linear_key_dim", "linear_value_dim"),
+                     ("linear_value_heads", "linear_key_heads")),
+             "mamba": (("mamba_heads", "mamba_head_dim", "mamba_state", "mamba_groups"), ("mamba_heads", "mamba_groups"))}
+    for mixer, (names, (heads, groups)) in sizes.items():
+        if mixer not in cfg.layer_types:
+            continue
+        for name in names:
             _require_positive(name, getattr(cfg, name))
-        if cfg.linear_value_heads % cfg.linear_key_heads:
-            raise ValueError(f"linear_value_heads ({cfg.linear_value_heads}) must be a multiple of "
-                             f"linear_key_heads ({cfg.linear_key_heads})")
-    if "mamba" in cfg.layer_types:
-        for name in ("mamba_heads", "mamba_head_dim", "mamba_state", "mamba_groups"):
-            _require_positive(name, getattr(cfg, name))
-        if cfg.mamba_heads % cfg.mamba_groups:
-            raise ValueError(f"mamba_heads ({cfg.mamba_heads}) must be a multiple of mamba_groups "
-                             f"({cfg.mamba_groups})")
+        if getattr(cfg, heads) % getattr(cfg, groups):
+            raise ValueError(f"{heads} ({getattr(cfg, heads)}) must be a multiple of {groups} ({getattr(cfg, groups)})")
 
 
 def _require_positive(name: str, value) -> None:
