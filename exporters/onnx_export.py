@@ -104,7 +104,8 @@ def _register_contrib_schemas() -> None:
                  inputs=[P("query", "T"), P("key", "T", param_option=optional), P("value", "T", param_option=optional),
                          P("past_key", "T"), P("past_value", "T"), P("seqlens_k", "M"),
                          P("total_sequence_length", "M"), P("cos_cache", "T"), P("sin_cache", "T"),
-                         P("position_ids", "I"), P("attention_bias", "T", param_option=optional)],
+                         P("position_ids", "I"), P("attention_bias", "T", param_option=optional),
+                         P("head_sink", "T", param_option=optional)],
                  outputs=[P("output", "T"), P("present_key", "T"), P("present_value", "T")],
                  type_constraints=[("T", floats, ""), ("M", ["tensor(int32)"], ""), ("I", ["tensor(int64)"], "")],
                  attributes=[attr("num_heads", OpSchema.AttrType.INT, ""), attr("kv_num_heads", OpSchema.AttrType.INT, ""),
@@ -137,16 +138,18 @@ def _skip_simplified_layer_norm(h, delta, scale, eps: float):
     return out, total
 
 
-def _group_query_attention(qkv, past_k, past_v, seqlens_k, total, cos_cache, sin_cache, position_ids, bias,
+def _group_query_attention(qkv, past_k, past_v, seqlens_k, total, cos_cache, sin_cache, position_ids, bias, sinks,
                            num_heads: int, kv_num_heads: int, local_window: int, static: bool, rotary: bool,
                            scale: float | None, softcap: float = 0.0):
     """tk::gqa -> com.microsoft GroupQueryAttention on packed qkv, with RoPE (do_rotary) or without,
-    softcapped scores where softcap > 0 (its default 0: off, so left out then)."""
+    softcapped scores where softcap > 0 (its default 0: off, so left out then), gpt-oss's sinks as its
+    head_sink input (input 11 in ONNX Runtime 1.32's schema)."""
     from onnxscript.values import Opset
 
     extra = {"softcap": float(softcap)} if softcap > 0 else {}
+    tail = () if sinks is None else (sinks,)
     return Opset(MS_DOMAIN, 1).GroupQueryAttention(
-        qkv, None, None, past_k, past_v, seqlens_k, total, cos_cache, sin_cache, position_ids, bias,
+        qkv, None, None, past_k, past_v, seqlens_k, total, cos_cache, sin_cache, position_ids, bias, *tail,
         num_heads=num_heads, kv_num_heads=kv_num_heads, do_rotary=int(rotary),
         scale=float(past_k.shape[-1]) ** -0.5 if scale is None else float(scale), local_window_size=local_window,
         **extra)

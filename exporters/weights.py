@@ -33,7 +33,8 @@ from onnx.external_data_helper import ExternalDataInfo
 from torch import nn
 
 from tk.models.spec.config import DecoderConfig
-from tk.models.reference.decoder import Decoder, RMSNorm
+from tk.models.reference.decoder import Decoder
+from tk.models.reference.layers import RMSNorm
 from tk.models.reference.positions import rope_inv_freq
 from tk.models.spec.manifest import Precision, WeightEntry
 from tk.models.quant.calibration import Calibration

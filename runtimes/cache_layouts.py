@@ -183,12 +183,13 @@ class StaticLayout(_Layout):
         longer holds are 0 (`held` says which)."""
         if not self.decode_prefills and self.ring_free:
             return super().arrays(s)
-        out, d = [], self.dims
+        out = []
         for buf, slots, kv in zip(s.cache, self.rings, self.kv):
             if not kv:  # a recurrent state: each row's, whichever graph prefilled it
                 out.append(self.buffers.to_numpy(buf).astype(np.float32))
                 continue
-            host, a = self.buffers.to_numpy(buf), np.zeros((s.batch, d.num_kv_heads, s.length, d.head_dim), np.float32)
+            host = self.buffers.to_numpy(buf)  # (B, its kv heads, positions, its head dim)
+            a = np.zeros((s.batch, host.shape[1], s.length, host.shape[3]), np.float32)
             for b, w in enumerate(s.static.write.tolist()):
                 p = np.arange(max(0, w - (slots or w)), w)  # the positions the row's buffer holds
                 a[b][:, s.length - w + p] = host[b][:, p % slots if slots else p]

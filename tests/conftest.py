@@ -74,6 +74,24 @@ def artifacts(tmp_path_factory, checkpoints):
     return get
 
 
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory, checkpoints):
+    """(family, profile or None, export flags) -> its artifact, exported and validated once per module (a module's
+    matrix of profiles and flags: tests/test_hybrids.py, tests/test_attention_2026.py)."""
+    from tk.toolkit.pipeline.export import export_artifact
+
+    cache = {}
+
+    def get(family: str, profile: str | None = None, **flags):
+        key = (family, profile, tuple(sorted(flags.items())))
+        if key not in cache:
+            cache[key] = tmp_path_factory.mktemp(f"{family}-{profile or 'default'}") / "artifact"
+            export_artifact(checkpoints(family), cache[key], profile=profile, **flags)
+        return cache[key]
+
+    return get
+
+
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     """The built-in tiny preset as a checkpoint folder."""

@@ -134,15 +134,53 @@ HYBRIDS_LOADED = {
         text_config=_QWEN35, vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
                                                 out_hidden_size=64))),
 }
-LAYERS = {"gemma3": 3, "gemma3_mm": 3, **{f: 4 for f in [*HYBRIDS, *HYBRIDS_LOADED]}}  # deeper than 2 layers
+# The attention families of 2026 (tests/test_attention_2026.py): windows of 8 (prompts cross them several times) and
+# a context of 2048 (prompts of 1,100 tokens). gpt-oss: sinks, biased attention, a sliding then a full layer, YaRN,
+# 4 experts (top 2, 64 wide: MXFP4 blocks are 32) with a router bias and a SwiGLU clamped at 1.5 (so that the clamp
+# bites at these sizes).
+# Gemma 4: per-layer inputs, full layers with a head twice as wide (32) and one kv head whose values are their keys'
+# projection (attention_k_eq_v), the last two layers reading layers 0's and 1's caches with FFNs twice as wide, a
+# final softcap; untied (tied, a tiny random Gemma echoes one token: WINDOWED's note on Gemma 2). OLMo 3: three sliding layers to one full, YaRN on the full one only, with its own attention factor.
+ATTENTION_2026 = {
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+        intermediate_size=64, sliding_window=8, swiglu_limit=1.5, tie_word_embeddings=False, max_position_embeddings=2048,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 512, "rope_theta": 10000.0})),
+    "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+        attention_k_eq_v=True, sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2,
+        num_kv_shared_layers=2, use_double_wide_mlp=True, hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB,
+        final_logit_softcapping=9.0, tie_word_embeddings=False, max_position_embeddings=2048)),
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=8, tie_word_embeddings=False,
+        max_position_embeddings=2048,
+        rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512,
+                                            "attention_factor": 1.2, "rope_theta": 10000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+}
+# Gemma 4's image-text checkpoint: its text model alone (tensors under model.language_model., beside a vision
+# tower tk ignores), compared with transformers on the torch backend
+ATTENTION_2026_LOADED = {
+    "gemma4_mm": ("Gemma4Config", "Gemma4ForConditionalGeneration", dict(
+        text_config=dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32, sliding_window=8,
+                         layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                         hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB, final_logit_softcapping=9.0),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2),
+        audio_config=None, tie_word_embeddings=False)),
+}
+LAYERS = {"gemma3": 3, "gemma3_mm": 3, **{f: 4 for f in [*HYBRIDS, *HYBRIDS_LOADED]}, "gemma4": 4, "olmo3": 4,
+          "gemma4_mm": 3}  # deeper than 2 layers
 # A second Llama: linear rope scaling, tied embeddings, MQA.
 EXTRA = {
     "llama-linear-tied-mqa": ("LlamaConfig", "LlamaForCausalLM", dict(
         num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True,
         rope_scaling={"rope_type": "linear", "factor": 2.0})),
 }
-ALL = {**FAMILIES, **EXPORTED_ONCE, **WINDOWED, **MULTIMODAL, **EXTRA, **HYBRIDS, **HYBRIDS_LOADED}
-# families whose RMSNorms scale by (1 + w) (their weights start at zero), but for Qwen's gated norm
+ALL = {**FAMILIES, **EXPORTED_ONCE, **WINDOWED, **MULTIMODAL, **EXTRA, **HYBRIDS, **HYBRIDS_LOADED, **ATTENTION_2026,
+       **ATTENTION_2026_LOADED}
+# families whose RMSNorms scale by (1 + w) (their weights start at zero), but for Qwen's gated norm and Gemma 4's
+# (plain weights)
 _OFFSET_NORMS = ("Gemma", "Qwen3_5", "Qwen3Next")
 
 
@@ -154,10 +192,16 @@ def jitter_(model: torch.nn.Module, seed: int) -> None:
             if p.dim() > 1:
                 p.copy_(0.2 * noise)
             elif "norm" in name:
-                offset = type(model).__name__.startswith(_OFFSET_NORMS) and "linear_attn.norm" not in name
+                kind = type(model).__name__
+                offset = kind.startswith(_OFFSET_NORMS) and not kind.startswith("Gemma4") and "linear_attn.norm" not in name
                 p.copy_((0.0 if offset else 1.0) + 0.1 * noise)
+            elif name.endswith("sinks"):  # gpt-oss: a logit per head beside the scores, of their size
+                p.copy_(noise)
             else:
                 p.copy_(0.05 * noise)
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):  # Gemma 4: each layer's output times its own scalar (1 at init)
+                b.copy_(0.75 + 0.5 * torch.rand(b.shape, generator=g))
 
 
 def make_checkpoint(family: str, folder: Path, seed: int = 0, layers: int | None = None) -> Path:

@@ -42,8 +42,9 @@ def bad_checkpoints(tmp_path, tiny):
         (d / "config.json").write_text(json.dumps(cfg))
     make("unsupported", arch, "Error: architecture GPTNeoXForCausalLM is not supported; supported: LlamaForCausalLM, "
          "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM, GemmaForCausalLM, "
-         "Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, GraniteForCausalLM, "
-         "Olmo2ForCausalLM, SmolLM3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, "
+         "Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, Gemma4ForCausalLM, "
+         "Gemma4ForConditionalGeneration, GraniteForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM, GptOssForCausalLM, "
+         "SmolLM3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, "
          "Lfm2ForCausalLM, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5MoeForCausalLM, "
          "Qwen3_5MoeForConditionalGeneration, Qwen3NextForCausalLM, GraniteMoeHybridForCausalLM")
 

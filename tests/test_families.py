@@ -21,7 +21,7 @@ from test_batching import SLOTS, _mix, _solo
 from test_ort_target import PROMPTS, _decode_both
 from tk.exporters.onnx_export import traced_layers
 from tk.exporters.replicate import TRACED_LAYERS
-from tk.models.spec.config import fused_unsupported
+from tk.models.spec.limits import fused_unsupported
 from tk.models.spec.manifest import Manifest
 from tk.models.spec.options import ExportOptions
 from tk.models.spec.config import DecoderConfig

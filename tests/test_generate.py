@@ -140,7 +140,7 @@ def _old_contract(d, version: int = 0):
     (lambda d: (d / "decode.onnx").unlink(), ["--prompt", "hi"], "Error: {d} is missing decode.onnx; re-export the artifact"),
     (lambda d: (d / "manifest.json").unlink(), ["--prompt", "hi"],
      "Error: {d} has no manifest.json; it is not a tk artifact (tk export makes one)"),
-    (_old_contract, ["--prompt", "hi"], "Error: artifact has graph contract version 0, this tk reads version 6; "
+    (_old_contract, ["--prompt", "hi"], "Error: artifact has graph contract version 0, this tk reads version 7; "
      "re-export it with this version of tk (tk export)"),
     (None, ["--prompt-ids", "1,2,999"], "Error: token id 999 is outside the vocabulary (0..511)"),
     (None, ["--prompt", ""], "Error: empty prompt: give at least one token per prompt"),

@@ -36,7 +36,6 @@ from tk.runtimes.decoding.generate import generate
 from tk.runtimes.decoding.sampling import SamplingConfig
 from tk.runtimes.serving.batching import Batcher, BatcherLimits, Request, wait_all
 from tk.toolkit.backends import BackendOptions, open_runtime
-from tk.toolkit.pipeline.export import export_artifact
 from tk.toolkit.verify.compare import parity
 
 SLOTS = BackendOptions(static_cache=True)
@@ -125,18 +124,9 @@ def test_a_state_read_after_its_update_is_refused():
 
 
 @pytest.fixture(scope="module")
-def hybrid(tmp_path_factory, checkpoints):
-    """(family, profile or None) -> its artifact, exported and validated once per module."""
-    cache = {}
-
-    def get(family: str, profile: str | None = None, **flags):
-        key = (family, profile, tuple(sorted(flags.items())))
-        if key not in cache:
-            cache[key] = tmp_path_factory.mktemp(f"{family}-{profile or 'default'}") / "artifact"
-            export_artifact(checkpoints(family), cache[key], profile=profile, **flags)
-        return cache[key]
-
-    return get
+def hybrid(exported):
+    """(family, profile or None) -> its artifact, exported and validated once per module (conftest.py)."""
+    return exported
 
 
 def _tokens(artifact, backend: str, prompt: list[int], n: int, sampling=SamplingConfig()) -> list[int]:
@@ -155,7 +145,7 @@ def test_exports_pass_parity_and_give_transformers_tokens(checkpoints, hybrid, f
     art = hybrid(family, profile)
     manifest = Manifest.read(art)
     assert manifest.validation.passed and set(manifest.graphs) == {"decode"}
-    assert not (art / "prefill.onnx").exists() and manifest.contract_version == 6
+    assert not (art / "prefill.onnx").exists() and manifest.contract_version == contract.CONTRACT_VERSION
     report = parity(art, ["ort"], steps=8)
     assert report.passed and all(p.passed for p in report.backends["ort"].probes), report.backends["ort"]
     rng = np.random.default_rng(0)

@@ -50,8 +50,12 @@ def test_unsupported_architecture_lists_supported():
 
 def test_unsupported_rope_type():
     hf = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 8,
-          "num_hidden_layers": 1, "num_attention_heads": 2, "rope_scaling": {"type": "yarn", "factor": 4.0}}
-    with pytest.raises(UnsupportedModelError, match="rope type 'yarn' is not supported; supported: default, linear, llama3"):
+          "num_hidden_layers": 1, "num_attention_heads": 2, "rope_scaling": {"type": "dynamic", "factor": 4.0}}
+    with pytest.raises(UnsupportedModelError, match="rope type 'dynamic' is not supported; supported: default, linear, "
+                                                    "llama3, yarn, proportional"):
+        config_from_hf(hf)
+    hf["rope_scaling"] = {"type": "yarn", "factor": 4.0}
+    with pytest.raises(ValueError, match="rope type yarn needs original_max_position_embeddings"):
         config_from_hf(hf)
 
 

@@ -7,7 +7,7 @@ import torch
 
 from conftest import ALL_NAMES, assert_close
 from hf_models import hf_greedy, load_hf
-from tk.models.spec.contract import position_ids_from_mask
+from tk.models.spec.contract import LayerState, position_ids_from_mask
 from tk.models.checkpoint.loading import load_decoder
 from tk.runtimes.decoding.generate import generate
 from tk.runtimes.backends.torch import TorchRuntime
@@ -34,8 +34,9 @@ def test_logits_match_transformers(checkpoints, family):
     assert_close(logits[keep], expected[keep], 1e-4, family)
     assert len(present) == ours.config.num_layers
     cfg = ours.config
-    for i, state in enumerate(present):  # an attention layer's keys and values, or a recurrent layer's state
-        shapes = [(2, *shape) for _, shape in cfg.layer_state(i)] or [(2, cfg.num_kv_heads, 21, cfg.head_dim)] * 2
+    for i, state in enumerate(present):  # keys and values of the layer's own sizes, a recurrent layer's state, or none
+        layer = LayerState.of(cfg, i)  # (a KV-shared layer: Gemma 4's)
+        shapes = [(2, *shape) for _, shape in layer.tensors] or [(2, layer.kv_heads, 21, layer.head_dim)] * 2 * layer.kv
         assert [tuple(t.shape) for t in state] == shapes
 
 

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import FAMILY_NAMES
 from hf_models import ci_picks
-from tk.models.reference.decoder import RMSNorm
+from tk.models.reference.layers import RMSNorm
 from tk.models.checkpoint.loading import load_decoder
 from tk.models.spec.config import DecoderConfig
 from tk.models.spec.manifest import Manifest

@@ -30,12 +30,19 @@ class ExpertNames:
     shared: str = "mlp.shared_expert."
     shared_gate: str = "mlp.shared_expert_gate"
     shared_fused: tuple[str, str] | None = None
+    # stacked tensors' names end in these (gpt-oss: "" and "_bias"); `transposed`: each expert's matrix is stored
+    # [in, out]; `interleaved`: gate and up rows alternate (gpt-oss: g0, u0, g1, u1, ...)
+    suffixes: tuple[str, str] = (".weight", ".bias")
+    transposed: bool = False
+    interleaved: bool = False
 
 
 MIXTRAL_EXPERTS = ExpertNames("block_sparse_moe", "w1", "w3", "w2")
 QWEN_EXPERTS = ExpertNames("mlp", "gate_proj", "up_proj", "down_proj")
 GRANITE_EXPERTS = ExpertNames("block_sparse_moe", "input_linear", "", "output_linear", router="router.layer",
                               stacked=True, shared="shared_mlp.", shared_fused=("input_linear", "output_linear"))
+GPT_OSS_EXPERTS = ExpertNames("mlp", "experts.gate_up_proj", "", "experts.down_proj", router="router", stacked=True,
+                              suffixes=("", "_bias"), transposed=True, interleaved=True)
 
 
 @dataclass(frozen=True)
@@ -74,6 +81,9 @@ class Family:
     softcaps: tuple[str, ...] = ()  # which of attn_logit_softcapping, final_logit_softcapping it applies
     pre_attn_scalar: bool = False  # softmax scale query_pre_attn_scalar ** -0.5 (Gemma 2/3)
     local_rope: bool = False  # sliding layers have a RoPE base of their own (Gemma 3: rope_local_base_freq)
+    # the rope scaling applies to the full-attention layers alone (OLMo 3's v4-style rope_scaling): without a
+    # table of their own, sliding layers get the unscaled one
+    scaled_full_only: bool = False
     moe: Callable[[dict, int], dict] | None = None  # the experts' DecoderConfig fields from config.json
     experts: ExpertNames | None = None  # their tensors' names
     refuse: dict = field(default_factory=dict)  # HF key -> why a true value is not supported
@@ -85,6 +95,7 @@ class Family:
     ignore: tuple[str, ...] = ()
     names: Names = Names()  # its tensors' names, where not Llama's
     hybrid: Callable[[dict], dict] | None = None  # a hybrid's mixers: their DecoderConfig fields from config.json
+    fields: Callable[[dict], dict] | None = None  # more of its own fields from config.json (Gemma 4's)
 
 
 _GRANITE_FLOATS = {"embedding_multiplier": ("embedding_multiplier", 1.0),
@@ -93,6 +104,11 @@ _GRANITE_FLOATS = {"embedding_multiplier": ("embedding_multiplier", 1.0),
                    "logits_scaling": ("logits_scaling", 1.0)}
 _GEMMA = {"norm_offset": 1.0, "embed_scale": True}
 _GEMMA_2_3 = dict(hf_act="hidden_activation", tied=True, sliding="layer-types", pre_attn_scalar=True)
+# Gemma 4: plain-weight norms (not 1 + w), q/k norms per head and values normed too, a softmax scale of 1, the
+# sliding layers' own RoPE table and the full layers' wider heads, KV-shared layers, per-layer inputs (readers.gemma4)
+_GEMMA_4 = dict(fixed={"embed_scale": True, "norm_placement": "sandwich", "qk_norm": "head", "value_norm": True,
+                       "attention_scale": 1.0}, hf_act="hidden_activation", tied=True, sliding="layer-types",
+                layer_types=readers.gemma4_layer_types, softcaps=("final",), local_rope=True, fields=readers.gemma4)
 
 # Qwen3.5 (gated DeltaNet, gated attention, (1 + w) norms) as users have it: text-only, image-text (its text
 # model: tensors under model.language_model., beside the vision tower and the multi-token-prediction head tk
@@ -132,8 +148,24 @@ FAMILIES: dict[str, Family] = {
         refuse={"use_bidirectional_attention": "bidirectional attention"}, text_config="gemma3_text",
         prefix="language_model.model.", lm_head="language_model.lm_head.weight",
         ignore=("vision_tower.", "multi_modal_projector.")),
+    "Gemma4ForCausalLM": Family(**_GEMMA_4),
+    # the text of Gemma 4's image-text (and audio) checkpoints, which users want alone
+    "Gemma4ForConditionalGeneration": Family(**_GEMMA_4, text_config="gemma4_text", prefix="model.language_model.",
+                                             ignore=("model.vision_tower.", "model.audio_tower.", "model.embed_vision.",
+                                                     "model.embed_audio.")),
     "GraniteForCausalLM": Family(fixed={}, hf_bias="attention_bias", hf_floats=_GRANITE_FLOATS),
     "Olmo2ForCausalLM": Family(fixed={"qk_norm": "projection", "norm_placement": "post"}, hf_bias="attention_bias"),
+    # OLMo 2's post-norms and projection-wide q/k norms, three sliding layers to one full
+    "Olmo3ForCausalLM": Family(fixed={"qk_norm": "projection", "norm_placement": "post"}, hf_bias="attention_bias",
+                               sliding="layer-types", layer_types=readers.gemma_layer_types(None, 4), local_rope=True,
+                               scaled_full_only=True),
+    # sinks, biased attention, every second layer sliding, YaRN, experts with a router bias and a clamped SwiGLU
+    # (their tensors stacked, transposed, gate and up interleaved; MXFP4 checkpoints' blocks and scales:
+    # models/checkpoint/mxfp4.py)
+    "GptOssForCausalLM": Family(fixed={"attention_sinks": True, "router_bias": True, "routing": "topk_softmax",
+                                       "mlp_bias": True}, hf_bias="attention_bias", sliding="layer-types",
+                                layer_types=readers.gemma_layer_types(None, 2), moe=readers.moe_gpt_oss,
+                                experts=GPT_OSS_EXPERTS),
     "SmolLM3ForCausalLM": Family(fixed={}, hf_bias="attention_bias", sliding="layer-types", tied=True,
                                  layer_types=readers.smollm3_layer_types, sliding_gate="use_sliding_window",
                                  no_rope_layers=True),
@@ -158,6 +190,8 @@ def _rope_params(params: dict, hf: dict) -> tuple[float, dict | None, float]:
     theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
     partial = float(params.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
     rope_type = params.pop("rope_type", params.pop("type", "default"))
+    if rope_type == "proportional":  # Gemma 4: its partial factor is a share of the frequencies, not of the head
+        return theta, {"rope_type": rope_type, "partial_rotary_factor": partial, **params}, 1.0
     if rope_type == "default":
         return theta, None, partial
     return theta, {"rope_type": rope_type, **params}, partial
@@ -171,6 +205,8 @@ def _rope_from_hf(hf: dict) -> tuple[float, dict | None, float, float | None]:
     if "full_attention" in params:  # transformers 5, per layer type
         local = params.get("sliding_attention") or {}
         theta, scaling, partial = _rope_params(params["full_attention"], hf)
+        if scaling is not None:  # transformers reads YaRN's `truncate` from the outer dict here: never set, so True
+            scaling.pop("truncate", None)
         local_theta, local_scaling, _ = _rope_params(local, hf) if local else (None, None, partial)
         if local_scaling is not None:
             raise UnsupportedModelError(f"rope type {local_scaling['rope_type']!r} on sliding layers is not supported "
@@ -240,6 +276,8 @@ def config_from_hf(hf: dict) -> DecoderConfig:
         if hf.get(key):
             raise UnsupportedModelError(f"{arch} with {key}=true ({what}) is not supported")
     theta, scaling, partial, local_theta = _rope_from_hf(hf)
+    if fam.scaled_full_only and local_theta is None and scaling is not None:
+        local_theta = theta  # OLMo 3: rope_scaling reaches its full layers only (Olmo3Config.convert_rope_params_to_dict)
     num_layers = hf.get("num_hidden_layers") or 0
     rope_layers = _rope_layers(hf, num_layers) if fam.no_rope_layers else None
     window, sliding_layers = _sliding(fam, arch, hf, rope_layers)
@@ -281,8 +319,9 @@ def config_from_hf(hf: dict) -> DecoderConfig:
         fields["attention_scale"] = float(hf.get("query_pre_attn_scalar") or 256) ** -0.5
     if fam.moe is not None:
         fields.update(fam.moe(hf, num_layers))
-    if fam.hybrid is not None:
-        fields.update(fam.hybrid(hf))
+    for reader in (fam.hybrid, fam.fields):
+        if reader is not None:
+            fields.update(reader(hf))
     fields.update(fam.fixed)
     if fields["qkv_bias"] and not fam.hf_bias:  # Qwen2: q/k/v biased, o not
         fields["o_bias"] = False

@@ -21,6 +21,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from tk.models.spec.config import DecoderConfig, UnsupportedModelError
+from tk.models.checkpoint import mxfp4
 from tk.models.checkpoint.families import FAMILIES, config_from_hf
 from tk.models.checkpoint.names import Part, hf_shapes, weight_map
 from tk.models.checkpoint.prequantized import METHODS as PREQUANTIZED
@@ -36,7 +37,7 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved
 _ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
-              "I32": torch.int32}
+              "I32": torch.int32, "U8": torch.uint8}  # U8: MXFP4's blocks and scales
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -123,6 +124,7 @@ class CheckpointReader:
                         if part != "g_idx" or f"{base}.g_idx" in files:  # older GPTQ files always have g_idx
                             expected[f"{base}.{part}"] = shape
                 self.packed.add(ours)
+        self.mxfp4 = self._mxfp4_tensors(expected, files)
         missing = [n for n in expected if n not in files]
         others = FAMILIES[cfg.architecture].ignore  # a multimodal checkpoint's other towers
         unexpected = [n for n in files if n not in expected and not n.endswith(IGNORED_SUFFIXES)
@@ -149,6 +151,21 @@ class CheckpointReader:
         self.map = weight_map(cfg)
         if cfg.tie_embeddings:
             self.map = {**self.map, "lm_head.weight": self.map["embed.weight"]}
+
+    def _mxfp4_tensors(self, expected: dict, files: dict) -> set[str]:
+        """The dense tensors an MXFP4 checkpoint (gpt-oss's) holds as blocks and scales instead: `expected`
+        then names those (models/checkpoint/mxfp4.py)."""
+        path = self.folder / "config.json"
+        if not path.is_file() or not mxfp4.is_mxfp4(json.loads(path.read_text()).get("quantization_config")):
+            return set()
+        names = {n for n in expected if n not in files and f"{n}_blocks" in files}
+        for name in names:
+            packed = mxfp4.packed_shapes(expected.pop(name))
+            if not packed:
+                raise CheckpointError(f"{name} is stored in MXFP4 blocks of {mxfp4.BLOCK}, and its input size is not a "
+                                      "multiple of that")
+            expected.update({name + suffix: shape for suffix, shape in packed.items()})
+        return names
 
     def _info(self, name: str) -> tuple[Path, dict, int]:
         path = self.files[name]
@@ -187,10 +204,37 @@ class CheckpointReader:
 
     def shape(self, ours: str) -> tuple[int, ...]:
         parts = self.map[ours]
-        first = self._float_shapes[parts[0].name] if ours in self.packed else self._info(parts[0].name)[1]["shape"]
+        first = self._float_shapes[parts[0].name]  # as a float tensor (a packed or an MXFP4 one's too)
         if not first:
             return ()
-        return (sum(p.rows for p in parts), *first[2 if parts[0].experts else 1:])
+        one = first[1:] if parts[0].experts else first  # one expert's
+        return (sum(p.rows for p in parts), *(one[:-1] if parts[0].transposed else one[1:]))
+
+    def _read_part(self, part: Part, out: torch.Tensor) -> None:
+        """One part of ours into `out`: its rows read straight in, or, where they are strided or the tensor is
+        stored transposed or in MXFP4, its (expert's) whole matrix first, its rows taken from that."""
+        if part.step == 1 and not part.transposed and part.name not in self.mxfp4:
+            self._read_into(part.name, out, part)
+            return
+        if part.name in self.mxfp4:  # blocks and scales [out, in]: the dense tensor transposed, dequantized
+            blocks, scales = (self._slice(part.name + suffix, part, torch.uint8) for suffix in ("_blocks", "_scales"))
+            try:
+                matrix = mxfp4.dequantize(blocks, scales)
+            except ValueError as e:
+                raise CheckpointError(f"{part.name} (expert {part.expert}): {e}") from None
+            matrix = matrix if part.transposed else matrix.T
+        else:
+            whole = self._slice(part.name, part, out.dtype)
+            matrix = whole.T if part.transposed else whole
+        out.copy_(matrix[part.start:part.start + part.rows * part.step:part.step])
+
+    def _slice(self, name: str, part: Part, dtype: torch.dtype) -> torch.Tensor:
+        """Tensor `name` whole, or its slice `part.expert` where it stacks experts, in `dtype`."""
+        shape = self._info(name)[1]["shape"]
+        one = shape[1:] if part.experts else shape
+        t = torch.empty(one, dtype=dtype)
+        self._read_into(name, t, Part(name, one[0], 0, part.expert, part.experts))
+        return t
 
     def quantized(self, ours: str):
         """A GPTQ/AWQ projection's integers as tk stores them (models/quant/quantize.py QTensor, [K, N]),
@@ -228,7 +272,7 @@ class CheckpointReader:
             return out
         row = 0
         for part in self.map[ours]:
-            self._read_into(part.name, out[row:row + part.rows], part)
+            self._read_part(part, out[row:row + part.rows])
             row += part.rows
         return out
 

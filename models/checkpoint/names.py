@@ -28,14 +28,17 @@ BLOCK_NORMS = {"pre": {"attn_norm": "input_layernorm", "ffn_norm": "post_attenti
 
 
 class Part(NamedTuple):
-    """`rows` rows of Hugging Face tensor `name`, from row `start`; of its slice `expert` where the tensor
-    stacks `experts` of them ([experts, rows, ...])."""
+    """`rows` rows of Hugging Face tensor `name`, from row `start`, every `step`-th (gpt-oss's gate and up rows
+    alternate); of its slice `expert` where the tensor stacks `experts` of them ([experts, rows, ...]). With
+    `transposed` the tensor (each expert's matrix) is stored [in, out]: our rows are its columns."""
 
     name: str
     rows: int
     start: int = 0
     expert: int | None = None
     experts: int = 0
+    step: int = 1
+    transposed: bool = False
 
 
 def weight_map(cfg: DecoderConfig) -> dict[str, list[Part]]:
@@ -48,39 +51,56 @@ def weight_map(cfg: DecoderConfig) -> dict[str, list[Part]]:
                                 "norm.weight": [Part(fam.prefix + names.final_norm + ".weight", C)]}
     if not cfg.tie_embeddings:
         m["lm_head.weight"] = [Part(fam.lm_head, V)]
+    if cfg.per_layer_input_size:  # Gemma 4's per-layer inputs: their embedding, projection and its norm
+        width = cfg.num_layers * cfg.per_layer_input_size
+        m["embed_per_layer.weight"] = [Part(fam.prefix + "embed_tokens_per_layer.weight", cfg.per_layer_vocab_size)]
+        m["per_layer_proj.weight"] = [Part(fam.prefix + "per_layer_model_projection.weight", width)]
+        m["per_layer_norm.weight"] = [Part(fam.prefix + "per_layer_projection_norm.weight", cfg.per_layer_input_size)]
     for i in range(cfg.num_layers):
         hf, us = f"{fam.prefix}layers.{i}.", f"layers.{i}."
         for ours, theirs in (names.norms or BLOCK_NORMS[cfg.norm_placement]).items():
             m[us + ours + ".weight"] = [Part(hf + theirs + ".weight", C)]
         if cfg.mixer(i) == "attention":
-            _attention(m, us + "attn.", hf + names.attn, cfg, names)
+            _attention(m, us + "attn.", hf + names.attn, cfg, i, names)
         else:
             _mixer(m, us + "mixer.", hf + names.mixer, cfg, cfg.mixer(i), names)
         if cfg.layer(i).moe:
             _experts(m, us + "ffn.", hf, cfg, fam.experts, cfg.architecture)
         else:
-            _ffn(m, us + "ffn.", hf + names.mlp, names.ffn, cfg.intermediate_size, C, cfg, names.fused_ffn)
+            _ffn(m, us + "ffn.", hf + names.mlp, names.ffn, cfg.ffn_size(i), C, cfg, names.fused_ffn)
+        if cfg.per_layer_input_size:
+            m[us + "ple.gate.weight"] = [Part(hf + "per_layer_input_gate.weight", cfg.per_layer_input_size)]
+            m[us + "ple.proj.weight"] = [Part(hf + "per_layer_projection.weight", C)]
+            m[us + "ple.norm.weight"] = [Part(hf + "post_per_layer_input_norm.weight", C)]
+        if cfg.layer_scalars:
+            m[us + "layer_scale"] = [Part(hf + "layer_scalar", 1)]
     return m
 
 
-def _attention(m: dict, us: str, hf: str, cfg: DecoderConfig, names: Names) -> None:
-    C = cfg.hidden_size
-    q_rows = cfg.q_size * (2 if cfg.attn_output_gate else 1)  # Qwen3.5: each head's q, then its gate
-    qkv = [("q", q_rows), ("k", cfg.kv_size), ("v", cfg.kv_size)]
-    for kind, on in (("weight", True), ("bias", cfg.qkv_bias)):
+def _attention(m: dict, us: str, hf: str, cfg: DecoderConfig, layer: int, names: Names) -> None:
+    """An attention layer's projections (a KV-shared layer's q alone; Gemma 4's full layers may take their values
+    from the keys' projection), their norms and its sinks (gpt-oss)."""
+    C, kind = cfg.hidden_size, cfg.layer(layer)
+    q_size, kv_size = cfg.num_heads * kind.head_dim, kind.kv_heads * kind.head_dim
+    q_rows = q_size * (2 if cfg.attn_output_gate else 1)  # Qwen3.5: each head's q, then its gate
+    qkv = [("q", q_rows)] + ([] if kind.reads is not None else [("k", kv_size)] + [("v", kv_size)] * (not kind.values_from_keys))
+    for what, on in (("weight", True), ("bias", cfg.qkv_bias)):
         if not on:
             continue
         if cfg.fused_projections:
-            m[us + f"wqkv.{kind}"] = [Part(hf + f"qkv_proj.{kind}", cfg.q_size + 2 * cfg.kv_size)]
+            m[us + f"wqkv.{what}"] = [Part(hf + f"qkv_proj.{what}", q_size + 2 * kv_size)]
         else:
-            m[us + f"wqkv.{kind}"] = [Part(hf + f"{p}_proj.{kind}", n) for p, n in qkv]
+            m[us + f"wqkv.{what}"] = [Part(hf + f"{p}_proj.{what}", n) for p, n in qkv]
     m[us + "wo.weight"] = [Part(hf + names.o_proj + ".weight", C)]
     if cfg.o_bias:
         m[us + "wo.bias"] = [Part(hf + names.o_proj + ".bias", C)]
     if cfg.qk_norm:  # per head (D), or over the whole projection (OLMo 2: H*D and Hkv*D)
-        q_dim, k_dim = (cfg.q_size, cfg.kv_size) if cfg.qk_norm == "projection" else (cfg.head_dim, cfg.head_dim)
+        q_dim, k_dim = (q_size, kv_size) if cfg.qk_norm == "projection" else (kind.head_dim, kind.head_dim)
         m[us + "q_norm.weight"] = [Part(hf + names.q_norm + ".weight", q_dim)]
-        m[us + "k_norm.weight"] = [Part(hf + names.k_norm + ".weight", k_dim)]
+        if kind.reads is None:
+            m[us + "k_norm.weight"] = [Part(hf + names.k_norm + ".weight", k_dim)]
+    if cfg.attention_sinks:
+        m[us + "sinks"] = [Part(hf + "sinks", cfg.num_heads)]
 
 
 def _mixer(m: dict, us: str, hf: str, cfg: DecoderConfig, kind: str, names: Names) -> None:
@@ -157,10 +177,11 @@ def _experts(m: dict, ours: str, hf: str, cfg: DecoderConfig, names: ExpertNames
     C, E = cfg.hidden_size, cfg.num_experts
     block = f"{hf}{names.block}."
     m[ours + "router.weight"] = [Part(block + names.router + ".weight", E)]
+    if cfg.router_bias:
+        m[ours + "router.bias"] = [Part(block + names.router + ".bias", E)]
     for e in range(E):
-        if names.stacked:  # [experts, rows, hidden] tensors: expert e's slice
-            m[f"{ours}experts.{e}.w_gate_up.weight"] = [Part(block + names.gate + ".weight", 2 * cfg.expert_size, 0, e, E)]
-            m[f"{ours}experts.{e}.w_down.weight"] = [Part(block + names.down + ".weight", C, 0, e, E)]
+        if names.stacked:  # [experts, rows, hidden] tensors (or [experts, hidden, rows], transposed): expert e's
+            _stacked_expert(m, f"{ours}experts.{e}.", block, names, e, cfg)
         else:
             _ffn(m, f"{ours}experts.{e}.", f"{block}experts.{e}.", (names.gate, names.up, names.down), cfg.expert_size,
                  C, cfg)
@@ -171,14 +192,28 @@ def _experts(m: dict, ours: str, hf: str, cfg: DecoderConfig, names: ExpertNames
             m[ours + "shared_gate.weight"] = [Part(hf + names.shared_gate + ".weight", 1)]
 
 
+def _stacked_expert(m: dict, ours: str, block: str, names: ExpertNames, e: int, cfg: DecoderConfig) -> None:
+    """Expert e's slices of the stacked tensors: gate and up (one after the other, or interleaved row by row),
+    down, and their biases (gpt-oss)."""
+    I, E = cfg.expert_size, cfg.num_experts
+    for what, suffix, transposed in (("weight", names.suffixes[0], names.transposed), ("bias", names.suffixes[1], False)):
+        if what == "bias" and not cfg.mlp_bias:
+            continue
+        gate_up = block + names.gate + suffix
+        m[f"{ours}w_gate_up.{what}"] = ([Part(gate_up, I, start, e, E, 2, transposed) for start in (0, 1)]
+                                        if names.interleaved else [Part(gate_up, 2 * I, 0, e, E, 1, transposed)])
+        m[f"{ours}w_down.{what}"] = [Part(block + names.down + suffix, cfg.hidden_size, 0, e, E, 1, transposed)]
+
+
 def hf_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
     """The shape every Hugging Face tensor must have for this config: its parts' rows (one expert's,
-    times the experts it stacks)."""
+    times the experts it stacks; a transposed tensor's rows last)."""
     with torch.device("meta"):
         ours = {k: tuple(v.shape) for k, v in Decoder(cfg).state_dict().items()}
     rows: dict[str, int] = {}
     rest: dict[str, tuple[int, ...]] = {}
     stacked: dict[str, int] = {}
+    transposed: set[str] = set()
     for key, parts in weight_map(cfg).items():
         for p in parts:
             if p.expert not in (None, 0):
@@ -187,4 +222,7 @@ def hf_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
             rest[p.name] = ours[key][1:]
             if p.experts:
                 stacked[p.name] = p.experts
-    return {n: ((stacked[n],) if n in stacked else ()) + (rows[n], *rest[n]) for n in rows}
+            if p.transposed:
+                transposed.add(p.name)
+    return {n: ((stacked[n],) if n in stacked else ()) + ((*rest[n], rows[n]) if n in transposed else (rows[n], *rest[n]))
+            for n in rows}

@@ -57,9 +57,11 @@ def read_prequantized(folder: Path) -> PreQuant | None:
     if not q:
         return None
     method = str(q.get("quant_method", "")).lower()
+    if method == "mxfp4":  # gpt-oss's experts: dequantized exactly as they are read (models/checkpoint/mxfp4.py)
+        return None
     if method not in METHODS:
-        raise CheckpointError(f"config.json's quantization_config has quant_method {method!r}; tk reads GPTQ and "
-                              "AWQ checkpoints (or export the float checkpoint with --weights int4)")
+        raise CheckpointError(f"config.json's quantization_config has quant_method {method!r}; tk reads GPTQ, "
+                              "AWQ and MXFP4 (gpt-oss) checkpoints (or export the float checkpoint with --weights int4)")
     bits, group = int(q.get("bits", q.get("w_bit", 0))), int(q.get("group_size", q.get("q_group_size", 0)))
     if bits not in ((4, 8) if method == "gptq" else (4,)):
         raise CheckpointError(f"{method.upper()} with {bits} bits: tk reads 4-bit{' and 8-bit' * (method == 'gptq')} "

@@ -116,3 +116,49 @@ def hybrid_granite(hf: dict) -> dict:
     else:
         fields["intermediate_size"] = shared
     return fields
+
+
+def moe_gpt_oss(hf: dict, num_layers: int) -> dict:
+    """gpt-oss: every layer routes over num_local_experts FFNs of intermediate_size, a softmax over the top k
+    router logits; its experts' clamped SwiGLU (GptOssExperts._apply_gate)."""
+    return dict(num_experts=hf.get("num_local_experts", 128), experts_per_token=hf.get("num_experts_per_tok", 4),
+                expert_size=hf.get("intermediate_size"), swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+                swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)))
+
+
+def gemma4_layer_types(hf: dict, rope_layers) -> list[str]:
+    """Gemma4TextConfig's default: five sliding layers to one full, and the last layer always full."""
+    types = gemma_layer_types(None, 6)(hf, rope_layers)
+    return types[:-1] + ["full_attention"]
+
+
+def gemma4(hf: dict) -> dict:
+    """Gemma 4's text: the full-attention layers' head sizes (transformers 5.25 saves them as per_layer_config,
+    released configs as global_head_dim and num_global_key_value_heads, the latter only with attention_k_eq_v),
+    the KV-shared last layers, per-layer inputs and layer scalars."""
+    arch = hf["architectures"][0]
+    if hf.get("use_bidirectional_attention") == "all":
+        raise UnsupportedModelError(f"{arch} with use_bidirectional_attention='all' is not supported (a causal "
+                                    "decoder's cache)")
+    if hf.get("enable_moe_block"):
+        raise UnsupportedModelError(f"{arch} with enable_moe_block=true (its dense FFN beside routed experts, Gemma 4 "
+                                    "26B-A4B) is not supported")
+    types = hf.get("layer_types") or gemma4_layer_types(hf, None)
+    full = {i for i, t in enumerate(types) if t == "full_attention"}
+    k_eq_v = bool(hf.get("attention_k_eq_v"))
+    overrides = {int(i): o for i, o in (hf.get("per_layer_config") or {}).items()}
+    if overrides:
+        sizes = {(o.get("head_dim"), o.get("num_key_value_heads")) for o in overrides.values()}
+        if set(overrides) != full or len(sizes) != 1 or any(set(o) - {"head_dim", "num_key_value_heads"}
+                                                            for o in overrides.values()):
+            raise UnsupportedModelError(f"{arch}'s per_layer_config sets more than the full-attention layers' head "
+                                        "sizes, which is all tk reads")
+        head_dim, kv_heads = sizes.pop()
+    else:
+        head_dim = hf.get("global_head_dim", 512)
+        kv_heads = hf.get("num_global_key_value_heads") if k_eq_v else None
+    per_layer = hf.get("hidden_size_per_layer_input") or 0
+    return dict(global_head_dim=head_dim, global_kv_heads=kv_heads, kv_shared_layers=hf.get("num_kv_shared_layers") or 0,
+                values_from_keys=k_eq_v, per_layer_input_size=per_layer,
+                per_layer_vocab_size=hf.get("vocab_size_per_layer_input") if per_layer else None, layer_scalars=True,
+                wide_shared_ffn=bool(hf.get("use_double_wide_mlp")))

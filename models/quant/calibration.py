@@ -92,8 +92,9 @@ def _factors(cfg, name: str, scales: dict[str, np.ndarray]):
     if name.endswith(".weight") and name in scales:
         yield scales[name], None
     if rest in ("attn.wqkv.weight", "attn.wqkv.bias") and layer + "attn.wo.weight" in scales:
-        start = cfg.q_size + cfg.kv_size  # the value rows
-        yield 1 / value_scales(cfg, scales[layer + "attn.wo.weight"]), slice(start, start + cfg.kv_size)
+        kind = cfg.layer(int(parts[1]))
+        start, size = cfg.num_heads * kind.head_dim + kind.kv_heads * kind.head_dim, kind.kv_heads * kind.head_dim
+        yield 1 / value_scales(cfg, scales[layer + "attn.wo.weight"], kind), slice(start, start + size)
     if name.endswith(("w_gate_up.weight", "w_gate_up.bias")):
         down = name.rsplit(".", 2)[0] + ".w_down.weight"
         if down in scales:
@@ -101,16 +102,23 @@ def _factors(cfg, name: str, scales: dict[str, np.ndarray]):
             yield 1 / scales[down], slice(size, 2 * size)
 
 
-def value_scales(cfg, o_scales: np.ndarray) -> np.ndarray:
-    """The output projection's [H * D] input scales -> the [Hkv * D] value channels' (equal within a group)."""
-    return o_scales.reshape(cfg.num_kv_heads, -1, cfg.head_dim)[:, 0].reshape(-1)
+def value_scales(cfg, o_scales: np.ndarray, kind) -> np.ndarray:
+    """The output projection's [H * D] input scales -> the [Hkv * D] value channels' (equal within a group), of a
+    layer of `kind` (its own head sizes: Gemma 4's full layers)."""
+    return o_scales.reshape(kind.kv_heads, -1, kind.head_dim)[:, 0].reshape(-1)
+
+
+def folds_into_values(cfg, layer: int) -> bool:
+    """Whether the output projection's input scales can go into the layer's value rows: not where the values are
+    RMS-normed (the norm undoes a scale: Gemma 4), are the keys' projection or another layer's (KV-shared)."""
+    kind = cfg.layer(layer)
+    return not (cfg.value_norm or kind.values_from_keys or kind.reads is not None)
 
 
 def channel_scales(model, plan: dict, importance: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The scales of every weight `plan` quantizes that can take them (see the module docstring),
     searched on the loaded full-precision `model` (not changed) with calibration's `importance`."""
     cfg, scales = model.config, {}
-    heads_per_kv = cfg.num_heads // cfg.num_kv_heads
     pre_norm = cfg.norm_placement != "post"
     found = Calibration(importance, scales)
 
@@ -119,16 +127,16 @@ def channel_scales(model, plan: dict, importance: dict[str, np.ndarray]) -> dict
         return found.apply_(cfg, name, t).T.numpy()
 
     for i in range(cfg.num_layers):
-        p = f"layers.{i}."
-        names = [p + "attn.wo.weight"]
+        p, kind = f"layers.{i}.", cfg.layer(i)
+        names = [p + "attn.wo.weight"] if folds_into_values(cfg, i) else []
         names += [n for n in plan if n.startswith(p) and n.endswith("w_down.weight")]
         names += [p + "attn.wqkv.weight"] if pre_norm else []  # after wo: the value rows are scaled by then
         names += [p + "ffn.w_gate_up.weight"] if pre_norm and not cfg.layer(i).moe else []
         for name in names:
             if name not in plan or name not in importance:
                 continue
-            group = heads_per_kv if name.endswith("wo.weight") else 1
-            s = _search_alpha(weight(name), importance[name], plan[name], group, cfg.head_dim)
+            group = cfg.num_heads // kind.kv_heads if name.endswith("wo.weight") else 1
+            s = _search_alpha(weight(name), importance[name], plan[name], group, kind.head_dim)
             if s is not None:
                 scales[name] = s
     return scales

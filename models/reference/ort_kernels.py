@@ -7,7 +7,7 @@ calling convention), and a recurrent layer's two steps on its state (`FUSED`): `
 (-> CausalConvWithState) and `tk::linear_attention` (the gated and gated delta rules ->
 LinearAttention, q/k/v packed [B, T, H*D]). Their eager bodies are the reference math, so the fused forward below
 computes what `Decoder.forward` computes (tested), and the exporter translates the two ops.
-What they cannot express is `fused_unsupported(cfg)` (models/spec/config.py), which `tk export` checks before any weight is read.
+What they cannot express is `fused_unsupported(cfg)` (models/spec/limits.py), which `tk export` checks before any weight is read.
 The reference model (models/reference/decoder.py) knows nothing of any of this.
 """
 
@@ -18,7 +18,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tk.models.reference.decoder import Block, Decoder, KVCache, RMSNorm, softcapped_attention
+from tk.models.reference.attention import explicit_attention
+from tk.models.reference.decoder import Block, Decoder, KVCache
+from tk.models.reference.layers import RMSNorm
 from tk.models.reference.positions import apply_rope, kv_write
 from tk.models.reference.recurrent import Kernels, causal_conv, linear_attention
 
@@ -112,15 +114,15 @@ class FusedAttentionInputs:
 @torch.library.custom_op("tk::gqa", mutates_args=())
 def gqa(qkv: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor, seqlens_k: torch.Tensor, total: torch.Tensor,
         cos_cache: torch.Tensor, sin_cache: torch.Tensor, position_ids: torch.Tensor, bias: torch.Tensor | None,
-        num_heads: int, kv_num_heads: int, local_window: int, static: bool, rotary: bool, scale: float | None,
-        softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        sinks: torch.Tensor | None, num_heads: int, kv_num_heads: int, local_window: int, static: bool, rotary: bool,
+        scale: float | None, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One attention step as ONNX Runtime's GroupQueryAttention computes it, from packed qkv
     (B, S, (H + 2 Hkv) D): RoPE (half-split) at position_ids unless not `rotary` (do_rotary), k and
     v written into the cache at seqlens_k - S + 1, causal attention (softmax scale `scale`, None:
-    1/sqrt(D); scores through tanh(s / softcap) * softcap first when softcap > 0) over the cache up to
-    each row's seqlens_k, over the last `local_window` keys (local_window_size, the query's own
-    included) when >= 0, where `bias` (when given) is 0.
-    Returns (y (B, S, H D), present_k, present_v); present is max(total, past) long."""
+    1/sqrt(D); scores through tanh(s / softcap) * softcap first when softcap > 0; with `sinks`, its head_sink
+    input, a logit per head in each softmax's denominator) over the cache up to each row's seqlens_k, over the
+    last `local_window` keys (local_window_size, the query's own included) when >= 0, where `bias` (when given)
+    is 0. Returns (y (B, S, H D), present_k, present_v); present is max(total, past) long."""
     B, S, _ = qkv.shape
     D = past_k.shape[-1]
     q, k, v = (t.view(B, S, -1, D).transpose(1, 2)
@@ -141,15 +143,15 @@ def gqa(qkv: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor, seqlens_k
     hidden = (dist < 0) | ((dist >= local_window) if local_window >= 0 else False)
     allowed = ~hidden[:, None] if bias is None else (bias[..., :T] == 0) & ~hidden[:, None]  # (B, 1, S, T)
     k, v = present_k[:, :, :T], present_v[:, :, :T]
-    if softcap > 0:
-        y = softcapped_attention(q, k, v, allowed, scale, softcap)
+    if softcap > 0 or sinks is not None:
+        y = explicit_attention(q, k, v, allowed, scale, softcap if softcap > 0 else None, sinks)
     else:
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=num_heads != kv_num_heads)
     return y.transpose(1, 2).reshape(B, S, num_heads * D), present_k, present_v
 
 
 @gqa.register_fake
-def _(qkv, past_k, past_v, seqlens_k, total, cos_cache, sin_cache, position_ids, bias, num_heads, kv_num_heads,
+def _(qkv, past_k, past_v, seqlens_k, total, cos_cache, sin_cache, position_ids, bias, sinks, num_heads, kv_num_heads,
       local_window, static, rotary, scale, softcap=0.0):
     B, S, _ = qkv.shape
     shape = past_k.shape if static else (B, past_k.shape[1], past_k.shape[2] + S, past_k.shape[3])
@@ -182,9 +184,10 @@ def fused_attention_inputs(model: Decoder, positions: int, attention_mask: torch
         dist = at[:, :, None] - torch.arange(T, device=device)  # (B, S, T)
         visible = attention_mask[:, None, :].bool() | (dist == 0)
         bias = torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)[:, None]  # (B, 1, S, T)
+    factor = model.rope_factors  # YaRN's attention factor on cos and sin
     return FusedAttentionInputs((first + S - 1).to(torch.int32), torch.full((), T, dtype=torch.int32),
-                                {t: f.cos().to(dtype) for t, f in freqs.items()},
-                                {t: f.sin().to(dtype) for t, f in freqs.items()}, position_ids, bias,
+                                {t: (f.cos() * factor[t]).to(dtype) for t, f in freqs.items()},
+                                {t: (f.sin() * factor[t]).to(dtype) for t, f in freqs.items()}, position_ids, bias,
                                 write_index is not None)
 
 
@@ -196,9 +199,11 @@ def forward(model: Decoder, input_ids: torch.Tensor, attention_mask: torch.Tenso
     each add meets the norm after it in one SkipSimplifiedLayerNormalization (in post-norm blocks
     only the final norm follows an add), and in decode (a past is given) one GroupQueryAttention
     per layer, except in a sliding layer whose static cache is a ring (GroupQueryAttention writes a
-    cache linearly), which attends as the reference does. `decode_prefills`: see fused_attention_inputs."""
+    cache linearly) and in a KV-shared layer (which writes none), which attend as the reference does.
+    `decode_prefills`: see fused_attention_inputs."""
     cfg = model.config
     x = model.embed_inputs(input_ids)  # (B, S, C)
+    per_layer = model.per_layer_inputs(input_ids, x)  # (B, S, L, P) (Gemma 4), or None
     inputs = model.layer_inputs(attention_mask, position_ids, input_ids.shape[1], x.dtype, write_index,
                                 past_key_values)  # what a layer outside GroupQueryAttention reads
     fused = None
@@ -214,22 +219,25 @@ def forward(model: Decoder, input_ids: torch.Tensor, attention_mask: torch.Tenso
         past = past_key_values[i] if past_key_values is not None else None
         if attn is None:  # a recurrent layer: its convolution and rule through ONNX Runtime's kernels
             a, kv = layer.mixer(xn, inputs[i].token_mask, past, FUSED)
-        elif fused is not None and not inputs[i].circular:
+        elif fused is not None and not inputs[i].circular and layer.reads is None:
             table = kind.rope or "global"  # a NoPE layer still passes a table (do_rotary=0 ignores it)
             qkv, gate = attn.project(xn)
             y, k, v = gqa(qkv, past[0], past[1], fused.seqlens_k, fused.total,
-                          fused.cos_cache[table], fused.sin_cache[table], fused.position_ids, fused.bias, attn.n_heads,
-                          attn.n_kv, -1 if kind.window is None else kind.window, fused.static, attn.rope, attn.scale,
-                          attn.softcap or 0.0)
+                          fused.cos_cache[table], fused.sin_cache[table], fused.position_ids, fused.bias, attn.sinks,
+                          attn.n_heads, attn.n_kv, -1 if kind.window is None else kind.window, fused.static, attn.rope,
+                          attn.scale, attn.softcap or 0.0)
             a, kv = attn.output(y, gate), (k, v)
         else:
-            a, kv = attn(xn, inputs[i], past, write_index)
+            shared = None if layer.reads is None else present[layer.reads]
+            a, kv = attn(xn, inputs[i], past, write_index, shared)
         xn, h = branch_input(layer, layer.ffn_norm, h, layer.branch_out(layer.attn_norm, layer.attn_post_norm, a))
         delta = layer.branch_out(layer.ffn_norm, layer.ffn_post_norm, layer.ffn(xn))
+        if layer.has_tail:  # Gemma 4's per-layer input and layer scalar follow the FFN's residual add
+            h, delta = layer.tail(h + delta, None if per_layer is None else per_layer[:, :, i]), None
         present.append(kv)
     if last_only:  # left padding puts every row's newest token last
-        h, delta = h[:, -1:], delta[:, -1:]
+        h, delta = h[:, -1:], None if delta is None else delta[:, -1:]
     elif keep is not None:  # a verify step's positions (contract.inputs' logits_to_keep)
-        h, delta = h.index_select(1, keep), delta.index_select(1, keep)
+        h, delta = h.index_select(1, keep), None if delta is None else delta.index_select(1, keep)
     xn, _ = add_norm(model.norm, h, delta)
     return model.logits(xn), present

@@ -15,13 +15,18 @@ from tk.models.spec.config import DecoderConfig
 
 
 def rope_inv_freq(cfg: DecoderConfig, table: str = "global") -> torch.Tensor:
-    """Inverse frequencies as Hugging Face's ROPE_INIT_FUNCTIONS compute them (float32); the "local"
-    table (Gemma 3's sliding layers) has its own base and is never scaled."""
-    dim = cfg.rotary_dim
+    """Inverse frequencies as Hugging Face's ROPE_INIT_FUNCTIONS compute them (float32), over the table's
+    rotated width (cfg.rope_dim: Gemma 4's global table is as wide as its full layers' heads); the "local"
+    table (Gemma 3's, Gemma 4's and OLMo 3's sliding layers) has its own base and is never scaled."""
+    dim = cfg.rope_dim(table)
     theta = cfg.rope_local_theta if table == "local" else cfg.rope_theta
-    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = (cfg.rope_scaling if table == "global" else None) or {}
     kind = scaling.get("rope_type", "default")
+    if kind == "proportional":  # Gemma 4: the first share of the frequencies rotate, the rest are 0 (cos 1, sin 0)
+        angles = int(scaling.get("partial_rotary_factor", 1.0) * dim // 2)
+        inv = 1.0 / (theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64).float() / dim))
+        return torch.cat([inv, torch.zeros(dim // 2 - angles)]) / scaling.get("factor", 1.0)
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if kind == "linear":
         return inv / scaling["factor"]
     if kind == "llama3":
@@ -33,13 +38,61 @@ def rope_inv_freq(cfg: DecoderConfig, table: str = "global") -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < old / hi) * ~(wavelen > old / lo)
         return torch.where(medium, smoothed, scaled)
+    if kind == "yarn":
+        return _yarn_inv_freq(scaling, dim, theta, cfg.max_position_embeddings)
     return inv
 
 
-def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+def _yarn_factor(scaling: dict, max_positions: int) -> float:
+    return scaling.get("factor") or max_positions / scaling["original_max_position_embeddings"]
+
+
+def _yarn_inv_freq(scaling: dict, dim: int, theta: float, max_positions: int) -> torch.Tensor:
+    """YaRN's frequencies as transformers' _compute_yarn_parameters computes them: extrapolated (unscaled) above
+    beta_fast rotations over the original context, interpolated (divided by the factor) below beta_slow, a linear
+    ramp between (its bounds floored and ceiled unless `truncate` is false: gpt-oss)."""
+    factor, original = _yarn_factor(scaling, max_positions), scaling["original_max_position_embeddings"]
+    fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(fast), correction_dim(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # (transformers: prevents a singularity)
+    pos_freqs = theta ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    keep = 1 - torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    return interpolation * (1 - keep) + extrapolation * keep
+
+
+def rope_attention_factor(cfg: DecoderConfig, table: str = "global") -> float:
+    """What a table's cos and sin are multiplied by: YaRN's attention factor (given, or from the factor and
+    mscale / mscale_all_dim as the paper's Eq. 21), 1 for every other table."""
+    scaling = (cfg.rope_scaling if table == "global" else None) or {}
+    if scaling.get("rope_type") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = _yarn_factor(scaling, cfg.max_position_embeddings)
+
+    def mscale(m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return float(mscale(m) / mscale(m_all)) if m and m_all else mscale()
+
+
+def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, factor: float = 1.0):
     freqs = position_ids[..., None].float() * inv_freq  # (B, S, R/2)
     emb = torch.cat([freqs, freqs], dim=-1)  # (B, S, R): HF half-split layout
-    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # (B, 1, S, R)
+    cos, sin = emb.cos(), emb.sin()
+    if factor != 1.0:  # YaRN's attention factor, in float32 before the cast (as transformers)
+        cos, sin = cos * factor, sin * factor
+    return cos.to(dtype)[:, None], sin.to(dtype)[:, None]  # (B, 1, S, R)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

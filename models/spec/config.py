@@ -12,22 +12,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from tk.models.spec.errors import TkError
-
-ROPE_TYPES = ("default", "linear", "llama3")
-# what mixes a layer's tokens (DecoderConfig.layer_types): attention over a KV cache, or a layer whose state
-# is not a cache that grows: LFM2's gated short convolution ("conv": a carry of conv_kernel - 1 positions),
-# the gated DeltaNet of Qwen3.5 / Qwen3-Next ("gdn": a carry and a d_k x d_v matrix per value head), and
-# Mamba2 ("mamba": a carry and a d_state x head_dim matrix per head, Granite 4.0-H)
-MIXERS = ("attention", "conv", "gdn", "mamba")
-ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
-QK_NORMS = ("head", "projection")
-NORM_PLACEMENTS = ("pre", "post", "sandwich")
-PER_LAYER = ("rope_layers", "sliding_layers", "moe_layers")  # list fields with one entry per layer
-
-
-class UnsupportedModelError(TkError, ValueError):
-    """The checkpoint describes a model tk does not implement."""
+# the tables of allowed values and the checks are checks.py's; callers import UnsupportedModelError from here too
+from tk.models.spec.checks import PER_LAYER, UnsupportedModelError, check_config  # noqa: F401
 
 
 @dataclass
@@ -41,7 +27,7 @@ class DecoderConfig:
     head_dim: int | None = None  # None: hidden_size // num_heads; an explicit value is never overwritten
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # {"rope_type": "linear"|"llama3", "factor": ..., ...}
+    rope_scaling: dict | None = None  # {"rope_type": one of ROPE_TYPES, "factor": ..., ...}: the global table's
     partial_rotary_factor: float = 1.0
     max_position_embeddings: int = 2048
     qkv_bias: bool = False
@@ -93,107 +79,35 @@ class DecoderConfig:
     mamba_groups: int = 1
     mamba_proj_bias: bool = False
     mamba_dt_limit: list[float] | None = None  # the time step clamped to [lo, hi] (None: (0, inf), no clamp)
+    # gpt-oss: a learned logit per head in each softmax's denominator (a "sink" no value is read from); a bias
+    # on the router; the routing (ROUTINGS); an expert's SwiGLU clamped (the gate above, up both sides, at
+    # swiglu_limit), its SiLU with a gain (g * sigmoid(swiglu_alpha * g)) and up offset by one: (up + 1) * silu
+    attention_sinks: bool = False
+    router_bias: bool = False
+    routing: str = "softmax_topk"
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.0
+    # Gemma 4: full-attention (non-sliding) layers with a wider head (and their own kv heads); the last
+    # kv_shared_layers layers read the cache of the last earlier layer of their kind (the same window) and keep
+    # none; values RMS-normed per head without a scale; full layers whose values are their keys' projection
+    # (attention_k_eq_v); a second embedding (per_layer_vocab_size x num_layers * per_layer_input_size) feeding
+    # every layer; each layer's output times a learned scalar; KV-shared layers' FFN twice as wide
+    global_head_dim: int | None = None
+    global_kv_heads: int | None = None
+    kv_shared_layers: int = 0
+    value_norm: bool = False
+    values_from_keys: bool = False
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int | None = None
+    layer_scalars: bool = False
+    wide_shared_ffn: bool = False
     architecture: str = "LlamaForCausalLM"
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "max_position_embeddings"):
-            _require_positive(name, getattr(self, name))
-        if self.num_kv_heads is None:
-            self.num_kv_heads = self.num_heads
-        _require_positive("num_kv_heads", self.num_kv_heads)
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})"
-            )
-        if self.head_dim is None:
-            if self.hidden_size % self.num_heads:
-                raise ValueError(
-                    f"hidden_size ({self.hidden_size}) is not divisible by num_heads ({self.num_heads}); "
-                    "set head_dim explicitly"
-                )
-            self.head_dim = self.hidden_size // self.num_heads
-        _require_positive("head_dim", self.head_dim)
-        if self.rms_norm_eps <= 0:
-            raise ValueError(f"rms_norm_eps must be positive, got {self.rms_norm_eps}")
-        if not 0.0 < self.partial_rotary_factor <= 1.0:
-            raise ValueError(f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
-        if self.rotary_dim % 2:
-            raise ValueError(f"rotary dim head_dim * partial_rotary_factor = {self.rotary_dim} must be even")
-        if self.sliding_window is not None:
-            _require_positive("sliding_window", self.sliding_window)
-        for name in PER_LAYER:
-            flags = getattr(self, name)
-            if flags is None:
-                continue
-            if len(flags) != self.num_layers:
-                raise ValueError(f"{name} has {len(flags)} entries for {self.num_layers} layers")
-            flags = [bool(f) for f in flags]
-            setattr(self, name, None if all(flags) else flags)  # every layer: the usual model, spelled once
-        if self.sliding_window is None and self.sliding_layers is not None:
-            raise ValueError("sliding_layers needs sliding_window: how many keys a sliding layer's query sees")
-        if self.rope_local_theta is not None and not self.rope_local_theta > 0:
-            raise ValueError(f"rope_local_theta must be positive, got {self.rope_local_theta!r}")
-        if self.num_experts:
-            _require_positive("num_experts", self.num_experts)
-            _require_positive("experts_per_token", self.experts_per_token)
-            if self.experts_per_token > self.num_experts:
-                raise ValueError(f"experts_per_token ({self.experts_per_token}) exceeds num_experts ({self.num_experts})")
-            if self.expert_size is None:
-                self.expert_size = self.intermediate_size
-            _require_positive("expert_size", self.expert_size)
-        elif self.moe_layers is not None or self.shared_expert_size:
-            raise ValueError("moe_layers and shared_expert_size describe experts; set num_experts")
-        if isinstance(self.qk_norm, bool):  # manifests written before "projection" existed
-            self.qk_norm = "head" if self.qk_norm else None
-        if self.qk_norm not in (None, *QK_NORMS):
-            raise ValueError(f"qk_norm must be one of None, {', '.join(QK_NORMS)}; got {self.qk_norm!r}")
-        if self.norm_placement not in NORM_PLACEMENTS:
-            raise ValueError(f"norm_placement must be one of {', '.join(NORM_PLACEMENTS)}; got {self.norm_placement!r}")
-        for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling", "attention_scale", "attn_softcap",
-                     "final_softcap"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"{name} must be positive, got {value!r}")
-        self._check_mixers()
-        if self.hidden_act not in ACTIVATIONS:
-            raise UnsupportedModelError(
-                f"activation {self.hidden_act!r} is not supported; supported: {', '.join(ACTIVATIONS)}"
-            )
-        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
-        if rope_type not in ROPE_TYPES:
-            raise UnsupportedModelError(
-                f"rope type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
-            )
-
-    def _check_mixers(self) -> None:
-        if self.layer_types is None:
-            return
-        if len(self.layer_types) != self.num_layers:
-            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
-        unknown = sorted(set(self.layer_types) - set(MIXERS))
-        if unknown:
-            raise UnsupportedModelError(f"layer type {unknown[0]!r} is not supported; supported: {', '.join(MIXERS)}")
-        self.layer_types = list(self.layer_types)
-        if all(t == "attention" for t in self.layer_types):
-            self.layer_types = None  # the usual model, spelled once
-            return
-        _require_positive("conv_kernel", self.conv_kernel)
-        if "gdn" in self.layer_types:
-            for name in ("linear_key_heads", "linear_value_heads", "linear_key_dim", "linear_value_dim"):
-                _require_positive(name, getattr(self, name))
-            if self.linear_value_heads % self.linear_key_heads:
-                raise ValueError(f"linear_value_heads ({self.linear_value_heads}) must be a multiple of "
-                                 f"linear_key_heads ({self.linear_key_heads})")
-        if "mamba" in self.layer_types:
-            for name in ("mamba_heads", "mamba_head_dim", "mamba_state", "mamba_groups"):
-                _require_positive(name, getattr(self, name))
-            if self.mamba_heads % self.mamba_groups:
-                raise ValueError(f"mamba_heads ({self.mamba_heads}) must be a multiple of mamba_groups "
-                                 f"({self.mamba_groups})")
+        check_config(self)
 
     @property
     def stateful(self) -> bool:
@@ -243,7 +157,57 @@ class DecoderConfig:
         mixer = self.mixer(i)
         if mixer != "attention":  # no RoPE table, no window: its state carries position
             return LayerKind(None, None, moe, mixer)
-        return LayerKind(table, self.sliding_window if sliding else None, moe, mixer)
+        wide = not sliding and self.global_head_dim is not None  # Gemma 4's full-attention layers
+        head_dim = self.global_head_dim if wide else self.head_dim
+        kv_heads = self.global_kv_heads if wide and self.global_kv_heads else self.num_kv_heads
+        reads = self.kv_source(i) if i >= self.num_layers - self.kv_shared_layers else None
+        return LayerKind(table, self.sliding_window if sliding else None, moe, mixer, head_dim, kv_heads, reads,
+                         wide and self.values_from_keys and reads is None)
+
+    def kv_source(self, i: int) -> int:
+        """The layer whose cache KV-shared layer i reads: the last layer before the shared ones with the same
+        window (Gemma4TextConfig.kv_sharing_modes: the last non-shared layer of its layer type)."""
+        first = self.num_layers - self.kv_shared_layers
+        window = self._window(i)
+        source = next((j for j in reversed(range(first)) if self._window(j) == window), None)
+        if source is None:
+            raise ValueError(f"layer {i} shares the KV cache of an earlier layer with its window ({window}), "
+                             "and there is none")
+        return source
+
+    def _window(self, i: int) -> int | None:
+        sliding = self.sliding_window is not None and (self.sliding_layers is None or self.sliding_layers[i])
+        return self.sliding_window if sliding else None
+
+    def cache_tensors(self, i: int) -> int:
+        """How many cache tensors layer i carries in the contract: a key and a value, its recurrent state's, or
+        none (a KV-shared layer)."""
+        if self.mixer(i) != "attention":
+            return len(self.layer_state(i))
+        return 0 if self.layer(i).reads is not None else 2
+
+    def layer_cache(self, i: int) -> tuple[int, int] | None:
+        """(kv heads, head dim) of attention layer i's own cache; None: it keeps none (a KV-shared layer or a
+        recurrent one)."""
+        kind = self.layer(i)
+        return None if kind.mixer != "attention" or kind.reads is not None else (kind.kv_heads, kind.head_dim)
+
+    @property
+    def uniform_cache(self) -> bool:
+        """Every layer keeps keys and values of num_kv_heads x head_dim (the contract needs no per-layer sizes)."""
+        return not self.stateful and all(self.layer_cache(i) == (self.num_kv_heads, self.head_dim)
+                                         for i in range(self.num_layers))
+
+    def ffn_size(self, i: int) -> int:
+        """Layer i's dense FFN width (Gemma 4's KV-shared layers: twice intermediate_size, use_double_wide_mlp)."""
+        wide = self.wide_shared_ffn and i >= self.num_layers - self.kv_shared_layers
+        return self.intermediate_size * (2 if wide else 1)
+
+    def rope_dim(self, table: str) -> int:
+        """The rotated width of a RoPE table: its layers' head dim (Gemma 4's global one is wider) times
+        partial_rotary_factor."""
+        wide = table == "global" and self.global_head_dim is not None
+        return int((self.global_head_dim if wide else self.head_dim) * self.partial_rotary_factor)
 
     def layer_rope(self, layer: int) -> bool:
         """Whether RoPE applies in `layer` (SmolLM3 leaves it out of every fourth)."""
@@ -293,43 +257,7 @@ class LayerKind:
     window: int | None  # sliding window, or None: global attention
     moe: bool  # the FFN is a mixture of experts
     mixer: str = "attention"  # what mixes its tokens (MIXERS)
-
-
-def _require_positive(name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
-def fused_unsupported(cfg: DecoderConfig) -> list[str]:
-    """What of a DecoderConfig ONNX Runtime's fused kernels cannot express (empty: the ort target can export it).
-    A partial rotary embedding (Phi-3, Qwen3.5) is GroupQueryAttention's when its cos/sin tables are that narrow.
-    q/k norms (over each head or the whole projections) are applied to the packed qkv
-    GroupQueryAttention reads; NoPE layers (SmolLM3) run it with do_rotary=0; each layer gets its own
-    window (local_window_size) and RoPE tables (Gemma 3); Granite's and Gemma's scales are its `scale`,
-    Gemma 2's softcap its `softcap`; post and sandwich norms are plain RMSNorms; experts run as in the
-    portable graphs."""
-    return [why for why, bad in (  # its CPU kernel: "head_size shall be a multiple of 16" (ONNX Runtime 1.32)
-                                 (f"head_dim {cfg.head_dim} (GroupQueryAttention takes multiples of 16)",
-                                  cfg.head_dim % 16),
-                                 # "cos_cache dimension 1 must be <= head_size / 2 and a multiple of 8"
-                                 (f"a rotary dim of {cfg.rotary_dim} (GroupQueryAttention rotates multiples of 16)",
-                                  cfg.rotary_dim < cfg.head_dim and cfg.rotary_dim % 16)) if bad]
-
-
-def layer_ks(cfg: DecoderConfig) -> dict[str, int]:
-    """Each kind of quantized layer's K (its input size), named as an error message would."""
-    ks = {"layers.*.attn.wqkv and layers.*.ffn.w_gate_up (hidden_size)": cfg.hidden_size,
-          "layers.*.attn.wo (num_heads x head_dim)": cfg.num_heads * cfg.head_dim}
-    mixers = {cfg.mixer(i) for i in range(cfg.num_layers)}
-    if "gdn" in mixers:
-        ks["layers.*.mixer.w_out (linear_value_heads x linear_value_dim)"] = cfg.linear_value_heads * cfg.linear_value_dim
-    if "mamba" in mixers:
-        ks["layers.*.mixer.w_out (mamba_heads x mamba_head_dim)"] = cfg.mamba_heads * cfg.mamba_head_dim
-    moe = [cfg.layer(i).moe for i in range(cfg.num_layers)]
-    if not all(moe):
-        ks["layers.*.ffn.w_down (intermediate_size)"] = cfg.intermediate_size
-    if any(moe):
-        ks["layers.*.ffn.experts.*.w_down (expert_size)"] = cfg.expert_size
-    if any(moe) and cfg.shared_expert_size:
-        ks["layers.*.ffn.shared.w_down (shared_expert_size)"] = cfg.shared_expert_size
-    return ks
+    head_dim: int = 0  # an attention layer's head dim and kv heads (Gemma 4's full layers: wider)
+    kv_heads: int = 0
+    reads: int | None = None  # a KV-shared layer: the layer whose cache it reads (it keeps none)
+    values_from_keys: bool = False  # its values are its keys' projection (Gemma 4's attention_k_eq_v)

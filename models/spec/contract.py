@@ -23,10 +23,12 @@ from tk.models.spec.variant import PrefillLogits, Variant
 # narrower than the cache (GraphDims.narrow_mask: it attends over that many positions); 5: a static decode
 # graph that takes runs may take logits_to_keep (Variant.verify_logits: the run's positions whose logits it
 # returns); 6: a layer's state may be other than a KV cache: a convolution's carry and a recurrent matrix
-# (GraphDims.layers), and such an artifact's one graph is decode.onnx, which prefills in runs. Each version's
-# artifacts are the next one's without the new feature, so all are read (READS).
-CONTRACT_VERSION = 6
-READS = (2, 3, 4, 5, 6)
+# (GraphDims.layers), and such an artifact's one graph is decode.onnx, which prefills in runs; 7: a layer's keys
+# and values may have their own head sizes (LayerState.kv_heads, head_dim: Gemma 4's wider full-attention layers),
+# and a layer may keep no cache and read another's (LayerState.reads: Gemma 4's KV-shared layers), in the dynamic
+# cache's graphs too. Each version's artifacts are the next one's without the new feature, so all are read (READS).
+CONTRACT_VERSION = 7
+READS = (2, 3, 4, 5, 6, 7)
 RING_RUN = 128  # with rings, the most new tokens per row a decode graph that also prefills takes (changing it bumps the version)
 # with recurrent layers, the most new tokens per row one run of a portable decode graph takes: the delta rule
 # inverts a unit triangular matrix of at most this size (models/reference/recurrent.py; changing it bumps the version)
@@ -68,15 +70,34 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class LayerState:
-    """What one layer carries between runs: a KV cache (`kv`), or the tensors of a recurrent layer, each
-    (name, per-row shape): "conv" (channels, conv_kernel - 1), "recurrent" (heads, d_k, d_v)."""
+    """What one layer carries between runs: a KV cache (`kv`; of its own kv_heads x head_dim where they are set,
+    else the model's), the tensors of a recurrent layer, each (name, per-row shape): "conv" (channels,
+    conv_kernel - 1), "recurrent" (heads, d_k, d_v); or nothing: a KV-shared layer, which attends over the keys
+    and values layer `reads` wrote in the same run."""
 
     kv: bool = True
     tensors: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    kv_heads: int | None = None
+    head_dim: int | None = None
+    reads: int | None = None
 
     @property
     def names(self) -> tuple[str, ...]:
         return ("key", "value") if self.kv else tuple(n for n, _ in self.tensors)
+
+    @property
+    def recurrent(self) -> bool:
+        return bool(self.tensors)
+
+    @classmethod
+    def of(cls, config, i: int) -> "LayerState":
+        """Layer i of `config` (a DecoderConfig): its recurrent state, its own cache's sizes, or whose it reads."""
+        state, kind = config.layer_state(i), config.layer(i)
+        if state:
+            return cls(False, state)
+        if kind.reads is not None:
+            return cls(False, reads=kind.reads)
+        return cls(True, kv_heads=kind.kv_heads, head_dim=kind.head_dim)
 
 
 def kv_names(layer: int, prefix: str) -> tuple[str, str]:
@@ -103,8 +124,8 @@ def hidden_names(num_layers: int) -> list[str]:
     return [f"hidden.{i}" for i in range(num_layers)]
 
 
-def _kv(names: list[str], seq_dim: str | int) -> list[TensorSpec]:
-    return [TensorSpec(n, KV_DTYPE, (BATCH, "num_kv_heads", seq_dim, "head_dim")) for n in names]
+def _kv(names: list[str], seq_dim: str | int, heads: int | None = None, head_dim: int | None = None) -> list[TensorSpec]:
+    return [TensorSpec(n, KV_DTYPE, (BATCH, heads or "num_kv_heads", seq_dim, head_dim or "head_dim")) for n in names]
 
 
 def ring_sizes(windows: list[int | None], capacity: int, run: int) -> tuple[int | None, ...] | None:
@@ -118,12 +139,14 @@ def ring_sizes(windows: list[int | None], capacity: int, run: int) -> tuple[int 
 
 
 def _layer_kv(num_layers: int, prefix: str, sizes, layers: tuple[LayerState, ...] | None = None) -> list[TensorSpec]:
-    """Each layer's cache tensors: its key and value of sizes[i] positions, or its recurrent state."""
+    """Each layer's cache tensors: its key and value of sizes[i] positions (a sequence dim, or one size for
+    every layer), its recurrent state, or none (a KV-shared layer)."""
     specs = []
     for i in range(num_layers):
         layer = LayerState() if layers is None else layers[i]
+        size = sizes if isinstance(sizes, str) else sizes[i]
         if layer.kv:
-            specs += _kv(list(kv_names(i, prefix)), sizes[i])
+            specs += _kv(list(kv_names(i, prefix)), size, layer.kv_heads, layer.head_dim)
         else:
             specs += [TensorSpec(f"{prefix}.{i}.{n}", STATE_DTYPES[n], (BATCH, *shape)) for n, shape in layer.tensors]
     return specs
@@ -150,8 +173,8 @@ def inputs(graph: str, num_layers: int, capacity: int | None = None, decode_pref
     With `keep` (a decode graph that takes runs) `logits_to_keep` follows write_indices: the positions
     of the run (0 .. sequence_length - 1, the same for every row) whose logits the graph returns, as
     transformers' `logits_to_keep` tensor: [S - 1] for a prompt's run, 0 .. k for a verify step.
-    With `layers` (a hybrid: LayerState per layer), a recurrent layer's past and present are its carry
-    and its matrix state, fixed in size, in place of a key and a value.
+    With `layers` (LayerState per layer), a layer's keys and values have its own head sizes, a recurrent
+    layer's past and present are its carry and matrix state (fixed in size), and a KV-shared layer has none.
     """
     if graph == DECODE and capacity is not None:
         new = SEQ if decode_prefills else 1
@@ -174,7 +197,7 @@ def inputs(graph: str, num_layers: int, capacity: int | None = None, decode_pref
             TensorSpec("input_ids", "int64", (BATCH, 1)),
             TensorSpec("attention_mask", "int64", (BATCH, TOTAL)),
             TensorSpec("position_ids", "int64", (BATCH, 1)),
-            *_kv(past_names(num_layers), PAST),
+            *_layer_kv(num_layers, "past_key_values", PAST, layers),
         ]
     raise ContractError(f"unknown graph {graph!r}; expected one of {', '.join(GRAPHS)}")
 
@@ -199,9 +222,9 @@ def outputs(graph: str, num_layers: int, capacity: int | None = None, prefill_la
                 *_layer_kv(num_layers, "present", layer_capacities(num_layers, capacity, ring), layers)]
     if graph == PREFILL:
         return [TensorSpec("logits", "float32", (BATCH, 1 if prefill_last else SEQ, "vocab_size")),
-                *_kv(present_names(num_layers), SEQ)]
+                *_layer_kv(num_layers, "present", SEQ, layers)]
     if graph == DECODE:
-        return [TensorSpec("logits", "float32", (BATCH, 1, "vocab_size")), *_kv(present_names(num_layers), TOTAL)]
+        return [TensorSpec("logits", "float32", (BATCH, 1, "vocab_size")), *_layer_kv(num_layers, "present", TOTAL, layers)]
     raise ContractError(f"unknown graph {graph!r}; expected one of {', '.join(GRAPHS)}")
 
 
@@ -232,15 +255,15 @@ class GraphDims:
         if v.capacity is not None:
             ring = ring_sizes(c.windows, v.capacity, RING_RUN if v.decode_prefills else 1)
         layers = None
-        if c.stateful:
-            layers = tuple(LayerState(not state, state) for state in (c.layer_state(i) for i in range(c.num_layers)))
+        if not c.uniform_cache:  # a recurrent state, per-layer head sizes or a KV-shared layer somewhere
+            layers = tuple(LayerState.of(c, i) for i in range(c.num_layers))
         return cls(c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size, precision.kv, kv_capacity=v.capacity,
                    ring=ring, hidden_size=c.hidden_size, variant=v, layers=layers)
 
     @property
     def stateful(self) -> bool:
         """Some layer carries a recurrent state, not a KV cache: the artifact's one graph is decode.onnx."""
-        return self.layers is not None
+        return self.layers is not None and any(layer.recurrent for layer in self.layers)
 
     @property
     def graphs(self) -> tuple[str, ...]:
@@ -305,10 +328,20 @@ class GraphDims:
     def outputs(self, graph: str) -> tuple[TensorSpec, ...]:
         return _resolved_outputs(self, graph)
 
+    def kv_shape(self, layer: int) -> tuple[int, int]:
+        """(kv heads, head dim) of layer `layer`'s keys and values (the model's, or the layer's own)."""
+        state = self.layer_states()[layer]
+        return state.kv_heads or self.num_kv_heads, state.head_dim or self.head_dim
+
+    def kv_position_bytes(self, layer: int, batch: int = 1) -> int:
+        """A key and a value of one position of layer `layer` (0: it keeps no cache)."""
+        heads, head_dim = self.kv_shape(layer)
+        return int(2 * batch * heads * head_dim * DTYPES[self.kv_dtype].bytes) if self.layer_states()[layer].kv else 0
+
     def kv_bytes_per_token(self, batch: int = 1) -> int:
-        """2 (key and value) * attention layers * kv_heads * head_dim * bytes, per token of context per row."""
-        kv_layers = sum(layer.kv for layer in self.layer_states())
-        return int(2 * kv_layers * batch * self.num_kv_heads * self.head_dim * DTYPES[self.kv_dtype].bytes)
+        """2 (key and value) * kv_heads * head_dim * bytes of every layer that keeps a cache, per token of
+        context per row."""
+        return sum(self.kv_position_bytes(i, batch) for i in range(self.num_layers))
 
     def state_bytes(self, layer: int, batch: int = 1) -> int:
         """A recurrent layer's state per `batch` rows (0 for an attention layer), whatever the context."""
@@ -319,9 +352,8 @@ class GraphDims:
     def static_cache_bytes(self, batch: int = 1) -> int:
         """What a static cache's buffers hold for `batch` rows: each attention layer's capacity (or ring)
         positions, and every recurrent layer's state."""
-        per_position = 2 * batch * self.num_kv_heads * self.head_dim * DTYPES[self.kv_dtype].bytes
-        kv = sum(n for n, layer in zip(self.capacities(), self.layer_states()) if layer.kv)
-        return int(per_position * kv + sum(self.state_bytes(i, batch) for i in range(self.num_layers)))
+        kv = sum(n * self.kv_position_bytes(i, batch) for i, n in enumerate(self.capacities()))
+        return int(kv + sum(self.state_bytes(i, batch) for i in range(self.num_layers)))
 
 
 @functools.lru_cache(maxsize=64)

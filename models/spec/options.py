@@ -15,7 +15,7 @@ from tk.models.spec.manifest import BLOCK_SIZES, DEFAULT_BLOCK, DEFAULT_METHOD, 
 from tk.models.spec.variant import DEFAULT_OPSET, MAX_OPSET, MIN_OPSET, CacheLayout, PrefillLogits, Target, Variant
 from tk.models.spec import contract
 from tk.models.spec.dtypes import canonical_dtype
-from tk.models.spec.config import fused_unsupported, layer_ks
+from tk.models.spec.limits import fused_unsupported, layer_ks
 from tk.models.spec.errors import UsageProblem
 
 

@@ -265,9 +265,13 @@ class TrtRuntime(ArtifactRuntime):
 
     def _seq_buffers(self, batch: int) -> list[_Buffer]:
         """A set of cache buffers a dynamic-layout session grows into (the engine's longest sequence)."""
-        d = self.dims
-        shape, room = (batch, d.num_kv_heads, 0, d.head_dim), self.meta.limits.max_seq_len
-        return self.buffers.alloc_all([(shape, d.kv_dtype, room)] * (2 * d.num_layers))
+        d, room = self.dims, self.meta.limits.max_seq_len
+        return self.buffers.alloc_all([((batch, heads, 0, head_dim), d.kv_dtype, room) for heads, head_dim in self._kv_shapes])
+
+    @property
+    def _kv_shapes(self) -> list[tuple[int, int]]:
+        """Per cache tensor (contract order), its layer's (kv heads, head dim)."""
+        return [self.dims.kv_shape(i) for i, _ in self.dims.cache_kinds()]
 
     def release_session_state(self, session) -> None:
         self.buffers.release(session.backend)  # the spare set of a dynamic session's ping-pong (Session.backend)
@@ -292,8 +296,8 @@ class TrtRuntime(ArtifactRuntime):
             raise
         if not in_place:  # what the engine wrote: dense (B, H, T, D)
             T = feeds["input_ids"].shape[1] if past_len is None else past_len + 1
-            for buf in present:
-                buf.shape = (B, self.dims.num_kv_heads, T, self.dims.head_dim)
+            for buf, (heads, head_dim) in zip(present, self._kv_shapes):
+                buf.shape = (B, heads, T, head_dim)
         if graph == contract.DECODE and not in_place:
             session.backend = past  # ping-pong: the next step writes where this past was
         return StepOutput(logits), present
@@ -305,8 +309,8 @@ class TrtRuntime(ArtifactRuntime):
         shapes = {n: a.shape for n, a in arrays.items()}
         B = arrays["input_ids"].shape[0]
         if past is not None:
-            shapes.update({n: (B, self.dims.num_kv_heads, past_len if past_len is not None else buf.shape[2],
-                               self.dims.head_dim) for n, buf in zip(self.past_names, past)})
+            shapes.update({n: (B, heads, past_len if past_len is not None else buf.shape[2], head_dim)
+                           for n, buf, (heads, head_dim) in zip(self.past_names, past, self._kv_shapes)})
         problem = profile_problem(graph, self.meta.profiles[graph], shapes, self.meta.limits)
         if problem:
             raise InputError(problem)

@@ -148,6 +148,9 @@ class Batcher:
         elif self.chunked and self.limits.prefix_cache_bytes > 0 and self.runtime.layout.ring_free:
             self._store = PrefixStore(self.runtime, self._rows, self.limits.prefix_cache_bytes)
             self.prefix = self._store.cache
+        elif self.chunked and self.limits.prefix_cache_bytes > 0:
+            log.info("prefix caching is off: a sliding layer's cache is a ring of its window, whose slots a cached "
+                     "block of positions cannot restore")
         self._sched = Scheduler(self.limits, chunked=self.chunked, prefix=self.prefix)
         self._thread = threading.Thread(target=self._loop, name="tk-batcher", daemon=True)
         self._thread.start()

@@ -24,8 +24,12 @@ def active_parameter_count(cfg: DecoderConfig) -> int:
     """The parameters one token runs through: all of them, less, in a mixture of experts, the experts
     it does not take ((num_experts - experts_per_token) / num_experts of every routed expert)."""
     shapes = hf_shapes(cfg)
-    experts = sum(p.rows * math.prod(shapes[p.name][2 if p.experts else 1:]) for ours, parts in
-                  weight_map(cfg).items() if ".experts." in ours for p in parts)
+
+    def size(p) -> int:  # a part's rows times the rest of one row (one expert's matrix: rows last where transposed)
+        one = shapes[p.name][1:] if p.experts else shapes[p.name]
+        return p.rows * math.prod(one[:-1] if p.transposed else one[1:])
+
+    experts = sum(size(p) for ours, parts in weight_map(cfg).items() if ".experts." in ours for p in parts)
     idle = experts * (cfg.num_experts - cfg.experts_per_token) // cfg.num_experts if cfg.moe else 0
     return sum(math.prod(s) for s in shapes.values()) - idle
 
@@ -52,7 +56,16 @@ def memory_plan(cfg: DecoderConfig, precision: Precision, batch: int, seq_len: i
             "rings": [dims.ring is not None and dims.ring[i] is not None for i in kv_layers]}
     if dims.stateful:
         plan["state"] = state_plan(cfg, dims, seq_len)
+    elif dims.layers is not None:
+        plan["caches"] = cache_plan(dims)
     return plan
+
+
+def cache_plan(dims: contract.GraphDims) -> list[dict]:
+    """Per layer, its cache where layers differ (Gemma 4): kv heads and head dim, or the layer whose cache it reads."""
+    return [{"layer": i, "reads": layer.reads} if layer.reads is not None else
+            {"layer": i, "kv_heads": dims.kv_shape(i)[0], "head_dim": dims.kv_shape(i)[1]}
+            for i, layer in enumerate(dims.layer_states())]
 
 
 def state_plan(cfg: DecoderConfig, dims: contract.GraphDims, seq_len: int) -> dict:
@@ -63,7 +76,8 @@ def state_plan(cfg: DecoderConfig, dims: contract.GraphDims, seq_len: int) -> di
     layers = []
     for i, layer in enumerate(dims.layer_states()):
         if layer.kv:
-            layers.append({"layer": i, "mixer": "attention", "kv_positions": seq_len, "bytes": per_position * seq_len})
+            layers.append({"layer": i, "mixer": "attention", "kv_positions": seq_len,
+                           "bytes": dims.kv_position_bytes(i) * seq_len})
         else:
             layers.append({"layer": i, "mixer": cfg.mixer(i), "bytes": dims.state_bytes(i),
                            "tensors": [{"name": n, "shape": list(shape)} for n, shape in layer.tensors]})
@@ -163,6 +177,21 @@ def _positions(m: dict) -> str:
     return ", ".join(f"{n}{' (ring)' if ring else ''} x{count}" for (n, ring), count in groups.items())
 
 
+def _cache_lines(caches: list[dict]) -> list[str]:
+    """Each layer's cache by its sizes, and the KV-shared layers with whose cache each reads."""
+    sizes: dict[tuple[int, int], list[int]] = {}
+    for c in caches:
+        if "reads" not in c:
+            sizes.setdefault((c["kv_heads"], c["head_dim"]), []).append(c["layer"])
+    groups = [f"layer{'s' * (len(layers) > 1)} {', '.join(map(str, layers))}: {h} kv heads x head_dim {d}"
+              for (h, d), layers in sizes.items()]
+    lines = ["KV caches per layer: " + "; ".join(groups)]
+    reads = [f"layer {c['layer']} reads layer {c['reads']}'s" for c in caches if "reads" in c]
+    if reads:
+        lines.append(f"KV-shared layers (no cache of their own): {', '.join(reads)}")
+    return lines
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:,.2f} MiB"
 
@@ -202,6 +231,8 @@ def format_info(info: dict) -> str:
                      f"hold one each: {_mib(m['trt_weights_bytes'])} of weights on the GPU")
     if "state" in m:
         lines += _state_lines(m["state"])
+    if "caches" in m:
+        lines += _cache_lines(m["caches"])
     if "target" in info:
         lines.append(f"profile: {describe_profile(info['profile'], info['same_graphs_as'])}")
         cache = info["kv_cache"] + (f" ({info['capacity']} positions)" if info.get("capacity") else "")
