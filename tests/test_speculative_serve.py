@@ -30,7 +30,7 @@ def test_tk_serve_speculating_gives_each_of_eight_clients_its_solo_tokens(serve_
     solo_rt = open_runtime(serve_artifact, "ort", BackendOptions(static_cache=True))
     options = ServeOptions(port=0, limits=BatcherLimits(slots=8), model_name="tiny", drain_s=1.0,
                            speculation=SpeculationOptions(lookup=True, lookup_min=1, k=5) if proposer == "lookup"
-                           else SpeculationOptions(draft=serve_artifact, k=3, draft_p_min=0), speculate_rows=8)
+                           else SpeculationOptions(draft=serve_artifact, k=3, draft_p_min=0))
     srv, sock = open_server(serve_artifact, "ort", BackendOptions(), options)
     sock.close()
     words = "the cat sat on the mat and the dog sat on the log".split()

@@ -136,6 +136,13 @@ def backend_options(f=None, *, prepack: bool | None = False):
     return add if f is None else add(f)
 
 
+def _p_min() -> float:
+    """The draft's default p_min, read where it is defined (imported only when a command runs)."""
+    from tk.runtimes.decoding.speculative import P_MIN
+
+    return P_MIN
+
+
 def speculation_options(f):
     """--lookup, --draft, --speculate, --lookup-min, --lookup-max: the proposer speculative decoding
     guesses with, passed to the command as one `speculation` (SpeculationOptions)."""
@@ -144,9 +151,9 @@ def speculation_options(f):
         return value
 
     into = dict(expose_value=False, callback=gather, is_eager=False)
-    f = click.option("--draft-p-min", "draft_p_min", default=0.75, show_default=True, type=click.FloatRange(0, 1),
+    f = click.option("--draft-p-min", "draft_p_min", default=_p_min, show_default=True, type=click.FloatRange(0, 1),
                      help="A draft stops guessing at a token it gives less than this probability (llama.cpp's "
-                          "--spec-draft-p-min; 0: never).", **into)(f)
+                          "--spec-draft-p-min; 0: never) [default: speculative decoding's P_MIN].", **into)(f)
     f = click.option("--lookup-max", "lookup_max", default=4, show_default=True, type=click.IntRange(min=1),
                      help="Prompt lookup: the longest n-gram matched.", **into)(f)
     f = click.option("--lookup-min", "lookup_min", default=2, show_default=True, type=click.IntRange(min=1),
@@ -161,12 +168,13 @@ def speculation_options(f):
                              "summaries); verified in one run, the same tokens greedy.", **into)(f)
 
 
-def speculation_from(ctx: click.Context):
-    """The SpeculationOptions the speculation flags gave (a bad combination: a usage error, exit 2)."""
+def speculation_from(ctx: click.Context, **more):
+    """The SpeculationOptions the speculation flags gave, with `more` fields (a bad combination: a
+    usage error, exit 2)."""
     from tk.models.spec.errors import UsageProblem
     from tk.toolkit.speculation import SpeculationOptions
 
     try:
-        return SpeculationOptions(**ctx.meta.get("tk.speculation", {}))
+        return SpeculationOptions(**{**ctx.meta.get("tk.speculation", {}), **more})
     except UsageProblem as e:
         raise click.UsageError(str(e), ctx) from None

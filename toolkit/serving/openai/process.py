@@ -37,7 +37,6 @@ class ServeOptions:
     api_key: str | None = None
     max_body: int = DEFAULT_BODY_LIMIT
     speculation: SpeculationOptions = field(default_factory=SpeculationOptions)  # off unless it names a proposer
-    speculate_rows: int | None = 4  # speculate while at most this many requests decode (None: always)
     tool_parser: str | None = None  # the tool-call format (tools.PARSERS); None: the chat template's
     bare_tool_calls: bool | None = None  # auto reads bare JSON calls (bare_calls); None: the format's default
 
@@ -71,11 +70,9 @@ def open_server(artifact, backend: str, backend_options, options: ServeOptions =
         raise UsageProblem(f"{artifact}: {problem}")
     tokenizer = Tokenizer(artifact)
     tokenizer.hf  # noqa: B018  (loaded now, not on the first chat request's event loop)
-    backend_options = backend_options.for_runs()  # a batch is a MatMul of several rows, as a verify run is
-    runtime = open_runtime(artifact, backend, dataclasses.replace(backend_options, static_cache=True))
+    # a batch is a MatMul of several rows, as a verify run is; torch keeps the static cache (the slots)
+    runtime = open_runtime(artifact, backend, dataclasses.replace(backend_options.for_runs(backend), static_cache=True))
     speculation = open_speculation(artifact, runtime, options.speculation, backend, backend_options)
-    if speculation is not None:
-        speculation.max_rows = options.speculate_rows
     sock = bind(options.host, options.port)
     try:
         batcher = Batcher(runtime, limits=options.limits, eos_ids=manifest.eos_token_ids,
