@@ -156,6 +156,28 @@ class _Runs(_Layout):
         out, _ = s.runtime.run(contract.DECODE, feeds, cache, None, in_place=True)
         return np.array(out.logits, dtype=np.float32)
 
+    def verify_rows(self, s: Session, rows: list[int], tokens: np.ndarray) -> np.ndarray | None:
+        """Verify runs of several of a session's rows in one run of its leading max(rows) + 1 rows
+        (tokens (len(rows), n)) -> each position's logits (len(rows), n, V); None where one run cannot
+        (the fused graph's attention takes a run over a past one row a batch, or a row that sits it out
+        has no room past its write index). A row that sits the run out writes n positions from its
+        write index that its mask does not show and its next run writes again (a ring holds a run's
+        worth more than its window: contract.ring_sizes), and its logits are not read."""
+        m, n = max(rows) + 1, tokens.shape[1]
+        write = s.static.write[:m].copy()
+        if self.fused or int(write.max()) + n > self.capacity or (self.max_run is not None and n > self.max_run):
+            return None
+        ids = np.zeros((m, n), dtype=np.int64)
+        ids[rows] = tokens
+        for b, w in zip(rows, write[rows].tolist()):
+            s.mask[b, w:w + n] = 1
+        feeds = {"input_ids": ids, "attention_mask": s.mask[:m, :self._width(int(write.max()) + n)],
+                 "position_ids": write[:, None] + np.arange(n), "write_indices": write,
+                 **({"logits_to_keep": np.arange(n)} if self.keeps else {})}
+        cache = s.cache if m == s.batch else [self.buffers.leading(b, m) for b in s.cache]
+        out, _ = s.runtime.run(contract.DECODE, feeds, cache, None, in_place=True)
+        return np.array(out.logits[rows], dtype=np.float32)
+
     def rewind(self, s: Session, lengths, rows=None) -> None:
         """Each row (of `rows`, default all) keeps the first `lengths[i]` positions of its cache (at
         most what its last run wrote): its write index moves there, its mask ends there and its last

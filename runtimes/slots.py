@@ -187,6 +187,16 @@ class Slots:
         check_token_ids(ids, self.runtime.dims.vocab_size)
         return self.layout.verify(self.session, ids, slot)[0]
 
+    def verify_many(self, slots: list[int], tokens: np.ndarray) -> np.ndarray | None:
+        """Several slots' verify runs (tokens (len(slots), n), each its last token and guesses, padded) in
+        one run -> their logits (len(slots), n, V); None where the graph runs them one a run (the fused
+        graph) or a slot has no room (StaticLayout.verify_rows)."""
+        if not self.runtime.row_views:
+            return None
+        tokens = np.asarray(tokens, dtype=np.int64)
+        check_token_ids(tokens, self.runtime.dims.vocab_size)
+        return self.layout.verify_rows(self.session, slots, tokens)
+
     def rewind(self, slot: int, length: int) -> None:
         """The slot keeps its cache's first `length` positions (of what its last verify wrote)."""
         self.layout.rewind(self.session, [length], [slot])

@@ -8,8 +8,10 @@ what a run costs here, so the loop measures it: every run it makes (decode steps
 chunks, verify runs) is a point (tokens, seconds), and `CostFit` fits seconds = fixed + per_token *
 tokens over the recent ones (least squares, older runs decaying). On a CPU `fixed` is reading the
 weights once and `per_token` the compute each token adds; a request's guesses are worth what it
-accepted of the guesses planned for it so far (`acceptance`, a prior of PRIOR_ACCEPTED of
-PRIOR_PLANNED to start from). The rule takes the set of guessing requests (the best first) whose step
+accepted of the guesses planned for it so far (`acceptance`, starting from the batcher's own
+acceptance so far, worth PRIOR_WEIGHT guesses). Where the proposer is cheap (prompt lookup) the loop
+proposes before the plan, so a request's `room` is the guesses it has, and one with none is not
+charged. The rule takes the set of guessing requests (the best first) whose step
 yields the most tokens per second, R + sum(a_i k_i) over the step's cost, and none where none beats
 plain decoding: with few rows the weights read dominates and a verify run is almost free, with many
 (or with requests whose guesses miss) the extra runs cost more than they save, and the step does not
@@ -21,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-PRIOR_ACCEPTED, PRIOR_PLANNED = 4, 8  # a request starts at acceptance 0.5, worth 8 planned guesses
+PRIOR_WEIGHT = 8  # a request starts at the batcher's acceptance so far (0.5 before any), worth 8 planned guesses
 
 
 @dataclass(frozen=True)
@@ -82,10 +84,12 @@ class SpeculationRule:
     cost: RunCost
     batched: bool = False
     max_rows: int | None = None
+    accepted: int = 0  # over every request so far: the prior of a new one
+    planned: int = 0
 
-    @staticmethod
-    def acceptance(seq) -> float:
-        return (seq.accepted + PRIOR_ACCEPTED) / (seq.planned + PRIOR_PLANNED)
+    def acceptance(self, seq) -> float:
+        prior = (self.accepted + 1) / (self.planned + 2)
+        return (seq.accepted + PRIOR_WEIGHT * prior) / (seq.planned + PRIOR_WEIGHT)
 
     def seconds(self, rows: int, ks: Sequence[int]) -> float:
         """A step's runs: the decode run of the rows that do not guess, the verify runs, the draft's steps."""

@@ -33,11 +33,19 @@ class SlotSpeculation:
         """Check the loaded target can verify; open the proposer's rows (a draft's slots)."""
         self.speculation.check(runtime)
         self.proposer.open(slots)
+        # several slots' verify runs go in one run where the graph takes runs of several rows over a past
+        # (the portable graph; the fused one's attention takes them one row a run)
+        self.rule.batched = runtime.row_views and not runtime.layout.fused
 
     def close(self) -> None:
         self.proposer.close()
         if isinstance(self.proposer, DraftModel):  # the batcher loaded it; nobody else holds it
             self.proposer.runtime.deactivate()
+
+    @property
+    def cheap(self) -> bool:
+        """Guessing costs no run (prompt lookup): the loop guesses before each plan."""
+        return not isinstance(self.proposer, DraftModel)
 
     def begin(self, slot: int, request) -> None:
         self.proposer.begin(slot, request.prompt, request.sampling)
@@ -58,6 +66,8 @@ class SlotSpeculation:
     def verdict(self, slot: int, guessed: int, kept: int) -> None:
         self.proposed += guessed
         self.accepted += kept
+        self.rule.planned += guessed  # the prior of the next requests
+        self.rule.accepted += kept
         self.proposer.accept(slot, kept)
 
     def measured(self, tokens: int, seconds: float) -> None:

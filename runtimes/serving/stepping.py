@@ -32,11 +32,11 @@ from tk.runtimes.slots import Slots
 class Occupant:
     """A request in its slot."""
 
-    __slots__ = ("seq", "request", "row", "ids", "stored")
+    __slots__ = ("seq", "request", "row", "ids", "stored", "proposal")
 
     def __init__(self, seq: Seq, eos_ids: frozenset, vocab_size: int):
         request = self.request = seq.request
-        self.seq, self.ids, self.stored = seq, None, 0
+        self.seq, self.ids, self.stored, self.proposal = seq, None, 0, None
         self.row = Row(request.prompt, request.max_new_tokens, request.sampling, vocab_size=vocab_size,
                        eos_ids=eos_ids, ignore_eos=request.ignore_eos, processors=request.processors,
                        logprobs=request.logprobs, prompt_logprobs=request.prompt_logprobs, stop=request.stop)
@@ -69,9 +69,24 @@ class Steps:
         for chunk in plan.prefill:
             if chunk.seq.state is State.PREFILL:  # (not failed this step)
                 self._prefill(chunk)
-        if self.spec is not None:  # what each decoding request may guess next step
-            for r in self.running.values():
-                r.seq.room = self.spec.room(self.runtime, r.request, self.slots.written(r.slot), len(r.row.tokens))
+        if self.spec is not None:
+            self._rooms()
+
+    def _rooms(self) -> None:
+        """What each decoding request may guess next step (`Seq.room`): where the proposer is cheap
+        (prompt lookup), its guesses are made now and the room is how many it has."""
+        decoding = [r for r in self.running.values() if r.seq.state is State.DECODE]
+        for r in decoding:
+            r.seq.room = self.spec.room(self.runtime, r.request, self.slots.written(r.slot), len(r.row.tokens))
+        if self.spec.cheap:
+            asked = [r for r in decoding if r.seq.room > 0]
+            try:
+                proposals = self.spec.propose([r.slot for r in asked], [[*r.row.prompt, *r.row.tokens] for r in asked],
+                                              [r.seq.room for r in asked])
+            except Exception as e:  # noqa: BLE001: the proposer failed them; the others go on
+                return self.fail([r.seq for r in asked], e)
+            for r, p in zip(asked, proposals):
+                r.proposal, r.seq.room = p, len(p.tokens)
 
     def _timed(self, tokens: int, run: Callable):
         tick = time.perf_counter()
@@ -106,6 +121,20 @@ class Steps:
             self.steps += 1
             for slot in plain:
                 self._take(slot, lambda r: r.row.take(out.logits[slot:slot + 1, -1]))
+        if len(guesses) > 1 and self.spec.rule.batched:  # every guessing slot's run in one
+            slots = sorted(guesses)
+            tokens = np.zeros((len(slots), 1 + max(len(guesses[s].tokens) for s in slots)), np.int64)
+            for i, slot in enumerate(slots):
+                tokens[i, :1 + len(guesses[slot].tokens)] = [self.last[slot], *guesses[slot].tokens]
+            try:
+                logits = self._timed(tokens.size, lambda: self.slots.verify_many(slots, tokens))
+            except Exception as e:  # noqa: BLE001
+                return self.fail([self.running[slot].seq for slot in slots], e)
+            if logits is not None:
+                self.steps += 1
+                for i, slot in enumerate(slots):
+                    self._verified(slot, guesses[slot], self.slots.written(slot), logits[i])
+                return
         for slot, proposal in guesses.items():
             self._verify(slot, proposal)
 
@@ -114,12 +143,15 @@ class Steps:
         if not verify:
             return {}
         slots = [g.seq.slot for g in verify]
-        texts = [[*self.running[s].row.prompt, *self.running[s].row.tokens] for s in slots]
-        try:
-            proposals = self.spec.propose(slots, texts, [g.k for g in verify])
-        except Exception as e:  # noqa: BLE001: the proposer failed them; the others go on
-            self.fail([g.seq for g in verify], e)
-            return {}
+        if self.spec.cheap:  # made after the last step (_rooms)
+            proposals = [self.running[s].proposal for s in slots]
+        else:
+            texts = [[*self.running[s].row.prompt, *self.running[s].row.tokens] for s in slots]
+            try:
+                proposals = self.spec.propose(slots, texts, [g.k for g in verify])
+            except Exception as e:  # noqa: BLE001: the proposer failed them; the others go on
+                self.fail([g.seq for g in verify], e)
+                return {}
         for g, p in zip(verify, proposals):
             g.seq.planned += g.k
         return {slot: p for slot, p in zip(slots, proposals) if p.tokens}
@@ -133,6 +165,12 @@ class Steps:
         except Exception as e:  # noqa: BLE001
             return self.fail([r.seq], e)
         self.steps += 1
+        self._verified(slot, proposal, at, logits)
+
+    def _verified(self, slot: int, proposal, at: int, logits: np.ndarray) -> None:
+        """The slot's row takes a verify run's tokens; the slot keeps what it accepted (one rewind)."""
+        r, guesses = self.running[slot], proposal.tokens
+        logits = logits[:len(guesses) + 1]
         accepted = self._take(slot, lambda r: r.row.take_verified(logits, guesses, proposal.probs)) or 0
         r.seq.accepted += accepted
         self.spec.verdict(slot, len(guesses), accepted)

@@ -11,7 +11,7 @@ import click
 from tk.models.fixtures.presets import PRESETS
 from tk.toolkit.backends import BackendOptions
 from tk.toolkit.cli.options import (BackendName, WorkloadList, backend_options, backends_option, interruptible,
-                                   reporter, speculation_from, speculation_options)
+                                   processor_options, processors_from, reporter, speculation_from, speculation_options)
 
 
 @click.command()
@@ -29,6 +29,7 @@ from tk.toolkit.cli.options import (BackendName, WorkloadList, backend_options, 
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--stop", "stops", multiple=True, help="Stop when this text appears (repeatable).")
 @click.option("--ignore-eos", is_flag=True, help="Generate exactly --max-new-tokens.")
+@processor_options
 @backend_options(prepack=None)
 @speculation_options
 @click.option("--json", "as_json", is_flag=True, help="Print tokens, text, finish reason and timings as JSON.")
@@ -61,9 +62,10 @@ def generate(ctx: click.Context, artifact: Path, backend: str, prompts: tuple[st
         ids = [tokenizer.encode(p) for p in prompts] if prompts else [parse_ids(p) for p in prompt_ids]
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p,
                               repetition_penalty=repetition_penalty, seed=seed)
+    processors = processors_from(ctx, tokenizer, manifest.config.vocab_size, manifest.eos_token_ids, sampling)
     stream = None if as_json else lambda text: click.echo(text, nl=False)
     result, texts = generate_text(runtime, tokenizer, ids, max_new_tokens, sampling,
-                                  manifest.eos_token_ids, stops, ignore_eos, stream, spec)
+                                  manifest.eos_token_ids, stops, ignore_eos, stream, spec, processors)
     if as_json:
         rows = [{"prompt_tokens": r.prompt_tokens, "tokens": r.tokens, "text": t, "finish_reason": r.finish_reason}
                 for r, t in zip(result.rows, texts)]
