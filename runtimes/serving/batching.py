@@ -92,7 +92,7 @@ class Batcher:
         self.runtime, self.limits, self.eos, self.speculation = runtime, limits, frozenset(eos_ids), speculation
         # its proposer, rule and counters (what the runtime can verify is checked at start, once it is loaded)
         self.speculating = None if speculation is None else SlotSpeculation(speculation)
-        self._cv = threading.Condition()
+        self._cv, self._closed = threading.Condition(), threading.Lock()
         self._sched: Scheduler | None = None  # made at start: what the runtime can do is known once it is loaded
         self._seqs: dict[Request, Seq] = {}  # every request submitted and not finished
         self._closing = self._abort = False
@@ -202,7 +202,9 @@ class Batcher:
         with self._cv:
             self._closing = True
             self._cv.notify()
-        if self._thread is not None:
+        with self._closed:  # (a server's shutdown may close it from two threads)
+            if self._thread is None:
+                return
             self._thread.join(timeout)
             with self._cv:
                 self._abort = True

@@ -90,21 +90,66 @@ class _Stopped(Exception):
     """A stop signal, once uvicorn has shut down."""
 
 
-def _uvicorn(server: Server):
+GRACE_S = 4.0  # past --drain, what the process gets to close its connections and exit before it is made to
+
+
+def _uvicorn(server: Server, grace: float = 0.0):
     import uvicorn
 
-    config = uvicorn.Config(server.app, log_level="warning", timeout_graceful_shutdown=server.drain_s, lifespan="on")
+    config = uvicorn.Config(server.app, log_level="warning", timeout_graceful_shutdown=server.drain_s + grace,
+                            lifespan="on")
     return uvicorn.Server(config)
+
+
+class Shutdown:
+    """One stop signal's deadline, kept on a thread of its own from the signal on: at `drain_s` the
+    batcher cancels what is still in flight (running and queued requests end CANCELLED, so their
+    handlers answer 503 and their streams an error event, and their connections close), and if the
+    process has not exited `GRACE_S` later, every thread's stack goes to stderr and it exits (status 1).
+    So one SIGTERM ends `tk serve` within --drain + GRACE_S, whatever a connection, a handler or the
+    event loop's own shutdown waits for (asyncio.run cancels and awaits every task left, and waits for
+    its worker threads, without a limit of its own before Python 3.12)."""
+
+    def __init__(self, server: Server):
+        self.server, self.done, self.started = server, threading.Event(), None
+
+    def begin(self) -> None:
+        if self.started is None:
+            self.started = time.monotonic()
+            threading.Thread(target=self._watch, name="tk-shutdown", daemon=True).start()
+
+    def left(self) -> float:
+        return max(0.0, self.started + self.server.drain_s - time.monotonic()) if self.started else self.server.drain_s
+
+    def _watch(self) -> None:
+        if not self.done.wait(self.left()):
+            self.server.batcher.close(timeout=0)
+        if not self.done.wait(GRACE_S):
+            import faulthandler
+            import os
+            import sys
+
+            print(f"tk serve: shutdown did not end {self.server.drain_s + GRACE_S:.0f} s after the stop signal; "
+                  "the threads' stacks follow, then the process exits", file=sys.stderr, flush=True)
+            faulthandler.dump_traceback(all_threads=True)
+            os._exit(1)
 
 
 def run(server: Server, sock) -> None:
     """Serve on a bound socket until SIGINT/SIGTERM (main thread); in-flight requests get the
-    server's `drain_s` to finish, then the rest are cancelled, and this returns."""
+    server's `drain_s` to finish, then the rest are cancelled, and this returns (`Shutdown`: within
+    drain_s + GRACE_S, or the process exits)."""
     def stopped(sig, frame):  # uvicorn shuts down gracefully, then re-raises the signal it caught
         raise _Stopped
     gc.collect()
     gc.freeze()  # the loaded heap (tokenizer, schemas, runtime) is never garbage: no GC pass walks it (vLLM's too)
-    process = _uvicorn(server)
+    process, shutdown = _uvicorn(server, GRACE_S / 2), Shutdown(server)
+    caught = process.handle_exit
+
+    def handle_exit(sig, frame):  # (uvicorn installs this on the signals while it serves)
+        shutdown.begin()
+        caught(sig, frame)
+    process.handle_exit = handle_exit
     handlers = {sig: signal.signal(sig, stopped) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         process.run(sockets=[sock])
@@ -113,7 +158,8 @@ def run(server: Server, sock) -> None:
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
-        server.batcher.close(timeout=server.drain_s)
+        server.batcher.close(timeout=shutdown.left())
+        shutdown.done.set()
 
 
 @contextmanager
