@@ -26,6 +26,7 @@ class BackendOptions:
     # None: not asked, so off, except where decode runs take several tokens (for_runs)
     quant_compute: str = "int8"  # ONNX Runtime, quantized artifacts: int8 (fast) or float (what the reference computes)
     static_cache: bool = False  # torch: keep the artifact's static cache (serving's slots), not the plain graphs' math
+    arena: bool = True  # ONNX Runtime: its CPU memory arena (a server runs without: it grows with the shapes seen)
 
     def for_runs(self, backend: str) -> "BackendOptions":
         """Options for decode runs of several tokens a row (speculation's verify runs, a draft's
@@ -110,7 +111,7 @@ def _open_ort(artifact: Path, manifest: Manifest, options: BackendOptions):
     from tk.runtimes.backends.ort import OrtRuntime
 
     return OrtRuntime(artifact, manifest, threads=options.threads, provider=options.provider,
-                      prepack=options.prepack, quant_compute=options.quant_compute)
+                      prepack=options.prepack, quant_compute=options.quant_compute, arena=options.arena)
 
 
 def _open_trt(artifact: Path, manifest: Manifest, options: BackendOptions):

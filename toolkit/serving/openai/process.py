@@ -70,8 +70,10 @@ def open_server(artifact, backend: str, backend_options, options: ServeOptions =
         raise UsageProblem(f"{artifact}: {problem}")
     tokenizer = Tokenizer(artifact)
     tokenizer.hf  # noqa: B018  (loaded now, not on the first chat request's event loop)
-    # a batch is a MatMul of several rows, as a verify run is; torch keeps the static cache (the slots)
-    runtime = open_runtime(artifact, backend, dataclasses.replace(backend_options.for_runs(backend), static_cache=True))
+    # a batch is a MatMul of several rows, as a verify run is; torch keeps the static cache (the slots); no ONNX
+    # Runtime arena: over a server's mix of shapes it only grows (the batcher gives freed memory back instead)
+    runtime = open_runtime(artifact, backend, dataclasses.replace(backend_options.for_runs(backend), static_cache=True,
+                                                                  arena=False))
     speculation = open_speculation(artifact, runtime, options.speculation, backend, backend_options)
     sock = bind(options.host, options.port)
     try:
