@@ -87,8 +87,8 @@ def streams(vocab: int, n: int, seed: int = 0) -> list[tuple[list[int], int]]:
 
 
 def copying(artifact: Path, n: int, seed: int = 0) -> list[tuple[list[int], int]]:
-    """n prompts whose answers copy them (tk bench's code-edit workload, a module each): about 1,500
-    characters of one of tk's modules, then "# The same module, copied exactly:" and its first 200
+    """n prompts whose answers copy them (tk bench's code-edit workload, a module each): 1,500 characters
+    of one of tk's modules (from an offset of the round's own), then "# The same module, copied exactly:" and its first 200
     characters; 160 new tokens each. Token ids through the artifact's tokenizer."""
     import inspect
 
@@ -99,8 +99,10 @@ def copying(artifact: Path, n: int, seed: int = 0) -> list[tuple[list[int], int]
 
     tok, modules = Tokenizer(artifact), [m0, m1, m2, m3, m4, m5, m6, m7]
     out = []
-    for i in range(n):
-        source = inspect.getsource(modules[(i + seed) % len(modules)])[:1500]
+    for i in range(n):  # each round its own slice of the module (no server's prompt cache serves another round)
+        text = inspect.getsource(modules[i % len(modules)])
+        at = (seed * 97 + i * 31) % max(1, len(text) - 1500)
+        source = text[at:at + 1500]
         out.append((tok.encode(f"{source}\n\n# The same module, copied exactly:\n{source[:200]}"), 160))
     return out
 
