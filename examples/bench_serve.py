@@ -18,6 +18,11 @@ within a round; the median over rounds is reported). Each round and client count
 its own (the same lengths), so no server's prompt cache serves one run from another. Workloads:
 
 - `mix`: prompts of 16..160 tokens, outputs of 32..128, at each `--concurrency` level.
+- `streams`: prompts of 32 tokens, 64 new tokens each, at each `--concurrency` level.
+- `copy`: answers that copy their prompts (about 1,500 characters of one of tk's modules, then "# The
+  same module, copied exactly:" and its first 200 characters, tokenized by the artifact's tokenizer),
+  160 new tokens each: where prompt lookup pays (`tk serve --lookup`, `llama-server --spec-type
+  ngram-simple`).
 - `shared-prefix`: `--requests` (32) prompts that start with the same 400-token system prompt (a
   new one each round, so a round never reuses the last one's cache), 16 clients; the tk server's
   prefix cache hit rate is read from its /metrics.
@@ -73,6 +78,33 @@ def long_prompt(vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
     rng = np.random.default_rng(2000 + seed)
     return [(rng.integers(3, vocab, size=64).tolist(), 160) for _ in range(STREAMS)] + \
         [(rng.integers(3, vocab, size=LONG).tolist(), 16)]
+
+
+def streams(vocab: int, n: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    """n streams of 64 new tokens each after prompts of 32 token ids."""
+    rng = np.random.default_rng(3000 + seed)
+    return [(rng.integers(3, vocab, size=32).tolist(), 64) for _ in range(n)]
+
+
+def copying(artifact: Path, n: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    """n prompts whose answers copy them (tk bench's code-edit workload, a module each): 1,500 characters
+    of one of tk's modules (from an offset of the round's own), then "# The same module, copied exactly:" and its first 200
+    characters; 160 new tokens each. Token ids through the artifact's tokenizer."""
+    import inspect
+
+    from tk.runtimes import slots as m7
+    from tk.runtimes.decoding import generate as m3, logits as m2, row as m4, rows as m1, sampling as m0, speculative as m5
+    from tk.runtimes.serving import scheduler as m6
+    from tk.toolkit.textgen import Tokenizer
+
+    tok, modules = Tokenizer(artifact), [m0, m1, m2, m3, m4, m5, m6, m7]
+    out = []
+    for i in range(n):  # each round its own slice of the module (no server's prompt cache serves another round)
+        text = inspect.getsource(modules[i % len(modules)])
+        at = (seed * 97 + i * 31) % max(1, len(text) - 1500)
+        source = text[at:at + 1500]
+        out.append((tok.encode(f"{source}\n\n# The same module, copied exactly:\n{source[:200]}"), 160))
+    return out
 
 
 def one(url: str, model: str | None, prompt: list[int], n: int, on_token=None) -> dict:
@@ -214,9 +246,13 @@ class Server:
             self.log.close()
 
 
-def workload(name: str, vocab: int, n: int, seed: int):
+def workload(name: str, artifact: Path, vocab: int, n: int, seed: int):
     if name == "mix":
         return mix(vocab, n, seed)
+    if name == "streams":
+        return streams(vocab, n, seed)
+    if name == "copy":
+        return copying(artifact, n, seed)
     if name == "shared-prefix":
         return shared_prefix(vocab, n, seed)
     return long_prompt(vocab, seed)
@@ -228,7 +264,7 @@ def main() -> None:
     ap.add_argument("--server", action="append", default=[], metavar="NAME=SPEC",
                     help="A URL, or a command with {port} to start here (repeat: side by side)")
     ap.add_argument("--url", action="append", default=[], help="A running server: the same as --server URL=URL")
-    ap.add_argument("--workload", choices=("mix", "shared-prefix", "long-prompt"), default="mix")
+    ap.add_argument("--workload", choices=("mix", "streams", "copy", "shared-prefix", "long-prompt"), default="mix")
     ap.add_argument("--concurrency", default="1,4,16", help="Client counts (mix); shared-prefix takes the last")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2)
@@ -242,9 +278,9 @@ def main() -> None:
     specs = [s.split("=", 1) for s in args.server] + [[u, u] for u in args.url] or [["tk", f"tk serve {args.artifact} --slots {args.slots} "
                                                               "--port {port}"]]
     levels = [int(c) for c in args.concurrency.split(",")]
-    if args.workload != "mix":
+    if args.workload not in ("mix", "streams", "copy"):
         levels = levels[-1:] if args.workload == "shared-prefix" else [STREAMS + 1]
-    rounds = [{c: workload(args.workload, vocab, args.requests, 1000 * r + c) for c in levels}
+    rounds = [{c: workload(args.workload, args.artifact, vocab, args.requests, 1000 * r + c) for c in levels}
               for r in range(args.rounds)]
     solo: dict[tuple[Path, int], list[list[int]]] = {}
     servers: list[Server] = []

@@ -93,7 +93,106 @@ class DynamicLayout(_Layout):
         return out
 
 
-class StaticLayout(_Layout):
+class _Runs(_Layout):
+    """A static cache's runs of several tokens a row at its write index, through the decode graph: a
+    prompt's (`prefill_row`), a verify run of guesses (`verify`) and the `rewind` after it (the
+    capacity, run and mask settings are StaticLayout's)."""
+
+    def prefill_row(self, s: Session, row: int, ids: np.ndarray, every: bool = False, at: int = 0) -> StepOutput:
+        """Prefill one row's tokens (1, L), the row's positions at .. at + L - 1, through the decode
+        graph (it takes a run of new tokens: contract.inputs' decode_prefills) into row `row` of the
+        cache, in runs of at most max_run tokens (the row's mask is already 1 on them). With `every`,
+        every position's logits (1, L, V): each run's, where the graph takes logits_to_keep, else one
+        token per run (the decode graph returns a run's last)."""
+        L = ids.shape[1]
+        run = 1 if every and not self.keeps else self.max_run or L
+        rows = [b[row:row + 1] for b in s.cache]
+        logits = []
+        for start in range(0, L, run):
+            end = min(L, start + run)
+            keep = {"logits_to_keep": np.arange(end - start)} if every and self.keeps else self._keep_last(end - start)
+            feeds = {"input_ids": ids[:, start:end], "attention_mask": s.mask[row:row + 1, :self._width(at + end)],
+                     "position_ids": np.arange(at + start, at + end, dtype=np.int64)[None],
+                     "write_indices": np.full(1, at + start, np.int64), **keep}
+            out, _ = s.runtime.run(contract.DECODE, feeds, rows, None, in_place=True)
+            if every:  # a copy: a backend may write the next run's logits into the same buffer
+                logits.append(np.array(out.logits[:, -(end - start) if self.keeps else -1:], dtype=np.float32))
+        return StepOutput(np.concatenate(logits, axis=1)) if every else out
+
+    def _keep_last(self, n: int) -> dict[str, np.ndarray]:
+        """The logits_to_keep feed of a run of `n` tokens that wants its last one's logits (none where
+        the graph takes no such input)."""
+        return {"logits_to_keep": np.full(1, n - 1, np.int64)} if self.keeps else {}
+
+    def _width(self, needed: int) -> int:
+        """The attention_mask's width for a step that needs `needed` positions: all of the cache, or
+        with a narrow mask (contract.inputs) that many rounded up to NARROW_STEP (fewer shapes to bind)."""
+        return min(self.capacity, -(-needed // NARROW_STEP) * NARROW_STEP) if self.narrow else self.capacity
+
+    def verify(self, s: Session, tokens: np.ndarray, row: int | None = None) -> np.ndarray:
+        """Run `tokens` (B, n), each row's next n tokens (its last kept token, then what a proposer
+        guessed), at each row's write index in one decode run -> each position's logits (B, n, V), a
+        copy; with `row`, that row of the session alone ((1, n) tokens). The run writes n positions
+        per row and moves nothing: `rewind` then says how many of them each row keeps, and what it
+        does not keep is never attended (its mask goes back to 0; a ring's slots hold window + run - 1
+        positions, so what a rejected run wrote there is older than any later query's window:
+        contract.ring_sizes)."""
+        n, g = tokens.shape[1], slice(None) if row is None else slice(row, row + 1)
+        write = s.static.write[g].copy()
+        if int(write.max()) + n > self.capacity:
+            raise InputError(f"verify: {n} tokens past a row's {int(write.max())} do not fit the static cache of "
+                             f"{self.capacity} positions; export with a larger --max-seq-len")
+        if self.max_run is not None and n > self.max_run:
+            raise InputError(f"verify: {n} tokens per row; this decode graph takes at most {self.max_run} a run")
+        if row is None and self.fused and s.batch > 1:  # GroupQueryAttention: a run over a past, one row a batch
+            return np.concatenate([self.verify(s, tokens[b:b + 1], b) for b in range(s.batch)])
+        for b, w in zip(range(s.batch)[g], write.tolist()):
+            s.mask[b, w:w + n] = 1
+        feeds = {"input_ids": np.ascontiguousarray(tokens, dtype=np.int64),
+                 "attention_mask": s.mask[g, :self._width(int(write.max()) + n)],
+                 "position_ids": write[:, None] + np.arange(n), "write_indices": write,
+                 **({"logits_to_keep": np.arange(n)} if self.keeps else {})}
+        cache = s.cache if row is None else [b[g] for b in s.cache]
+        out, _ = s.runtime.run(contract.DECODE, feeds, cache, None, in_place=True)
+        return np.array(out.logits, dtype=np.float32)
+
+    def verify_rows(self, s: Session, rows: list[int], tokens: np.ndarray) -> np.ndarray | None:
+        """Verify runs of several of a session's rows in one run of its leading max(rows) + 1 rows
+        (tokens (len(rows), n)) -> each position's logits (len(rows), n, V); None where one run cannot
+        (the fused graph's attention takes a run over a past one row a batch, or a row that sits it out
+        has no room past its write index). A row that sits the run out writes n positions from its
+        write index that its mask does not show and its next run writes again (a ring holds a run's
+        worth more than its window: contract.ring_sizes), and its logits are not read."""
+        m, n = max(rows) + 1, tokens.shape[1]
+        write = s.static.write[:m].copy()
+        if self.fused or int(write.max()) + n > self.capacity or (self.max_run is not None and n > self.max_run):
+            return None
+        ids = np.zeros((m, n), dtype=np.int64)
+        ids[rows] = tokens
+        for b, w in zip(rows, write[rows].tolist()):
+            s.mask[b, w:w + n] = 1
+        feeds = {"input_ids": ids, "attention_mask": s.mask[:m, :self._width(int(write.max()) + n)],
+                 "position_ids": write[:, None] + np.arange(n), "write_indices": write,
+                 **({"logits_to_keep": np.arange(n)} if self.keeps else {})}
+        cache = s.cache if m == s.batch else [self.buffers.leading(b, m) for b in s.cache]
+        out, _ = s.runtime.run(contract.DECODE, feeds, cache, None, in_place=True)
+        return np.array(out.logits[rows], dtype=np.float32)
+
+    def rewind(self, s: Session, lengths, rows=None) -> None:
+        """Each row (of `rows`, default all) keeps the first `lengths[i]` positions of its cache (at
+        most what its last run wrote): its write index moves there, its mask ends there and its last
+        position is the one before. A row's tokens sit from cache index 0 (decode_prefills), so its
+        position is its index."""
+        st = s.static
+        for b, n in zip(range(s.batch) if rows is None else rows, (int(x) for x in lengths)):
+            s.mask[b, :n] = 1  # (a row may move back and forth: serving keeps one guess at a time)
+            s.mask[b, n:] = 0
+            st.write[b] = n
+            s.positions[b] = n - 1
+        s.length = int(st.write.max())
+
+
+class StaticLayout(_Runs):
     """`decode_prefills` (the export's, dims.variant.decode_prefills: a decode graph that also prefills):
     every row's tokens sit from cache index 0, each row at its own length, never behind left
     padding (the graph reads no mask: contract.inputs), whichever graph prefilled them; `arrays`
@@ -215,32 +314,6 @@ class StaticLayout(_Layout):
             raise InputError(f"prefill: {T} tokens leave no room in the static cache of {self.capacity}; "
                              "export with a larger --max-seq-len")
 
-    def prefill_row(self, s: Session, row: int, ids: np.ndarray, every: bool = False, at: int = 0) -> StepOutput:
-        """Prefill one row's tokens (1, L), the row's positions at .. at + L - 1, through the decode
-        graph (it takes a run of new tokens: contract.inputs' decode_prefills) into row `row` of the
-        cache, in runs of at most max_run tokens (the row's mask is already 1 on them). With `every`,
-        every position's logits (1, L, V): each run's, where the graph takes logits_to_keep, else one
-        token per run (the decode graph returns a run's last)."""
-        L = ids.shape[1]
-        run = 1 if every and not self.keeps else self.max_run or L
-        rows = [b[row:row + 1] for b in s.cache]
-        logits = []
-        for start in range(0, L, run):
-            end = min(L, start + run)
-            keep = {"logits_to_keep": np.arange(end - start)} if every and self.keeps else self._keep_last(end - start)
-            feeds = {"input_ids": ids[:, start:end], "attention_mask": s.mask[row:row + 1, :self._width(at + end)],
-                     "position_ids": np.arange(at + start, at + end, dtype=np.int64)[None],
-                     "write_indices": np.full(1, at + start, np.int64), **keep}
-            out, _ = s.runtime.run(contract.DECODE, feeds, rows, None, in_place=True)
-            if every:  # a copy: a backend may write the next run's logits into the same buffer
-                logits.append(np.array(out.logits[:, -(end - start) if self.keeps else -1:], dtype=np.float32))
-        return StepOutput(np.concatenate(logits, axis=1)) if every else out
-
-    def _keep_last(self, n: int) -> dict[str, np.ndarray]:
-        """The logits_to_keep feed of a run of `n` tokens that wants its last one's logits (none where
-        the graph takes no such input)."""
-        return {"logits_to_keep": np.full(1, n - 1, np.int64)} if self.keeps else {}
-
     def step(self, s: Session, tokens: np.ndarray) -> StepOutput:
         if s.length >= self.capacity:  # (the longest row's length)
             raise InputError(f"decode: the static cache holds {self.capacity} positions and is full; "
@@ -248,11 +321,6 @@ class StaticLayout(_Layout):
         out = self.decode(s, tokens, None, s.batch)
         s.length += 1
         return out
-
-    def _width(self, needed: int) -> int:
-        """The attention_mask's width for a step that needs `needed` positions: all of the cache, or
-        with a narrow mask (contract.inputs) that many rounded up to NARROW_STEP (fewer shapes to bind)."""
-        return min(self.capacity, -(-needed // NARROW_STEP) * NARROW_STEP) if self.narrow else self.capacity
 
     def decode(self, s: Session, tokens: np.ndarray, rows: np.ndarray | None, n: int) -> StepOutput:
         """Decode the first `n` rows; of them, `rows` (None: all) advance (each at its own write
@@ -286,46 +354,6 @@ class StaticLayout(_Layout):
         else:
             st.write[rows] += 1
         return out
-
-    def verify(self, s: Session, tokens: np.ndarray, row: int | None = None) -> np.ndarray:
-        """Run `tokens` (B, n), each row's next n tokens (its last kept token, then what a proposer
-        guessed), at each row's write index in one decode run -> each position's logits (B, n, V), a
-        copy; with `row`, that row of the session alone ((1, n) tokens). The run writes n positions
-        per row and moves nothing: `rewind` then says how many of them each row keeps, and what it
-        does not keep is never attended (its mask goes back to 0; a ring's slots hold window + run - 1
-        positions, so what a rejected run wrote there is older than any later query's window:
-        contract.ring_sizes)."""
-        n, g = tokens.shape[1], slice(None) if row is None else slice(row, row + 1)
-        write = s.static.write[g].copy()
-        if int(write.max()) + n > self.capacity:
-            raise InputError(f"verify: {n} tokens past a row's {int(write.max())} do not fit the static cache of "
-                             f"{self.capacity} positions; export with a larger --max-seq-len")
-        if self.max_run is not None and n > self.max_run:
-            raise InputError(f"verify: {n} tokens per row; this decode graph takes at most {self.max_run} a run")
-        if row is None and self.fused and s.batch > 1:  # GroupQueryAttention: a run over a past, one row a batch
-            return np.concatenate([self.verify(s, tokens[b:b + 1], b) for b in range(s.batch)])
-        for b, w in zip(range(s.batch)[g], write.tolist()):
-            s.mask[b, w:w + n] = 1
-        feeds = {"input_ids": np.ascontiguousarray(tokens, dtype=np.int64),
-                 "attention_mask": s.mask[g, :self._width(int(write.max()) + n)],
-                 "position_ids": write[:, None] + np.arange(n), "write_indices": write,
-                 **({"logits_to_keep": np.arange(n)} if self.keeps else {})}
-        cache = s.cache if row is None else [b[g] for b in s.cache]
-        out, _ = s.runtime.run(contract.DECODE, feeds, cache, None, in_place=True)
-        return np.array(out.logits, dtype=np.float32)
-
-    def rewind(self, s: Session, lengths, rows=None) -> None:
-        """Each row (of `rows`, default all) keeps the first `lengths[i]` positions of its cache (at
-        most what its last run wrote): its write index moves there, its mask ends there and its last
-        position is the one before. A row's tokens sit from cache index 0 (decode_prefills), so its
-        position is its index."""
-        st = s.static
-        for b, n in zip(range(s.batch) if rows is None else rows, (int(x) for x in lengths)):
-            s.mask[b, :n] = 1  # (a row may move back and forth: serving keeps one guess at a time)
-            s.mask[b, n:] = 0
-            st.write[b] = n
-            s.positions[b] = n - 1
-        s.length = int(st.write.max())
 
     def keep(self, s: Session, rows: np.ndarray) -> None:
         super().keep(s, rows)

@@ -20,7 +20,7 @@ def planted_server(artifact, plant, *, slots: int = 4, **options):
     from tk.toolkit.serving.openai.server import Server
     from tk.toolkit.textgen import Tokenizer
 
-    runtime = open_runtime(artifact, "ort", dataclasses.replace(BackendOptions().for_runs(), static_cache=True))
+    runtime = open_runtime(artifact, "ort", dataclasses.replace(BackendOptions().for_runs("ort"), static_cache=True))
     run = runtime.run
 
     def planted(graph, feeds, past, session, in_place=False):

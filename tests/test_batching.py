@@ -12,7 +12,7 @@ from tk.models.spec.manifest import Manifest
 from tk.runtimes.base import InputError
 from tk.runtimes.serving.batching import Batcher, BatcherClosed, BatcherLimits, QueueFull, Request, wait_all
 from tk.runtimes.decoding.generate import generate
-from tk.runtimes.serving.slots import Slots
+from tk.runtimes.slots import Slots
 from tk.runtimes.decoding.sampling import SamplingConfig
 from tk.toolkit.backends import BackendOptions, open_runtime
 

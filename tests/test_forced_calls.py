@@ -57,7 +57,7 @@ def planted(tokenizer, means: dict[str, float], seed: int = 0, margin: float = 2
 
 
 def generate(constraint, model, sampling: SamplingConfig, model_ends: bool = True, budget: int = 240):
-    """The batcher's row in miniature (runtimes/serving/running.py, rows.py): processors, the
+    """The batcher's row in miniature (runtimes/decoding/row.py, rows.py): processors, the
     request's sampler, NO_TOKEN or EOS ends it, and so does a complete grammar -> its tokens."""
     grammar, sampler, tokens = constraint.start(sampling if model_ends else None), Sampler(sampling), []
     while len(tokens) < budget:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -117,6 +118,25 @@ def test_cli_stop_string(tiny_artifact):
     row = json.loads(run("generate", tiny_artifact, "--prompt-ids", "5,17,99", "--max-new-tokens", "16",
                          "--ignore-eos", "--stop", stop, "--json").stdout)["rows"][0]
     assert row["finish_reason"] == "stop" and row["text"] == full[: full.index(stop)]
+
+
+def test_cli_generate_takes_the_request_processors(tiny_artifact):
+    """tk generate runs a server request's processors through the same Row: a logit bias that forces a
+    token, a penalty that moves the tokens off the greedy ones, a regular expression the text must match;
+    a malformed bias and two grammars are usage errors."""
+    base = ["generate", tiny_artifact, "--prompt", "Once upon a time", "--max-new-tokens", "8", "--ignore-eos",
+            "--json"]
+    forced = json.loads(run(*base, "--logit-bias", "7=100").stdout)["rows"][0]
+    assert forced["tokens"] == [7] * 8
+    plain = json.loads(run(*base).stdout)["rows"][0]["tokens"]
+    penalized = json.loads(run(*base, "--frequency-penalty", "50").stdout)["rows"][0]["tokens"]
+    assert penalized != plain and len(set(penalized)) == len(penalized)  # each token once: a count costs 50
+    digits = json.loads(run(*base[:-2], "--regex", "[0-9]{3,5}", "--json").stdout)["rows"][0]
+    assert re.fullmatch("[0-9]{3,5}", digits["text"]) and digits["finish_reason"] in ("eos", "stop")
+    bad = run(*base, "--logit-bias", "seven=1")
+    assert bad.exit_code == 2 and "is not ID=BIAS" in error_line(bad)
+    both = run(*base, "--regex", "a", "--json-schema", __file__)
+    assert both.exit_code == 2 and "give one" in error_line(both)
 
 
 @pytest.fixture

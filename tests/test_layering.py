@@ -204,8 +204,8 @@ def test_a_planted_lazy_circle_is_found(planted):
     ("toolkit/backends.py", "def f():\n    from tk.toolkit.pipeline import calibrate\n",
      "toolkit.backends (toolkit) imports toolkit.pipeline.calibrate (toolkit.pipeline)"),
     # serving reaching a backend
-    ("runtimes/serving/slots.py", "from tk.runtimes.backends.ort import OrtRuntime\n",
-     "runtimes.serving.slots (runtimes.serving) imports runtimes.backends.ort (runtimes.backends)"),
+    ("runtimes/serving/batching.py", "from tk.runtimes.backends.ort import OrtRuntime\n",
+     "runtimes.serving.batching (runtimes.serving) imports runtimes.backends.ort (runtimes.backends)"),
     # a backend reaching the decoding loop
     ("runtimes/backends/ort.py", "import tk.runtimes.decoding.generate\n",
      "runtimes.backends.ort (runtimes.backends) imports runtimes.decoding.generate (runtimes.decoding)"),

@@ -88,7 +88,7 @@ def test_non_finite_logits_still_draw_within_the_mask_and_no_possible_token_ends
 def test_a_backend_that_cannot_score_a_prompt_says_how_to_export_one():
     from types import SimpleNamespace
 
-    from tk.runtimes.serving.slots import Slots
+    from tk.runtimes.slots import Slots
 
     trt = SimpleNamespace(name="trt", all_prefill_logits=False, row_slices=False)
     assert "--prefill-logits all" in Slots.prompt_logits_problem(trt)

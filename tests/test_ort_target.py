@@ -23,7 +23,7 @@ from tk.models.checkpoint.loading import load_decoder
 from tk.runtimes.decoding.generate import generate, left_pad
 from tk.runtimes.base import InputError
 from tk.runtimes.backends.ort import OrtRuntime
-from tk.runtimes.serving.slots import Slots
+from tk.runtimes.slots import Slots
 from tk.runtimes.backends.torch import TorchRuntime
 from tk.toolkit.pipeline.export import export_artifact
 from tk.toolkit.cli.main import main

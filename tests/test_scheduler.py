@@ -9,6 +9,7 @@ import pytest
 from tk.runtimes.serving.prefix_cache import PrefixCache
 from tk.runtimes.base import InputError
 from tk.runtimes.serving.scheduler import BatcherLimits, QueueFull, Scheduler, Seq, State
+from tk.runtimes.serving.spec_rule import CostFit, RunCost, SpeculationRule
 
 
 def _limits(**limits) -> BatcherLimits:
@@ -226,3 +227,85 @@ def test_the_default_budget_gives_each_prompt_coming_in_a_chunk_of_prompt_oldest
     sched.add(short)
     plan = sched.schedule()
     assert _chunks(plan) == [(1, 4, 12)] and short.state is State.WAITING  # two: 8 tokens, the oldest's first
+
+
+# --- speculation in the plan (runtimes/serving/spec_rule.py) ---
+
+def _decoding(sched: Scheduler, n: int, room: int, accepted: int = 0, planned: int = 0) -> list[Seq]:
+    """n requests admitted, prefilled and decoding, each allowed `room` guesses and with a history."""
+    seqs = [Seq([1, 2]) for _ in range(n)]
+    for seq in seqs:
+        sched.add(seq)
+    _ran(sched, sched.schedule())
+    for seq in seqs:
+        seq.room, seq.accepted, seq.planned = room, accepted, planned
+    return seqs
+
+
+# a 135M-parameter model's runs on 2 cores, as the loop fits them (CostFit): a run reads the weights once
+# (~20 ms), each token adds ~2 ms of compute
+CPU = RunCost(fixed=20e-3, per_token=2e-3)
+
+
+def test_verify_runs_are_charged_k_plus_1_within_the_step_budget_with_the_decode_tokens():
+    rule = SpeculationRule(CPU)
+    sched = Scheduler(_limits(slots=4, max_queue=4, step_tokens=20), speculation=rule)
+    seqs = _decoding(sched, 2, room=8, accepted=90, planned=100)
+    plan = sched.schedule()
+    assert [(g.seq, g.k) for g in plan.verify] == [(seqs[0], 8), (seqs[1], 8)] and plan.decode == []
+    assert plan.tokens == 18 <= 20
+    sched.limits = _limits(slots=4, max_queue=4, step_tokens=12)  # room for one request's guesses only
+    plan = sched.schedule()
+    assert len(plan.verify) == 1 and plan.decode == [seqs[1]] and plan.tokens == 10 <= 12
+    for seq in seqs:
+        seq.room = 0  # out of room (its budget or the cache's): it decodes plainly
+    plan = sched.schedule()
+    assert plan.verify == [] and plan.decode == seqs
+
+
+def test_a_prompt_coming_in_keeps_its_chunk_and_the_guesses_take_what_is_left():
+    rule = SpeculationRule(CPU)
+    sched = Scheduler(_limits(slots=4, max_queue=4, step_tokens=24, chunk_tokens=8), speculation=rule)
+    seqs = _decoding(sched, 2, room=8, accepted=90, planned=100)
+    long = Seq(list(range(100)))
+    sched.add(long)
+    for _ in range(5):
+        plan = sched.schedule()
+        assert plan.tokens <= 24 and sum(c.end - c.start for c in plan.prefill) >= 8  # the prompt keeps coming in
+        assert len(plan.verify) == 1  # 2 decode + 8 + 9 <= 24: one request's guesses fit beside the chunk
+        _ran(sched, plan)
+    assert seqs[0].state is State.DECODE
+
+
+def test_a_busy_step_stops_guessing_where_the_measured_costs_say_it_costs_more_than_it_saves():
+    """Each guessing request verifies in a run of its own (the fused graph): with few rows the weights read
+    dominates and guessing pays; with many the extra runs cost more than the tokens they add."""
+    rule = SpeculationRule(CPU)
+    for rows, guessing in ((1, 1), (2, 2), (4, 4), (8, 0), (16, 0)):
+        sched = Scheduler(_limits(slots=16, max_queue=0), speculation=rule)
+        _decoding(sched, rows, room=8, accepted=90, planned=100)  # a copying workload: 90% accepted
+        assert len(sched.schedule().verify) == guessing, rows
+    # rows whose guesses miss are not worth a run even alone
+    sched = Scheduler(_limits(slots=16, max_queue=0), speculation=rule)
+    _decoding(sched, 1, room=8, accepted=2, planned=100)
+    assert sched.schedule().verify == []
+    # verify runs batched into one run (a graph that takes several rows' runs): guessing pays at 8 rows too
+    batched = SpeculationRule(CPU, batched=True)
+    sched = Scheduler(_limits(slots=16, max_queue=0), speculation=batched)
+    _decoding(sched, 8, room=8, accepted=90, planned=100)
+    assert len(sched.schedule().verify) == 8
+    # a cap on the decoding requests (vLLM's disable_by_batch_size) wins over the costs
+    capped = SpeculationRule(CPU, max_rows=1)
+    sched = Scheduler(_limits(slots=16, max_queue=0), speculation=capped)
+    _decoding(sched, 2, room=8, accepted=90, planned=100)
+    assert sched.schedule().verify == []
+
+
+def test_the_cost_fit_recovers_what_runs_cost_and_keeps_its_prior_until_it_has_two_sizes():
+    fit = CostFit(RunCost(1.0, 1.0))
+    for _ in range(3):
+        fit.add(4, 0.028)
+    assert fit.cost == RunCost(1.0, 1.0)  # one size: no slope to fit
+    for tokens in (1, 2, 9, 16, 64, 3, 9):
+        fit.add(tokens, 0.020 + 0.002 * tokens)
+    assert fit.cost.fixed == pytest.approx(0.020) and fit.cost.per_token == pytest.approx(0.002)

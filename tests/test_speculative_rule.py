@@ -1,4 +1,5 @@
-"""Speculative decoding's acceptance rule (`judge`) and `PromptLookup`: pure numpy, no model.
+"""Speculative decoding's acceptance step (`Row.take_verified`: the one `tk generate`, `tk bench` and the
+batcher use, so the server's sampled drafts too) and `PromptLookup`: pure numpy, no model.
 
 The sampled tests draw one guess N times and check the token kept at its position with a chi-square
 goodness-of-fit test at level 0.001 (critical values CHI2_999). Its power: the statistic is about
@@ -11,12 +12,15 @@ top-p); 0.03 for the ~12300 bonus tokens of the first case. The wrong rules of t
 (WRONG) are off by TV 0.14 .. 0.38 and are rejected at the same N.
 """
 
+from typing import NamedTuple
+
 import numpy as np
 import pytest
 
 from tk.models.spec.errors import UsageProblem
+from tk.runtimes.decoding.row import Row, drain
 from tk.runtimes.decoding.sampling import NO_TOKEN, Sampler, SamplingConfig
-from tk.runtimes.decoding.speculative import PromptLookup, Proposal, Verdict, judge
+from tk.runtimes.decoding.speculative import PromptLookup, Proposal
 
 V = 6
 LOGITS = np.random.default_rng(0).normal(0, 1, (2, V)).astype(np.float32)  # row 0: the guess's; row 1: bonus
@@ -28,6 +32,24 @@ CASES = {  # id: (sampling config at temperature 1, guess drawn from Q (else GUE
     "t1-draft": ({}, True, 20_000), "t1-fixed": ({}, False, 10_000),
     "top_k4-draft": ({"top_k": 4}, True, 3_000), "top_k4-fixed": ({"top_k": 4}, False, 3_000),
     "top_p0.8-draft": ({"top_p": 0.8}, True, 3_000), "top_p0.8-fixed": ({"top_p": 0.8}, False, 3_000)}
+
+
+class Verdict(NamedTuple):
+    kept: list[int]  # the accepted guesses, then the target's own token (NO_TOKEN: none was possible)
+    accepted: int
+
+
+def judge(sampler: Sampler, logits: np.ndarray, guess: Proposal, seen: np.ndarray | None, rng=None) -> Verdict:
+    """One verify run's verdict through `Row.take_verified`: a row over `sampler` (its generator goes on
+    across calls) whose prompt is the `seen` tokens, EOS ignored, room for every guess."""
+    prompt = [] if seen is None else np.flatnonzero(seen[0]).tolist()
+    row = Row(prompt, len(guess.tokens) + 1, sampler.config, vocab_size=logits.shape[-1], ignore_eos=True)
+    row.sampler = sampler
+    ended = []
+    accepted = drain(row.take_verified(logits, guess.tokens, guess.probs),
+                     lambda e: e.token is None and ended.append(e.finish_reason))
+    nothing = [NO_TOKEN] if ended and len(row.tokens) < len(guess.tokens) + 1 and ended[0] == "stop" else []
+    return Verdict(row.tokens + nothing, accepted)
 
 
 def target(config: dict) -> tuple[Sampler, np.ndarray]:
@@ -154,7 +176,7 @@ def test_prompt_lookup_longest_then_latest_match():
     twice = [7, 1, 2, 3, 8, 7, 1, 2, 3, 9, 7, 1, 2, 3]
     assert PromptLookup(2, 4).lookup(np.array(twice), 2) == [9, 7]
     assert PromptLookup(2, 4).lookup(np.array([1, 2, 1, 2]), 5) == [1, 2]  # fewer than k remain
-    proposals = PromptLookup(1, 2).propose([[5, 9, 1, 5], [4, 4]], [3, 3])
+    proposals = PromptLookup(1, 2).propose([0, 1], [[5, 9, 1, 5], [4, 4]], [3, 3])
     assert [(g.tokens, g.probs) for g in proposals] == [([9, 1, 5], None), ([4], None)]
 
 

@@ -26,14 +26,17 @@ class BackendOptions:
     # None: not asked, so off, except where decode runs take several tokens (for_runs)
     quant_compute: str = "int8"  # ONNX Runtime, quantized artifacts: int8 (fast) or float (what the reference computes)
     static_cache: bool = False  # torch: keep the artifact's static cache (serving's slots), not the plain graphs' math
+    arena: bool = True  # ONNX Runtime: its CPU memory arena (a server runs without: it grows with the shapes seen)
 
-    def for_runs(self) -> "BackendOptions":
+    def for_runs(self, backend: str) -> "BackendOptions":
         """Options for decode runs of several tokens a row (speculation's verify runs, a draft's
-        catch-up) or of several rows (a server's batches): prepacked unless declined. ONNX Runtime's
-        MatMul over unpacked float weights packs them again every run of more than one row: on the
-        0.5B fp32 checkpoint a 9-token run took 343 ms unpacked and 205 ms packed (one token: 123
-        and 120; examples/bench_verify.py)."""
-        return self if self.prepack is not None else dataclasses.replace(self, prepack=True)
+        catch-up) or of several rows (a server's batches), on `backend`: the one place of the rule.
+        ONNX Runtime prepacks unless declined: its MatMul over unpacked float weights packs them again
+        every run of more than one row (on the 0.5B fp32 checkpoint a 9-token run took 343 ms unpacked
+        and 205 ms packed; one token: 123 and 120; examples/bench_verify.py). The torch reference keeps
+        the artifact's static cache, whose write indices a verify run and a rewind move."""
+        prepack = self.prepack if self.prepack is not None else True
+        return dataclasses.replace(self, prepack=prepack, static_cache=self.static_cache or backend == "torch")
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,7 @@ def _open_ort(artifact: Path, manifest: Manifest, options: BackendOptions):
     from tk.runtimes.backends.ort import OrtRuntime
 
     return OrtRuntime(artifact, manifest, threads=options.threads, provider=options.provider,
-                      prepack=options.prepack, quant_compute=options.quant_compute)
+                      prepack=options.prepack, quant_compute=options.quant_compute, arena=options.arena)
 
 
 def _open_trt(artifact: Path, manifest: Manifest, options: BackendOptions):

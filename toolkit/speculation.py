@@ -6,12 +6,12 @@ acceptance rule are runtimes/decoding/speculative.py's.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 from tk.models.spec.errors import UsageProblem
 from tk.models.spec.manifest import ArtifactError
+from tk.runtimes.decoding.speculative import P_MIN
 
 WORKLOADS = ("code-edit", "summary", "free")  # tk bench --workloads (toolkit/tools/bench_speculative.py)
 DEFAULT_K = {"lookup": 8, "draft": 4}  # guesses a step: llama.cpp's n-gram runs here drafted 8; a draft model pays for few
@@ -24,7 +24,8 @@ class SpeculationOptions:
     k: int | None = None  # guesses a step (None: DEFAULT_K of the proposer)
     lookup_min: int = 2  # the shortest n-gram prompt lookup matches (vLLM's prompt_lookup_min)
     lookup_max: int = 4  # the longest (prompt_lookup_max)
-    draft_p_min: float = 0.75  # a draft's guess needs this much of its probability (speculative.P_MIN)
+    draft_p_min: float = P_MIN  # a draft's guess needs this much of its probability
+    max_rows: int | None = None  # serving: guess while at most this many requests decode (None: the cost rule alone)
 
     def __post_init__(self):
         if self.lookup and self.draft is not None:
@@ -33,6 +34,8 @@ class SpeculationOptions:
             raise UsageProblem(f"--draft-p-min must be in [0, 1], got {self.draft_p_min}")
         if self.k is not None and not self.proposer:
             raise UsageProblem("--speculate K needs a proposer: add --lookup or --draft ARTIFACT")
+        if self.max_rows is not None and self.max_rows < 1:
+            raise UsageProblem(f"--speculate-max-rows must be at least 1, got {self.max_rows}")
 
     @property
     def proposer(self) -> str | None:
@@ -72,8 +75,10 @@ def check_draft(target: Path, draft: Path) -> None:
 
 
 def open_speculation(target: Path, runtime, so: SpeculationOptions, backend: str = "ort", options=None):
-    """The `Speculation` of these options over the target `runtime` (None where they ask for none);
-    a draft artifact opens on the target's backend (activated when a generation starts)."""
+    """The one opener: the `Speculation` of these options over the target `runtime` (None where they
+    ask for none), for `tk generate`, `tk bench` and `tk serve` alike; a draft artifact opens on the
+    target's backend with the options of runs (`BackendOptions.for_runs`: its catch-up runs take
+    several tokens), activated when a loop opens it."""
     from tk.runtimes.decoding.speculative import DraftModel, PromptLookup, Speculation
 
     if so.proposer is None:
@@ -84,10 +89,8 @@ def open_speculation(target: Path, runtime, so: SpeculationOptions, backend: str
         from tk.toolkit.backends import BackendOptions, open_runtime
 
         check_draft(Path(target), so.draft)
-        options = (options or BackendOptions()).for_runs()  # its catch-up runs take several tokens
-        if backend == "torch":  # the draft's own static cache (rewound after each verdict)
-            options = dataclasses.replace(options, static_cache=True)
-        proposer = DraftModel(open_runtime(so.draft, backend, options), runtime.dims.vocab_size, so.draft_p_min)
-    speculation = Speculation(proposer, so.guesses)
+        draft = open_runtime(so.draft, backend, (options or BackendOptions()).for_runs(backend))
+        proposer = DraftModel(draft, runtime.dims.vocab_size, so.draft_p_min)
+    speculation = Speculation(proposer, so.guesses, so.max_rows)
     speculation.check(runtime)
     return speculation

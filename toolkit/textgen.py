@@ -192,15 +192,16 @@ class TextStream:
 def generate_text(runtime: Runtime, tokenizer: Tokenizer | None, prompts: list[list[int]], max_new_tokens: int,
                   sampling: SamplingConfig, eos_ids: Sequence[int], stops: Sequence[str] = (),
                   ignore_eos: bool = False, stream: Callable[[str], None] | None = None,
-                  speculation: Speculation | None = None) -> tuple[GenerationResult, list[str]]:
+                  speculation: Speculation | None = None, processors=None) -> tuple[GenerationResult, list[str]]:
     """Generate and detokenize. `stream` receives the new text of a single prompt as it arrives;
-    `speculation`: a proposer's guesses verified a run at a time (the same tokens, greedy)."""
+    `speculation`: a proposer's guesses verified a run at a time (the same tokens, greedy);
+    `processors(row)`: a row's logits processors (penalties, logit bias, a grammar)."""
     if stops and tokenizer is None:
         raise InputError("--stop needs the artifact's tokenizer to read the generated text")
     texts = [TextStream(tokenizer, stops) for _ in prompts] if tokenizer else None
     show = stream if stream and texts and len(prompts) == 1 else None
     with runtime:
-        gen = Generation(runtime, prompts, max_new_tokens, sampling, eos_ids, ignore_eos, speculation)
+        gen = Generation(runtime, prompts, max_new_tokens, sampling, eos_ids, ignore_eos, speculation, processors)
         for event in gen:
             if texts is None:
                 continue

@@ -112,7 +112,8 @@ class OrtRuntime(ArtifactRuntime):
 
     def __init__(self, artifact: str | Path, manifest: Manifest | None = None, *, threads: int | None = None,
                  provider: str = "auto", profile: bool = False, huge_pages: bool = True, prepack: bool = False,
-                 swap_sessions: bool = False, quant_compute: str = "int8", prefill_via: PrefillVia | None = None):
+                 swap_sessions: bool = False, quant_compute: str = "int8", prefill_via: PrefillVia | None = None,
+                 arena: bool = True):
         """prepack: let each session repack its MatMul weights for the CPU's kernels (faster decode,
         a private copy per session); without it both sessions read the artifact's one weights file,
         which ONNX Runtime memory-maps: one copy in memory (each session maps it, so RSS, which counts
@@ -139,6 +140,7 @@ class OrtRuntime(ArtifactRuntime):
         self.threads, self.provider, self.profile, self.huge_pages = threads, provider, profile, huge_pages
         self.prepack = bool(prepack) or self.manifest.precision.quantized
         self.swap_sessions, self.quant_compute, self._prefill_via = swap_sessions, quant_compute, prefill_via
+        self.arena = arena
 
     def _at_rest(self) -> None:
         self._ort = self._map = self._bindings = None
@@ -200,6 +202,8 @@ class OrtRuntime(ArtifactRuntime):
 
     def _options(self, graph: str):
         opts = session_options(self._ort, self.threads, spin=self.prefill_via == "decode")
+        if not self.arena:
+            opts.enable_cpu_mem_arena = False
         if not self.prepack:  # both sessions use the memory-mapped weights file as it is
             opts.add_session_config_entry("session.disable_prepacking", "1")
         if self.manifest.precision.quantized:

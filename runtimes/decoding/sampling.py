@@ -10,6 +10,7 @@ possible (every logit -inf: a grammar, a ban) draws `NO_TOKEN`, which ends it (r
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -41,6 +42,15 @@ class SamplingConfig:
             raise UsageProblem(f"repetition_penalty must be > 0 and finite, got {self.repetition_penalty}")
         if self.seed < 0:
             raise UsageProblem(f"seed must be >= 0, got {self.seed}")
+
+    def for_row(self, row: int) -> "SamplingConfig":
+        """The sampling of row `row` of a batch (or choice `row` of a request): row 0 draws from `seed`
+        itself, row j > 0 from a stream of its own derived from (seed, j), so a row's draws are its solo
+        run's whatever shares its steps."""
+        if not row:
+            return self
+        seed = int(np.random.SeedSequence([self.seed, row]).generate_state(1, np.uint64)[0]) >> 1
+        return dataclasses.replace(self, seed=seed)
 
     @property
     def greedy(self) -> bool:

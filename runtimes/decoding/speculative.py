@@ -1,20 +1,19 @@
 """Speculative decoding: a proposer guesses up to k tokens per row, the target checks them all in one
 decode run (`Runtime.verify`), and each row keeps its longest accepted prefix plus one token of the
-target's own, so one run of the target's weights yields 1 .. k + 1 tokens.
+target's own, so one run of the target's weights yields 1 .. k + 1 tokens. The acceptance step is
+the row's (`Row.take_verified`, runtimes/decoding/row.py), the same in `tk generate`, `tk bench` and
+the batcher.
 
-Acceptance is the standard rule (Leviathan et al. 2023; Chen et al. 2023), applied to what the
-row's own `Sampler` makes of the target's logits at every verified position (its penalty seeing the
-guesses before that position): greedy keeps a guess while it is the argmax, so the output is the
-plain greedy output token for token; sampling keeps guess x with probability min(1, p(x) / q(x))
-and on a rejection draws from norm(max(0, p - q)) (a deterministic guess has q one-hot at x), so
-the tokens keep the target's distribution whatever the proposer.
-
-A `Proposer` is one small interface: `start` with the prompts, `propose` for the rows still
-running (their whole text so far), `accepted` (how many of its guesses each row kept), `keep`
-(rows leaving, as `Session.keep`), `close`. Two are here: `PromptLookup` (n-gram match over the
-row's own text, vLLM's `prompt_lookup_min/max`) and `DraftModel` (another runtime of the same
-vocabulary, its static cache kept in step with the target's by `Runtime.rewind`). A proposer of
-heads on the target (EAGLE, MTP) fits the same interface.
+A `Proposer` is keyed by row, as llama.cpp's common_speculative is by sequence: `open(rows)` for a
+loop's rows (a batch's, or a server's slots), `begin(row, prompt, sampling)` when a prompt takes a
+row, `propose(rows, texts, ks)` for the rows that guess this step (their whole text so far),
+`accept(row, kept)` with how many of its guesses the target kept, `close()`. Two are here:
+`PromptLookup` (n-gram match over the row's own text, vLLM's `prompt_lookup_min/max`) and
+`DraftModel` (another runtime of the same vocabulary over `Slots` of its own: each row's cache
+catches up on what it has not run, then every guessing row drafts in one batched decode step per
+guess; greedy where the row is greedy, else sampled with the row's temperature, top-k and top-p,
+its guesses carrying the distributions they were drawn from). A proposer of heads on the target
+(EAGLE, MTP) fits the same interface.
 """
 
 from __future__ import annotations
@@ -27,8 +26,8 @@ import numpy as np
 
 from tk.models.spec.errors import UsageProblem
 from tk.runtimes.base import InputError, Runtime
-from tk.runtimes.decoding.rows import left_pad
 from tk.runtimes.decoding.sampling import NO_TOKEN, Sampler, SamplingConfig
+from tk.runtimes.slots import Slots
 
 
 @dataclass
@@ -38,26 +37,25 @@ class Proposal:
 
 
 class Proposer(ABC):
-    """Guesses the next tokens of the rows a target runs."""
+    """Guesses the next tokens of the rows a target runs, each row by its index."""
 
     name = "proposer"
 
-    def start(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> None:
-        """A new batch of rows (0 .. B - 1) with these prompts, sampled with `sampling`."""
+    def open(self, rows: int) -> None:
+        """Rows 0 .. rows - 1 will guess (load what the proposer needs)."""
+
+    def begin(self, row: int, prompt: Sequence[int], sampling: SamplingConfig) -> None:
+        """A prompt takes `row`, sampled with `sampling` (the row's own stream)."""
 
     @abstractmethod
-    def propose(self, texts: list[list[int]], ks: list[int]) -> list[Proposal]:
-        """For each row still running (in the order of the last `keep`), at most ks[i] guesses
-        following texts[i] (its prompt and every token kept so far)."""
+    def propose(self, rows: list[int], texts: list[list[int]], ks: list[int]) -> list[Proposal]:
+        """For each of `rows`, at most ks[i] guesses following texts[i] (its prompt and every token kept so far)."""
 
-    def accepted(self, counts: list[int]) -> None:
-        """How many of each row's last guesses the target kept."""
-
-    def keep(self, rows: list[int]) -> None:
-        """Only these rows (indices into the rows still running) go on."""
+    def accept(self, row: int, kept: int) -> None:
+        """How many of the row's last guesses the target kept."""
 
     def close(self) -> None:
-        """Release what the proposer holds."""
+        """Release what `open` took (a draft's runtime stays loaded: its owner deactivates it)."""
 
 
 class PromptLookup(Proposer):
@@ -72,7 +70,7 @@ class PromptLookup(Proposer):
             raise UsageProblem(f"prompt lookup needs 1 <= min n-gram <= max n-gram, got {min_n} and {max_n}")
         self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, texts, ks):
+    def propose(self, rows, texts, ks):
         return [Proposal(self.lookup(np.asarray(t, dtype=np.int64), k)) for t, k in zip(texts, ks)]
 
     def lookup(self, text: np.ndarray, k: int) -> list[int]:
@@ -90,7 +88,8 @@ class PromptLookup(Proposer):
 
 
 # a draft's guess needs this much of its own probability (llama.cpp's --spec-draft-p-min, which defaults to 0
-# there: tk's default spends no draft step or verified position on a guess its draft is unsure of)
+# there: tk's default spends no draft step or verified position on a guess its draft is unsure of). The one
+# default: the CLI's --draft-p-min and SpeculationOptions read it.
 P_MIN = 0.75
 
 
@@ -102,141 +101,97 @@ def confidence(logits: np.ndarray) -> np.ndarray:
 
 class DraftModel(Proposer):
     """A smaller model of the same vocabulary (a tk artifact whose decode graph verifies runs) that
-    drafts k tokens a row, one decode step each, from its own static cache. Before drafting, the
-    cache catches up on the tokens it has not run (the target's token, and a guess it drafted
-    without running), in one run; after the target's verdict it rewinds to what the row kept. A row
-    stops guessing at the first token the draft gives less than `p_min` of its probability (llama.cpp's
-    --spec-draft-p-min): an unsure draft's guesses cost a draft step and a verified position each."""
+    drafts up to k tokens a row from `Slots` of its own (row i in slot i). Before drafting, a row's
+    cache catches up on the tokens it has not run (the target's token, and a guess it drafted without
+    running), in one run; then every guessing row drafts together, one batched decode step per guess.
+    A row stops guessing at the first token the draft gives less than `p_min` of its probability
+    (llama.cpp's --spec-draft-p-min): an unsure draft's guesses cost a draft step and a verified
+    position each. The cache ran every guess but the last: what the row kept of those is its text."""
 
     name = "draft"
 
     def __init__(self, runtime: Runtime, vocab_size: int, p_min: float = P_MIN):
-        problem = runtime.verify_problem
-        if problem:
+        if problem := runtime.verify_problem:
             raise InputError(f"the draft: {problem}")
         self.runtime, self.vocab_size, self.p_min = runtime, vocab_size, p_min
-        self.session = self.sampler = None
+        self.slots: Slots | None = None
         self.held: list[int] = []  # per row, the positions of its cache that are its true text
-        self.drafted: list[int] = []  # per row, the guesses of the last proposal
+        self.drafted: list[int] = []  # per row, the guesses of its last proposal
+        self.samplers: list[Sampler | None] = []  # per row, how it drafts (None: greedy)
 
-    def start(self, prompts, sampling):
+    def open(self, rows):
         self.close()
-        self.runtime.activate()  # its owner deactivates it (a draft stays loaded across generations)
-        self.sampler = Sampler(SamplingConfig(temperature=sampling.temperature, top_k=sampling.top_k,
-                                              top_p=sampling.top_p, seed=sampling.seed + 1))
-        _, self.session = self.runtime.start(*left_pad(prompts), room=0)
-        self.held = [len(p) for p in prompts]
-        self.drafted = [0] * len(prompts)
+        self.runtime.activate()
+        self.slots = Slots(self.runtime, rows)
+        self.held, self.drafted, self.samplers = [0] * rows, [0] * rows, [None] * rows
 
-    def _pick(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-        """The draft's logits (B, V_draft) -> its guesses (B,) and their distributions (B, V) (None: greedy)."""
-        V = self.vocab_size
-        if logits.shape[-1] != V:  # the target's vocabulary: ids the draft has not are never guessed
-            pad = np.full((logits.shape[0], V), -np.inf, np.float32)
-            pad[:, :min(V, logits.shape[-1])] = logits[:, :V]
-            logits = pad
-        scaled = self.sampler.scaled(logits)
-        if self.sampler.config.greedy:
-            return self.sampler.greedy_pick(scaled), None
-        probs = self.sampler.probs(scaled)
-        return self.sampler.draw(probs, self.sampler.rng.random(len(probs))), probs
-
-    def propose(self, texts, ks):
-        rt, s = self.runtime, self.session
-        lengths = [len(t) for t in texts]
-        if max(lengths) + 1 >= rt.max_context:  # the draft's cache is full: the target goes on alone
-            self.drafted = [0] * len(texts)
-            return [Proposal([]) for _ in texts]
-        behind = max(L - h for L, h in zip(lengths, self.held))  # >= 1: the target's last token at least
-        # each row runs its last `behind` tokens (a row less behind runs a known one again: the same values)
-        rt.rewind(s, [L - behind for L in lengths])
-        logits = rt.verify(s, np.array([t[-behind:] for t in texts], dtype=np.int64))[:, -1]
-        rt.rewind(s, lengths)
-        k = min(max(ks), rt.max_context - max(lengths) - 1)
-        guesses, dists, sure = [], [], np.zeros(len(texts), dtype=np.int64)  # sure: each row's guesses before an unsure one
-        for i in range(max(k, 0)):
-            token, probs = self._pick(logits)
-            sure += (sure == i) & (confidence(logits) >= self.p_min)
-            if not (sure > i).any():
-                break
-            token = np.where(token == NO_TOKEN, 0, token)  # a draft with no possible token guesses anything
-            guesses.append(token)
-            dists.append(probs)
-            if i + 1 < k:
-                logits = rt.step(s, token).logits[:, -1]
-        self.held = lengths
-        self.drafted = [min(kb, int(n)) for kb, n in zip(ks, sure)]
-        out = []
-        for b, n in enumerate(self.drafted):
-            probs = None if not n or dists[0] is None else np.stack([d[b] for d in dists[:n]])
-            out.append(Proposal([int(g[b]) for g in guesses[:n]], probs))
-        return out
-
-    def accepted(self, counts):
-        # the cache ran every guess but the last: what the row kept of those is its text
-        self.held = [h + min(c, max(d - 1, 0)) for h, c, d in zip(self.held, counts, self.drafted)]
-
-    def keep(self, rows):
-        self.session.keep(rows)
-        self.held = [self.held[i] for i in rows]
-        self.drafted = [self.drafted[i] for i in rows]
+    def begin(self, row, prompt, sampling):
+        self.held[row] = self.drafted[row] = 0
+        self.samplers[row] = None if sampling.greedy else Sampler(SamplingConfig(
+            temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=sampling.seed + 1))
 
     def close(self):
-        if self.session is not None:
-            self.session.close()
-            self.session = None
+        if self.slots is not None:
+            self.slots.close()
+            self.slots = None
 
+    def _pick(self, row: int, logits: np.ndarray) -> tuple[int, np.ndarray | None]:
+        """The draft's logits (V_draft,) -> its guess among the target's vocabulary (ids the draft has
+        not are never guessed), and the distribution it was drawn from (None: greedy)."""
+        V = self.vocab_size
+        if logits.shape[-1] != V:
+            pad = np.full(V, -np.inf, np.float32)
+            pad[:min(V, logits.shape[-1])] = logits[:V]
+            logits = pad
+        sampler = self.samplers[row]
+        if sampler is None:
+            return int(np.argmax(logits)), None
+        probs = sampler.probs(sampler.scaled(logits[None]))
+        token = int(sampler.draw(probs, sampler.rng.random(1))[0])
+        return (0 if token == NO_TOKEN else token), probs[0]  # a draft with no possible token guesses anything
 
-@dataclass
-class Verdict:
-    kept: list[int]  # the accepted guesses, then the target's own token (NO_TOKEN: none was possible)
-    accepted: int  # how many guesses were kept
+    def propose(self, rows, texts, ks):
+        slots, capacity = self.slots, self.runtime.layout.capacity
+        out, logits = [Proposal([]) for _ in rows], {}
+        for i, (b, text, k) in enumerate(zip(rows, texts, ks)):
+            self.drafted[b] = 0
+            if k > 0 and len(text) + k < capacity:  # (else the target goes on alone: the draft's cache is full)
+                at = min(self.held[b], len(text) - 1)  # the text's last token runs at least: its logits guess
+                logits[i] = slots.extend(b, text[at:], at).logits[0, -1]
+                self.held[b] = len(text)
+        guessing, dists = sorted(logits), {i: [] for i in logits}
+        tokens = np.zeros(max(rows, default=0) + 1, np.int64)
+        while guessing:
+            sure = [i for i in guessing if confidence(logits[i][None])[0] >= self.p_min]
+            for i in sure:
+                token, q = self._pick(rows[i], logits[i])
+                out[i].tokens.append(token)
+                dists[i].append(q)
+                tokens[rows[i]] = token
+            guessing = [i for i in sure if len(out[i].tokens) < ks[i]]
+            if guessing:  # one batched step of every row still guessing
+                active = [rows[i] for i in guessing]
+                step = slots.step(tokens[:max(active) + 1], active).logits
+                logits.update({i: step[rows[i], -1] for i in guessing})
+        for i, (b, proposal) in enumerate(zip(rows, out)):
+            self.drafted[b] = len(proposal.tokens)
+            if proposal.tokens and dists[i][0] is not None:
+                proposal.probs = np.stack(dists[i])
+        return out
 
-
-def judge(sampler: Sampler, logits: np.ndarray, guess: Proposal, seen: np.ndarray | None,
-          rng: np.random.Generator) -> Verdict:
-    """One row's verdict: `logits` (n, V) the target's at the row's last kept token and at each guess
-    (n = len(guess.tokens) + 1), read through the row's `sampler` (its `seen` line (1, V) marked with
-    each guess before the positions after it)."""
-    tokens, greedy = guess.tokens, sampler.config.greedy
-    seen = None if seen is None else seen.copy()
-    for j in range(len(tokens) + 1):
-        scaled = sampler.scaled(logits[j:j + 1], seen)
-        if greedy:
-            best = int(sampler.greedy_pick(scaled)[0])
-            if j == len(tokens) or best != tokens[j]:
-                return Verdict([*tokens[:j], best], j)
-        else:
-            p = sampler.probs(scaled)[0]
-            if j == len(tokens):
-                return Verdict([*tokens, int(sampler.draw(p[None], rng.random(1))[0])], j)
-            x = tokens[j]
-            q = None if guess.probs is None else guess.probs[j]
-            qx = 1.0 if q is None else float(q[x])
-            if qx > 0 and rng.random() * qx < p[x]:  # accepted with probability min(1, p(x) / q(x))
-                if seen is not None:
-                    seen[0, x] = True
-                continue
-            residual = p.copy()
-            if q is None:
-                residual[x] = 0
-            else:
-                residual = np.maximum(residual - q, 0)
-            if residual.sum() <= 0:  # p <= q everywhere: p itself (it only happens where p == q)
-                residual = p
-            return Verdict([*tokens[:j], int(sampler.draw(residual[None], rng.random(1))[0])], j)
-        if seen is not None:
-            seen[0, tokens[j]] = True
-    raise AssertionError("unreachable")
+    def accept(self, row, kept):
+        self.held[row] += min(kept, max(self.drafted[row] - 1, 0))
 
 
 @dataclass
 class Speculation:
-    """What `Generation` speculates with: a proposer and at most k guesses a row a step."""
+    """What a loop (`Generation`, the batcher) speculates with: a proposer and at most k guesses a row a
+    step; serving guesses while at most `max_rows` requests decode (vLLM's disable_by_batch_size; None:
+    wherever its scheduler's cost rule says a step gains by it)."""
 
     proposer: Proposer
     k: int = 8
-    max_rows: int | None = None  # serving: speculate while at most this many requests decode (vLLM's disable_by_batch_size)
+    max_rows: int | None = None
 
     def room(self, target: Runtime, written: int, left: int) -> int:
         """The most guesses a row may take: k, its `left` token budget after the target's own token,

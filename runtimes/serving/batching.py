@@ -6,9 +6,10 @@ only up to the last busy slot), one decode token for every running request and, 
 token budget, prefill chunks of the prompts coming in; the loop runs the plan on the `Slots` and
 tells the scheduler what happened. So a long prompt comes in a chunk per step while the others keep
 decoding, never stalling them for its whole prefill. Each request in its slot samples by itself
-(`Running`: its own sampler, processors and log-probabilities) and ends by the same `RowPolicy` as
+(its `Row`, runtimes/decoding/row.py: its own sampler, processors and log-probabilities, what
+`tk generate` runs) and ends by the same `RowPolicy` as
 its solo run (EOS, its token budget, its front end's stop); or it is cancelled, or fails alone.
-Either way it leaves at once and frees its slot. With prefix caching (`PrefixStore` decides what
+Either way it leaves at once and frees its slot. The steps themselves are runtimes/serving/stepping.py's. With prefix caching (`PrefixStore` decides what
 a slot's cache leaves in the `PrefixCache`), a prompt that starts with cached blocks gets them
 copied into its slot and prefills only the rest; one that asks for its prompt's log-probabilities
 computes its whole prompt.
@@ -22,6 +23,7 @@ text: its `stop(tokens)` is asked after each token. Limits: `slots` requests run
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -38,10 +40,10 @@ from tk.runtimes.decoding.sampling import SamplingConfig
 from tk.runtimes.decoding.speculative import Speculation
 from tk.runtimes.serving.prefix_cache import PrefixCache
 from tk.runtimes.serving.prefix_store import PrefixStore
-from tk.runtimes.serving.running import Running
-from tk.runtimes.serving.scheduler import BatcherLimits, Chunk, QueueFull, Scheduler, Seq, State, StepPlan
-from tk.runtimes.serving.slots import Slots
+from tk.runtimes.serving.scheduler import BatcherLimits, QueueFull, Scheduler, Seq, State
 from tk.runtimes.serving.speculating import SlotSpeculation
+from tk.runtimes.serving.stepping import Steps
+from tk.runtimes.slots import Slots
 
 log = logging.getLogger("tk.batcher")
 
@@ -82,31 +84,25 @@ class Batcher:
     """Start it (or use `with`), `submit` requests, `cancel` them, `close` it. Counters for
     metrics: `running`, `waiting`, `finished[reason]`, `steps`, `prefill_tokens` (computed, not
     reused), `prefix` (the PrefixCache, None where off: its hit rate and reused tokens), and with
-    `speculation` (prompt lookup; off while more than its max_rows decode) the guesses `proposed`
-    and `accepted`: a request's guesses are verified in one run and its tokens taken one position
-    at a time through its own sampler, so what it gets is what it would get without them."""
+    `speculation` the guesses `proposed` and `accepted` (`speculating`): the scheduler plans which
+    requests guess each step, and a request's tokens are taken through its own row
+    (`Row.take_verified`), so what it gets is what it would get without them."""
 
     def __init__(self, runtime: Runtime, *, limits: BatcherLimits = BatcherLimits(), eos_ids: Sequence[int] = (),
                  speculation: Speculation | None = None):
         self.runtime, self.limits, self.eos, self.speculation = runtime, limits, frozenset(eos_ids), speculation
-        # its proposer and counters (what the runtime can verify is checked at start, once it is loaded)
+        # its proposer, rule and counters (what the runtime can verify is checked at start, once it is loaded)
         self.speculating = None if speculation is None else SlotSpeculation(speculation)
-        self._cv = threading.Condition()
+        self._cv, self._closed = threading.Condition(), threading.Lock()
         self._sched: Scheduler | None = None  # made at start: what the runtime can do is known once it is loaded
         self._seqs: dict[Request, Seq] = {}  # every request submitted and not finished
-        self._running: dict[int, Running] = {}  # slot -> its request (the loop thread's)
-        self._closing = False
-        self._abort = False
-        self._last = np.zeros(limits.slots, dtype=np.int64)  # each slot's last token: the next step's input
+        self._closing = self._abort = False
         self._ids = itertools.count()
-        self._rows: Slots | None = None  # the runtime's slots, open while the batcher runs
+        self._steps: Steps | None = None  # the loop's, over the runtime's slots, while the batcher runs
         self._thread: threading.Thread | None = None
-        self._store: PrefixStore | None = None
         self.prefix: PrefixCache | None = None
         self.chunked = False  # prompts come in chunks (False: whole, where the backend cannot continue one)
         self.finished = {reason: 0 for reason in FinishReason}
-        self.steps = 0
-        self.prefill_tokens = 0
 
     # --- the front end's side ---
 
@@ -119,39 +115,48 @@ class Batcher:
         return len(self._sched.waiting) if self._sched else 0
 
     @property
+    def steps(self) -> int:
+        return self._steps.steps if self._steps else 0
+
+    @property
+    def prefill_tokens(self) -> int:
+        return self._steps.prefill_tokens if self._steps else 0
+
+    @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
     def start(self) -> "Batcher":
-        if self._rows is not None or self._closing:
+        if self._steps is not None or self._closing:
             raise RuntimeError("a batcher starts once")
         self.runtime.activate()
+        slots = None
         try:
-            self._rows = Slots(self.runtime, self.limits.slots)
+            slots = Slots(self.runtime, self.limits.slots)
+            if self.speculating is not None:
+                self.speculating.open(self.runtime, self.limits.slots)
         except BaseException:
+            if slots is not None:
+                slots.close()
             self.runtime.deactivate()  # what it loaded (device buffers, sessions) goes back
             raise
-        if self.speculating is not None:
-            try:
-                self.speculating.open(self.runtime, self.limits.slots)
-            except BaseException:
-                self._rows.close()
-                self.runtime.deactivate()
-                raise
         problem = Slots.chunk_problem(self.runtime)
-        self.chunked = problem is None
+        self.chunked, store = problem is None, None
         if problem:
             log.info("prompts are prefilled whole, not in chunks, and no prefix is cached: %s", problem)
         if self.chunked and self.limits.prefix_cache_bytes > 0 and self.runtime.dims.stateful:
             log.warning("prefix caching is off: this model's recurrent layers carry a state that a cached block of "
                         "keys and values cannot restore (tk keeps no state per block)")
         elif self.chunked and self.limits.prefix_cache_bytes > 0 and self.runtime.layout.ring_free:
-            self._store = PrefixStore(self.runtime, self._rows, self.limits.prefix_cache_bytes)
-            self.prefix = self._store.cache
+            store = PrefixStore(self.runtime, slots, self.limits.prefix_cache_bytes)
+            self.prefix = store.cache
         elif self.chunked and self.limits.prefix_cache_bytes > 0:
             log.info("prefix caching is off: a sliding layer's cache is a ring of its window, whose slots a cached "
                      "block of positions cannot restore")
-        self._sched = Scheduler(self.limits, chunked=self.chunked, prefix=self.prefix)
+        self._sched = Scheduler(self.limits, chunked=self.chunked, prefix=self.prefix,
+                                speculation=None if self.speculating is None else self.speculating.rule)
+        self._steps = Steps(self.runtime, slots, self.eos, store=store, speculating=self.speculating, tell=self._tell,
+                            advanced=self._advanced, ended=self._ended, log=log)
         self._thread = threading.Thread(target=self._loop, name="tk-batcher", daemon=True)
         self._thread.start()
         return self
@@ -201,14 +206,16 @@ class Batcher:
         with self._cv:
             self._closing = True
             self._cv.notify()
-        if self._thread is not None:
+        with self._closed:  # (a server's shutdown may close it from two threads)
+            if self._thread is None:
+                return
             self._thread.join(timeout)
             with self._cv:
                 self._abort = True
                 self._cv.notify()
             self._thread.join()
             self._thread = None
-            self._rows.close()
+            self._steps.slots.close()
             self.runtime.deactivate()
             if self.speculating is not None:
                 self.speculating.close()
@@ -216,7 +223,11 @@ class Batcher:
     # --- the loop ---
 
     def _loop(self) -> None:
+        trimmed = time.monotonic()
         while True:
+            if time.monotonic() - trimmed > TRIM_EVERY_S or not self._sched.has_work:
+                trim_heap()
+                trimmed = time.monotonic()
             with self._cv:
                 while not (self._sched.has_work or self._closing):
                     self._cv.wait()
@@ -227,128 +238,20 @@ class Batcher:
             for seq in dropped:
                 self._finish(seq.request, FinishReason.CANCELLED)
             try:
-                self._run(plan)
+                self._steps.run(plan)
             except Exception as e:  # noqa: BLE001: a bug here must not strand the requests (they would hang)
-                self._fail([s for s in plan.admitted + plan.decode + [c.seq for c in plan.prefill]
-                            if s.state is not State.DONE], e)
+                self._steps.fail([s for s in plan.admitted + plan.decode + [g.seq for g in plan.verify] +
+                                  [c.seq for c in plan.prefill] if s.state is not State.DONE], e)
 
-    def _run(self, plan: StepPlan) -> None:
-        for seq in plan.left:
-            self._leave(seq, FinishReason.CANCELLED)
-        for seq in plan.admitted:
-            self._enter(seq)
-        if plan.decode:
-            self._decode([seq.slot for seq in plan.decode])
-        for chunk in plan.prefill:
-            if chunk.seq.state is State.PREFILL:  # (not failed this step)
-                self._prefill(chunk)
+    def _advanced(self, chunk) -> None:
+        with self._cv:
+            self._sched.advance(chunk)
 
-    def _enter(self, seq: Seq) -> None:
-        """A request takes its slot: its sampler and policy, its cached prefix copied in."""
-        cached, seq.cached = seq.cached, []
-        try:
-            running = Running(seq, self.eos, self.runtime.dims.vocab_size)
-            self._running[seq.slot] = running
-            running.ids = self._rows.begin(seq.slot, seq.request.prompt)
-            if cached:
-                self._store.enter(running, cached)
-        except Exception as e:  # noqa: BLE001: this request fails; the batcher and the others go on
-            self._fail([seq], e)
-
-    def _decode(self, active: list[int]) -> None:
-        guesses = self._guesses(active)
-        plain = [slot for slot in active if slot not in guesses]
-        if plain:
-            try:
-                out = self._rows.step(self._last[: plain[-1] + 1], plain)
-            except Exception as e:  # noqa: BLE001
-                self._fail([self._running[slot].seq for slot in plain], e)
-                return
-            self.steps += 1
-            for slot in plain:
-                self._next(slot, out.logits[slot : slot + 1, -1])
-        for slot, tokens in guesses.items():
-            self._verify(slot, tokens)
-
-    def _guesses(self, active: list[int]) -> dict[int, list[int]]:
-        if self.speculating is None:
-            return {}
-        room = {slot: self.speculation.room(self.runtime, self._rows.written(slot),
-                                            self._running[slot].request.max_new_tokens - len(self._running[slot].policy.tokens))
-                for slot in active}
-        return self.speculating.guesses(self._running, active, room, lambda seq, e: self._fail([seq], e))
-
-    def _verify(self, slot: int, guesses: list[int]) -> None:
-        """One run checks the slot's guesses; the request takes its tokens one position at a time
-        through its own sampler, processors and policy (`_take`), while each equals the guess there.
-        For a guess made without a distribution (prompt lookup) this is speculative sampling's rule:
-        the guess is kept with the target's probability of it, and a rejection draws from the rest."""
-        r, at = self._running[slot], self._rows.written(slot)
-        try:
-            logits = self._rows.verify(slot, [int(self._last[slot]), *guesses])
-        except Exception as e:  # noqa: BLE001
-            return self._fail([r.seq], e)
-        self.steps += 1
-        kept = 0
-        for j in range(len(guesses) + 1):
-            self._rows.rewind(slot, at + 1 + j)  # what is known so far: the last token, and the j guesses kept
-            self._next(slot, logits[j:j + 1])
-            if self._running.get(slot) is not r or j == len(guesses) or self._last[slot] != guesses[j]:
-                break
-            kept += 1
-        self.speculating.verdict(slot, len(guesses), kept)
-
-    def _prefill(self, chunk: Chunk) -> None:
-        seq = chunk.seq
-        r = self._running[seq.slot]
-        every = r.request.prompt_logprobs is not None
-        try:
-            out = self._rows.prefill(seq.slot, r.ids, chunk.start, chunk.end, every)
-            with self._cv:
-                self._sched.advance(chunk)
-            self.prefill_tokens += chunk.end - chunk.start
-            if self._store is not None:
-                self._store.prompt(r, chunk.end)
-            if every:
-                r.score_prompt(out.logits[0], chunk.last)
-        except Exception as e:  # noqa: BLE001
-            return self._fail([seq], e)
-        if chunk.last:
-            self._next(seq.slot, out.logits[:, -1])
-
-    def _next(self, slot: int, logits: np.ndarray) -> None:
-        try:
-            self._take(self._running[slot], logits)
-        except Exception as e:  # noqa: BLE001: its sampler or its front end's stop failed: this request only
-            if slot in self._running:
-                self._fail([self._running[slot].seq], e)
-
-    def _take(self, r: Running, logits: np.ndarray) -> None:
-        """The request's next token from its logits (1, V): told to the front end; maybe it leaves."""
-        token, scored = r.sample(logits)
-        policy = r.policy
-        if not policy.add(token):  # EOS: not kept, but its log-probability is told with the finish (lm-eval reads it)
-            return self._leave(r.seq, policy.finish_reason, scored)
-        self._last[r.seq.slot] = token
-        self._tell(r.request, TokenEvent(0, token, None, scored))
-        if policy.finished():
-            self._leave(r.seq, policy.finish_reason)
-
-    def _leave(self, seq: Seq, reason: FinishReason, scored: TokenLogprob | None = None) -> None:
-        """The request leaves its slot (a completed one's generated blocks kept for the next turn)."""
-        r = self._running.pop(seq.slot, None)
-        if r is not None and reason.completed and self._store is not None:
-            self._store.leave(r)
-        self._rows.free(seq.slot)
+    def _ended(self, seq: Seq, reason: FinishReason, scored: TokenLogprob | None) -> None:
+        """A request left its slot: the scheduler frees it, its front end hears the finish."""
         with self._cv:
             self._sched.finish(seq)
         self._finish(seq.request, reason, scored)
-
-    def _fail(self, seqs: list[Seq], error: Exception) -> None:
-        log.error("the batcher failed a step of %d request(s)", len(seqs), exc_info=error)
-        for seq in [s for s in seqs if s.state is not State.DONE]:
-            seq.request.error = f"{type(error).__name__}: {error}"
-            self._leave(seq, FinishReason.ERROR)
 
     def _finish(self, request: Request, reason: FinishReason, scored: TokenLogprob | None = None) -> None:
         request.finish_reason = reason
@@ -365,6 +268,30 @@ class Batcher:
                 request.on_event(event)
             except Exception:  # a front end's callback must not stop the batcher
                 log.exception("a request's on_event raised")
+
+
+TRIM_EVERY_S = 10.0  # while busy, the batcher gives the C heap's freed memory back this often (and whenever idle)
+
+
+def trim_heap() -> None:
+    """Give the C heap's freed pages back to the system (glibc's malloc_trim; elsewhere nothing). A
+    server's runs allocate and free their intermediate tensors at every shape its requests bring;
+    glibc keeps what was freed, so the process's RSS would follow the largest mix it has seen, not
+    what it holds (examples/soak_serve.py). Trimming costs about a millisecond."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim():
+    import ctypes
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
 
 
 def wait_all(requests: Sequence[Request], timeout: float | None = None) -> bool:

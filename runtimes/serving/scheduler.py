@@ -8,6 +8,10 @@ and ends; or it is aborted at any of those. Each `schedule()` returns a `StepPla
 each prompt coming in), first one token for every decoding request (decode first, as
 onnxruntime-genai's AllocateDecodeFirstTokenBudget and vLLM's scheduler do), then prefill chunks
 of the prompts already in slots, oldest first, then new admissions while slots and budget last.
+With a `SpeculationRule`, decoding requests whose next step may verify guesses (`Seq.room`) are
+planned as `Guess`es, k + 1 tokens each out of the same budget (vLLM's num_tokens_with_spec), where
+the rule's measured costs say the step gains by them (runtimes/serving/spec_rule.py); with a fixed
+`step_tokens` their guesses take what the decode tokens and the prompts coming in leave.
 So a long prompt is prefilled a chunk per step while the running requests keep decoding. A step
 in which no request decodes has nobody to keep waiting: its budget is `idle_tokens` (at least
 `step_tokens`). `chunked` False (a backend that cannot continue a prompt part way:
@@ -35,6 +39,7 @@ from typing import Any, Sequence
 
 from tk.runtimes.errors import InputError, RuntimeProblem
 from tk.runtimes.serving.prefix_cache import PrefixCache
+from tk.runtimes.serving.spec_rule import Guess, SpeculationRule
 
 
 class QueueFull(RuntimeProblem):
@@ -62,6 +67,9 @@ class Seq:
     cached: list = field(default_factory=list)  # the matched prefix's payloads, until the loop copies them
     aborted: bool = False
     head: bytes | None = None  # its first block's name in the prefix cache (b"": shorter than a block)
+    room: int = 0  # decoding: the most guesses its next step may verify (0: it does not speculate)
+    planned: int = 0  # guesses planned for it so far (each a verified position it was charged)
+    accepted: int = 0  # of which the target accepted
 
 
 @dataclass(frozen=True)
@@ -82,11 +90,12 @@ class StepPlan:
     left: list[Seq] = field(default_factory=list)  # aborted in a slot: the loop frees the row and ends them
     admitted: list[Seq] = field(default_factory=list)  # took a slot this step (a cached prefix to copy first)
     decode: list[Seq] = field(default_factory=list)  # one token each
+    verify: list[Guess] = field(default_factory=list)  # decoding requests that guess this step instead
     prefill: list[Chunk] = field(default_factory=list)
 
     @property
     def tokens(self) -> int:
-        return len(self.decode) + sum(c.end - c.start for c in self.prefill)
+        return len(self.decode) + sum(g.k + 1 for g in self.verify) + sum(c.end - c.start for c in self.prefill)
 
 
 # A step's budget is one decode token for each running request, then prefill chunks. Its runs are one
@@ -127,9 +136,11 @@ class BatcherLimits:
 
 
 class Scheduler:
-    def __init__(self, limits: BatcherLimits, *, chunked: bool = True, prefix: PrefixCache | None = None):
-        """`chunked` False: each prompt is prefilled whole, in the step that admits it."""
-        self.limits, self.chunked = limits, chunked
+    def __init__(self, limits: BatcherLimits, *, chunked: bool = True, prefix: PrefixCache | None = None,
+                 speculation: SpeculationRule | None = None):
+        """`chunked` False: each prompt is prefilled whole, in the step that admits it; `speculation`:
+        which decoding requests verify guesses each step (None: none)."""
+        self.limits, self.chunked, self.speculation = limits, chunked, speculation
         self.idle_tokens = max(limits.step_tokens or limits.chunk_tokens, limits.idle_tokens)
         self.prefix = prefix if chunked else None  # a cached prefix is useless where a prompt cannot continue
         self.waiting: deque[Seq] = deque()
@@ -195,8 +206,15 @@ class Scheduler:
             budget = self.idle_tokens
         else:
             coming = len(self._prefilling) + min(len(self.waiting), self.limits.slots - len(self.running))
-            budget = (self.limits.chunk_tokens * max(1, coming) if self.limits.step_tokens is None
-                      else self.limits.step_tokens - len(plan.decode))
+            chunks = self.limits.chunk_tokens * max(1, coming)
+            budget = chunks if self.limits.step_tokens is None else self.limits.step_tokens - len(plan.decode)
+            if self.speculation is not None:  # guesses out of what the prompts coming in leave
+                spare = None if self.limits.step_tokens is None else budget - (chunks if coming else 0)
+                plan.verify = self.speculation.plan(plan.decode, spare)
+                guessing = {id(g.seq) for g in plan.verify}
+                plan.decode = [seq for seq in plan.decode if id(seq) not in guessing]
+                if self.limits.step_tokens is not None:
+                    budget -= sum(g.k for g in plan.verify)
         for seq in self._prefilling:
             budget -= self._chunk(plan, seq, budget)
         free = sorted(set(range(self.limits.slots)) - set(self.running))

@@ -136,6 +136,13 @@ def backend_options(f=None, *, prepack: bool | None = False):
     return add if f is None else add(f)
 
 
+def _p_min() -> float:
+    """The draft's default p_min, read where it is defined (imported only when a command runs)."""
+    from tk.runtimes.decoding.speculative import P_MIN
+
+    return P_MIN
+
+
 def speculation_options(f):
     """--lookup, --draft, --speculate, --lookup-min, --lookup-max: the proposer speculative decoding
     guesses with, passed to the command as one `speculation` (SpeculationOptions)."""
@@ -144,9 +151,9 @@ def speculation_options(f):
         return value
 
     into = dict(expose_value=False, callback=gather, is_eager=False)
-    f = click.option("--draft-p-min", "draft_p_min", default=0.75, show_default=True, type=click.FloatRange(0, 1),
+    f = click.option("--draft-p-min", "draft_p_min", default=_p_min, show_default=True, type=click.FloatRange(0, 1),
                      help="A draft stops guessing at a token it gives less than this probability (llama.cpp's "
-                          "--spec-draft-p-min; 0: never).", **into)(f)
+                          "--spec-draft-p-min; 0: never) [default: speculative decoding's P_MIN].", **into)(f)
     f = click.option("--lookup-max", "lookup_max", default=4, show_default=True, type=click.IntRange(min=1),
                      help="Prompt lookup: the longest n-gram matched.", **into)(f)
     f = click.option("--lookup-min", "lookup_min", default=2, show_default=True, type=click.IntRange(min=1),
@@ -161,12 +168,78 @@ def speculation_options(f):
                              "summaries); verified in one run, the same tokens greedy.", **into)(f)
 
 
-def speculation_from(ctx: click.Context):
-    """The SpeculationOptions the speculation flags gave (a bad combination: a usage error, exit 2)."""
+def speculation_from(ctx: click.Context, **more):
+    """The SpeculationOptions the speculation flags gave, with `more` fields (a bad combination: a
+    usage error, exit 2)."""
     from tk.models.spec.errors import UsageProblem
     from tk.toolkit.speculation import SpeculationOptions
 
     try:
-        return SpeculationOptions(**ctx.meta.get("tk.speculation", {}))
+        return SpeculationOptions(**{**ctx.meta.get("tk.speculation", {}), **more})
     except UsageProblem as e:
         raise click.UsageError(str(e), ctx) from None
+
+
+def processor_options(f):
+    """--presence-penalty, --frequency-penalty, --logit-bias, --regex, --json-schema: a row's logits
+    processors, as a server's request asks for them (toolkit/serving/frontend.Params), gathered for
+    `processors_from`."""
+    def gather(ctx: click.Context, param: click.Parameter, value):
+        ctx.meta.setdefault("tk.processors", {})[param.name] = value
+        return value
+
+    into = dict(expose_value=False, callback=gather)
+    f = click.option("--json-schema", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                     help="The text must be JSON valid against this schema file (llguidance's grammar).", **into)(f)
+    f = click.option("--regex", help="The text must match this regular expression (llguidance's grammar).", **into)(f)
+    f = click.option("--logit-bias", multiple=True, metavar="ID=BIAS",
+                     help="Add BIAS to token ID's logit (OpenAI's logit_bias: -100 bans, 100 forces; repeatable).",
+                     **into)(f)
+    f = click.option("--frequency-penalty", default=0.0, show_default=True, type=float,
+                     help="OpenAI's: minus this times each token's count in the row's text so far.", **into)(f)
+    return click.option("--presence-penalty", default=0.0, show_default=True, type=float,
+                        help="OpenAI's: minus this from every token the row has generated.", **into)(f)
+
+
+def processors_from(ctx: click.Context, tokenizer, vocab_size: int, eos_ids, sampling):
+    """The row -> processors factory the processor flags ask for (None: none); a bad value is a
+    usage error (exit 2)."""
+    import json
+    from types import SimpleNamespace
+
+    from tk.toolkit.serving.frontend import Params
+
+    flags = ctx.meta.get("tk.processors", {})
+    bias = {}
+    for item in flags.get("logit_bias", ()):
+        token, _, value = item.partition("=")
+        try:
+            bias[int(token)] = float(value)
+        except ValueError:
+            raise click.BadParameter(f"{item!r} is not ID=BIAS", param_hint="--logit-bias") from None
+        if not 0 <= int(token) < vocab_size:
+            raise click.BadParameter(f"token {token} is outside the vocabulary (0..{vocab_size - 1})",
+                                     param_hint="--logit-bias")
+    params = Params(max_tokens=1, presence_penalty=flags.get("presence_penalty", 0.0),
+                    frequency_penalty=flags.get("frequency_penalty", 0.0), logit_bias=bias)
+    constraint = None
+    if flags.get("regex") is not None or flags.get("json_schema") is not None:
+        from tk.toolkit.serving.openai.api import ApiError
+        from tk.toolkit.serving.openai.structured import Compiler
+
+        if flags.get("regex") is not None and flags.get("json_schema") is not None:
+            raise click.UsageError("--regex and --json-schema are two grammars; give one", ctx)
+        if tokenizer is None:
+            raise click.UsageError("a grammar needs the artifact's tokenizer", ctx)
+        schema = None if flags.get("json_schema") is None else json.loads(flags["json_schema"].read_text())
+        wanted = SimpleNamespace(json_=schema, regex=flags.get("regex"), choice=None, grammar=None, json_object=False)
+        body = SimpleNamespace(response_format=None, structured_outputs=wanted, guided_json=None, guided_regex=None,
+                               guided_choice=None, guided_grammar=None)
+        try:
+            constraint = Compiler(tokenizer, vocab_size, list(eos_ids)).compile(body)
+        except ApiError as e:
+            raise click.UsageError(e.message.replace("structured_outputs: ", ""), ctx) from None
+    if not (params.presence_penalty or params.frequency_penalty or bias or constraint):
+        return None
+    return lambda row: params.processors(vocab_size, list(eos_ids), constraint.start(sampling.for_row(row))
+                                         if constraint is not None else None)

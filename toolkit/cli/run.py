@@ -3,7 +3,6 @@ eval's and bench's progress goes to stderr, so their stdout (--json) is the resu
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import click
 from tk.models.fixtures.presets import PRESETS
 from tk.toolkit.backends import BackendOptions
 from tk.toolkit.cli.options import (BackendName, WorkloadList, backend_options, backends_option, interruptible,
-                                   reporter, speculation_from, speculation_options)
+                                   processor_options, processors_from, reporter, speculation_from, speculation_options)
 
 
 @click.command()
@@ -30,6 +29,7 @@ from tk.toolkit.cli.options import (BackendName, WorkloadList, backend_options, 
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--stop", "stops", multiple=True, help="Stop when this text appears (repeatable).")
 @click.option("--ignore-eos", is_flag=True, help="Generate exactly --max-new-tokens.")
+@processor_options
 @backend_options(prepack=None)
 @speculation_options
 @click.option("--json", "as_json", is_flag=True, help="Print tokens, text, finish reason and timings as JSON.")
@@ -51,7 +51,7 @@ def generate(ctx: click.Context, artifact: Path, backend: str, prompts: tuple[st
         raise click.UsageError("--system goes with --chat")
     speculation = speculation_from(ctx)
     if speculation.proposer:  # verify runs: packed weights; torch: the reference over the artifact's static cache
-        options = dataclasses.replace(options.for_runs(), static_cache=options.static_cache or backend == "torch")
+        options = options.for_runs(backend)
     manifest = Manifest.read(artifact)
     runtime = open_runtime(artifact, backend, options)
     spec = open_speculation(artifact, runtime, speculation, backend, options)
@@ -62,9 +62,10 @@ def generate(ctx: click.Context, artifact: Path, backend: str, prompts: tuple[st
         ids = [tokenizer.encode(p) for p in prompts] if prompts else [parse_ids(p) for p in prompt_ids]
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p,
                               repetition_penalty=repetition_penalty, seed=seed)
+    processors = processors_from(ctx, tokenizer, manifest.config.vocab_size, manifest.eos_token_ids, sampling)
     stream = None if as_json else lambda text: click.echo(text, nl=False)
     result, texts = generate_text(runtime, tokenizer, ids, max_new_tokens, sampling,
-                                  manifest.eos_token_ids, stops, ignore_eos, stream, spec)
+                                  manifest.eos_token_ids, stops, ignore_eos, stream, spec, processors)
     if as_json:
         rows = [{"prompt_tokens": r.prompt_tokens, "tokens": r.tokens, "text": t, "finish_reason": r.finish_reason}
                 for r, t in zip(result.rows, texts)]
@@ -127,31 +128,31 @@ def eval_(artifact: Path, text_file: Path, backends: list[str], window: int | No
 @click.option("--workloads", type=WorkloadList(),
               help="Speculative decoding instead: plain, prompt lookup (and --draft) on these named workloads "
                    "(comma-separated: code-edit, summary, free; 'all'), on one backend (ort unless --backends names one).")
-@click.option("--draft", type=click.Path(path_type=Path), help="With --workloads: also speculate with this draft artifact.")
-@click.option("--speculate", "k", type=click.IntRange(min=1),
-              help="With --workloads: guesses a step (default 8 for lookup, 4 for a draft).")
-@click.option("--draft-p-min", default=0.75, show_default=True, type=click.FloatRange(0, 1),
-              help="With --draft: a draft stops guessing at a token it gives less than this probability.")
+@speculation_options
 @click.pass_context
 @interruptible
 def bench(ctx: click.Context, artifact: Path, backends: list[str], prompt_len: int, new_tokens: int, batch: int,
-          repeats: int, options: BackendOptions, report: Path | None, profile: bool, workloads: list[str] | None,
-          draft: Path | None, k: int | None, draft_p_min: float) -> None:
+          repeats: int, options: BackendOptions, report: Path | None, profile: bool, workloads: list[str] | None) -> None:
     """Time to first token, decode speed and memory of each backend, side by side in one run; with
-    --workloads, speculative decoding against plain decoding on named workloads."""
+    --workloads, speculative decoding (plain, prompt lookup, and --draft) against plain decoding on
+    named workloads."""
     from tk.toolkit.tools.bench import bench as run_bench
     from tk.toolkit.tools.bench import format_bench, format_profile, profile_decode
 
-    if workloads is None and (draft is not None or k is not None):
+    flags = ctx.meta.get("tk.speculation", {})
+    if workloads is None and (flags.get("draft") is not None or flags.get("k") is not None):
         raise click.UsageError("--draft and --speculate go with --workloads", ctx)
+    # --workloads runs prompt lookup always, and the draft where one is named: the record of the draft, or of lookup
+    speculation = speculation_from(ctx, lookup=flags.get("draft") is None)
     if workloads is not None:
         from tk.toolkit.tools.bench_speculative import bench_speculative, format_speculative
 
         given = ctx.get_parameter_source("backends") is not click.core.ParameterSource.DEFAULT
         if given and len(backends) != 1:
             raise click.UsageError("--workloads runs on one backend: give --backends NAME", ctx)
-        result = bench_speculative(artifact, backends[0] if given else "ort", workloads, new_tokens, repeats,
-                                   options.for_runs(), draft, k, draft_p_min=draft_p_min)
+        backend = backends[0] if given else "ort"
+        result = bench_speculative(artifact, backend, workloads, new_tokens, repeats, options.for_runs(backend),
+                                   speculation)
         click.echo(format_speculative(result))
         if report is not None:
             report.write_text(json.dumps(result, indent=2))

@@ -44,9 +44,10 @@ def batcher_options(f):
 @click.option("--no-prefix-cache", is_flag=True, help="Prefill every prompt whole: reuse no cached prefix.")
 @backend_options(prepack=True)
 @speculation_options
-@click.option("--speculate-max-rows", default=4, show_default=True, type=click.IntRange(min=1),
-              help="With --lookup or --draft: speculate while at most this many requests decode (each verifies in "
-                   "a run of its own; beyond it a batched step pays more), as vLLM's disable_by_batch_size.")
+@click.option("--speculate-max-rows", type=click.IntRange(min=1),
+              help="With --lookup or --draft: guess only while at most this many requests decode (vLLM's "
+                   "disable_by_batch_size) [default: no cap: each step guesses where the runs' measured cost says "
+                   "it gains, within --step-tokens].")
 @click.option("--tool-call-parser", type=click.Choice(list(PARSERS)),
               help="How the model writes tool calls (vLLM's names) [default: what the chat template teaches: "
                    "<tool_call> is hermes, [TOOL_CALLS] mistral, <|tool_call|> granite, <|python_tag|> llama3_json].")
@@ -64,7 +65,7 @@ def batcher_options(f):
 @click.pass_context
 def serve(ctx: click.Context, artifact: Path, backend: str, host: str, port: int, slots: int, max_queue: int,
           model_name: str | None, drain: float, api_key: str | None, max_body_bytes: int, step_tokens: int | None,
-          prefix_cache_mib: int, no_prefix_cache: bool, options: BackendOptions, speculate_max_rows: int,
+          prefix_cache_mib: int, no_prefix_cache: bool, options: BackendOptions, speculate_max_rows: int | None,
           tool_call_parser: str | None, bare_tool_calls: bool | None, reasoning_parser: str | None,
           enable_auto_tool_choice: bool) -> None:
     """Serve an ARTIFACT (static cache) over the OpenAI API, with continuous batching.
@@ -96,13 +97,13 @@ def serve(ctx: click.Context, artifact: Path, backend: str, host: str, port: int
     except InputError as e:  # (--slots and --max-queue are checked by click)
         raise click.BadParameter(str(e), param_hint="--step-tokens") from None
 
-    speculation = speculation_from(ctx)
+    speculation = speculation_from(ctx, max_rows=speculate_max_rows)
     if host not in LOOPBACK:
         click.echo(f"tk serve: warning: --host {host} is reachable from other machines"
                    f"{'' if api_key else ' and no --api-key is set: anyone who reaches it can use it'}; "
                    "--host 127.0.0.1 keeps it on this one", err=True)
     serving = ServeOptions(host=host, port=port, limits=limits, model_name=model_name, drain_s=drain, api_key=api_key,
-                           max_body=max_body_bytes, speculation=speculation, speculate_rows=speculate_max_rows,
+                           max_body=max_body_bytes, speculation=speculation,
                            tool_parser=tool_call_parser, bare_tool_calls=bare_tool_calls,
                            reasoning_parser=reasoning_parser)
     server, sock = open_server(artifact, backend, options, serving)

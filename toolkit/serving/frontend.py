@@ -76,10 +76,8 @@ class Params:
         caught). Choice 0 draws from `seed` itself (what `tk generate --seed` draws); choice j > 0
         from a stream of its own, derived from (seed, j)."""
         seed = self.seed if self.seed is not None else int.from_bytes(os.urandom(4), "little")
-        if choice:
-            seed = int(np.random.SeedSequence([seed, choice]).generate_state(1, np.uint64)[0]) >> 1
         return SamplingConfig(temperature=self.temperature, top_k=0 if self.top_k == -1 else self.top_k,
-                              top_p=self.top_p, repetition_penalty=self.repetition_penalty, seed=seed)
+                              top_p=self.top_p, repetition_penalty=self.repetition_penalty, seed=seed).for_row(choice)
 
     def processors(self, vocab_size: int, eos_ids: Sequence[int], grammar=None) -> list[Processor]:
         """The logits processors these parameters ask for, in vLLM's order (penalties, bias,

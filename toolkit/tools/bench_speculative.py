@@ -3,8 +3,8 @@ backend, in one run.
 
 Each workload is one prompt, read through the artifact's tokenizer (token ids of the same shape
 where it has none): `code-edit` (2,600 characters of Python source, then "# The same module,
-copied exactly:" and its first 200 characters, FACTS.md's workload: the answer copies the
-prompt), `summary` (a page of prose, then a request to restate it) and `free` (a short prompt,
+copied exactly:" and its first 200 characters, the workload llama.cpp's lookup was measured on in
+examples/bench_speculative.py: the answer copies the prompt), `summary` (a page of prose, then a request to restate it) and `free` (a short prompt,
 nothing to copy). The modes are plain decoding, prompt lookup and, given a draft artifact, the
 draft; they run alternately (plain, lookup, draft, plain, ...) after a warm-up, greedy, the same
 number of new tokens each (EOS ignored). The report gives, per workload and mode, decode ms/token
@@ -23,9 +23,8 @@ import numpy as np
 
 from tk.models.spec.errors import UsageProblem
 from tk.runtimes.decoding.generate import generate
-from tk.runtimes.decoding.speculative import DraftModel, PromptLookup, Speculation
 from tk.toolkit.backends import BackendOptions, open_runtime
-from tk.toolkit.speculation import DEFAULT_K, WORKLOADS, check_draft
+from tk.toolkit.speculation import WORKLOADS, SpeculationOptions, open_speculation
 
 
 def workload_text(name: str) -> str:
@@ -58,38 +57,34 @@ def _spread(values: list[float]) -> dict:
 
 
 def bench_speculative(artifact: Path, backend: str = "ort", workloads=WORKLOADS, new_tokens: int = 128,
-                      repeats: int = 3, options: BackendOptions = BackendOptions(), draft: Path | None = None,
-                      k: int | None = None, lookup: tuple[int, int] = (2, 4), draft_p_min: float = 0.75) -> dict:
+                      repeats: int = 3, options: BackendOptions = BackendOptions(),
+                      speculation: SpeculationOptions = SpeculationOptions(lookup=True)) -> dict:
+    """Plain, prompt lookup and (where `speculation` names a draft) the draft, alternated, on named workloads;
+    `speculation` gives k, the n-grams and the draft's p_min. `options` are the runs' (for_runs)."""
     from tk.toolkit.textgen import Tokenizer
 
     if new_tokens < 1 or repeats < 1:
         raise UsageProblem(f"--new-tokens and --repeats must be at least 1, got {new_tokens} and {repeats}")
-    if backend == "torch":  # the reference over the artifact's static cache: it verifies runs
-        options = dataclasses.replace(options, static_cache=True)
-    rt = open_runtime(artifact, backend, options)
+    rt = open_runtime(artifact, backend, options.for_runs(backend))
     if problem := rt.verify_problem:
         raise UsageProblem(f"{artifact}: {problem}")
     tokenizer = Tokenizer.find(artifact)
-    modes = {"plain": None, "lookup": Speculation(PromptLookup(*lookup), k or DEFAULT_K["lookup"])}
-    draft_rt = None
-    if draft is not None:
-        check_draft(Path(artifact), draft)
-        draft_rt = open_runtime(draft, backend, options)
-        modes["draft"] = Speculation(DraftModel(draft_rt, rt.dims.vocab_size, draft_p_min), k or DEFAULT_K["draft"])
+    lookup = dataclasses.replace(speculation, lookup=True, draft=None)
+    modes = {"plain": None, "lookup": open_speculation(artifact, rt, lookup, backend, options)}
+    if speculation.draft is not None:
+        modes["draft"] = open_speculation(artifact, rt, speculation, backend, options)
     report = {"artifact": str(artifact), "backend": backend, "new_tokens": new_tokens, "repeats": repeats,
-              "draft": None if draft is None else str(draft), "k": {m: s.k for m, s in modes.items() if s},
-              "lookup": list(lookup), "draft_p_min": draft_p_min, "workloads": {}}
+              "draft": None if speculation.draft is None else str(speculation.draft),
+              "k": {m: s.k for m, s in modes.items() if s}, "lookup": [speculation.lookup_min, speculation.lookup_max],
+              "draft_p_min": speculation.draft_p_min, "workloads": {}}
     with rt:
-        for spec in modes.values():
-            if spec is not None:
-                spec.check(rt)
         try:
             for name in workloads:
                 report["workloads"][name] = _workload(rt, name, workload_ids(name, tokenizer, rt.dims.vocab_size),
                                                       modes, new_tokens, repeats)
         finally:
-            if draft_rt is not None:
-                draft_rt.deactivate()
+            if "draft" in modes:
+                modes["draft"].proposer.runtime.deactivate()
     return report
 
 

@@ -30,7 +30,7 @@ import numpy as np
 from tk.models.spec.manifest import Manifest
 from tk.models.spec.errors import UsageProblem
 from tk.runtimes.base import BackendUnavailable, InputError
-from tk.runtimes.serving.slots import Slots
+from tk.runtimes.slots import Slots
 from tk.toolkit.backends import BackendOptions, open_runtime, reference_runtime
 from tk.toolkit.progress import Progress
 

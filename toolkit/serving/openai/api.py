@@ -19,7 +19,7 @@ from typing import Sequence
 from tk.runtimes.base import InputError
 from tk.runtimes.decoding.logits import TokenLogprob
 from tk.runtimes.decoding.rows import FinishReason
-from tk.runtimes.serving.slots import Slots
+from tk.runtimes.slots import Slots
 from tk.toolkit.serving import frontend
 
 # Caps on what one request may list (each a 400 beyond; the schemas say them): OpenAI's own are lower for `stop` (4).

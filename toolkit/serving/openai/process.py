@@ -37,7 +37,6 @@ class ServeOptions:
     api_key: str | None = None
     max_body: int = DEFAULT_BODY_LIMIT
     speculation: SpeculationOptions = field(default_factory=SpeculationOptions)  # off unless it names a proposer
-    speculate_rows: int | None = 4  # speculate while at most this many requests decode (None: always)
     tool_parser: str | None = None  # the tool-call format (tools.PARSERS); None: the chat template's
     bare_tool_calls: bool | None = None  # auto reads bare JSON calls (bare_calls); None: the format's default
     reasoning_parser: str | None = None  # reasoning.PARSERS' name, or "none"; None: the chat template's
@@ -72,11 +71,11 @@ def open_server(artifact, backend: str, backend_options, options: ServeOptions =
         raise UsageProblem(f"{artifact}: {problem}")
     tokenizer = Tokenizer(artifact)
     tokenizer.hf  # noqa: B018  (loaded now, not on the first chat request's event loop)
-    backend_options = backend_options.for_runs()  # a batch is a MatMul of several rows, as a verify run is
-    runtime = open_runtime(artifact, backend, dataclasses.replace(backend_options, static_cache=True))
+    # a batch is a MatMul of several rows, as a verify run is; torch keeps the static cache (the slots); no ONNX
+    # Runtime arena: over a server's mix of shapes it only grows (the batcher gives freed memory back instead)
+    runtime = open_runtime(artifact, backend, dataclasses.replace(backend_options.for_runs(backend), static_cache=True,
+                                                                  arena=False))
     speculation = open_speculation(artifact, runtime, options.speculation, backend, backend_options)
-    if speculation is not None:
-        speculation.max_rows = options.speculate_rows
     sock = bind(options.host, options.port)
     try:
         batcher = Batcher(runtime, limits=options.limits, eos_ids=manifest.eos_token_ids,
@@ -94,21 +93,66 @@ class _Stopped(Exception):
     """A stop signal, once uvicorn has shut down."""
 
 
-def _uvicorn(server: Server):
+GRACE_S = 4.0  # past --drain, what the process gets to close its connections and exit before it is made to
+
+
+def _uvicorn(server: Server, grace: float = 0.0):
     import uvicorn
 
-    config = uvicorn.Config(server.app, log_level="warning", timeout_graceful_shutdown=server.drain_s, lifespan="on")
+    config = uvicorn.Config(server.app, log_level="warning", timeout_graceful_shutdown=server.drain_s + grace,
+                            lifespan="on")
     return uvicorn.Server(config)
+
+
+class Shutdown:
+    """One stop signal's deadline, kept on a thread of its own from the signal on: at `drain_s` the
+    batcher cancels what is still in flight (running and queued requests end CANCELLED, so their
+    handlers answer 503 and their streams an error event, and their connections close), and if the
+    process has not exited `GRACE_S` later, every thread's stack goes to stderr and it exits (status 1).
+    So one SIGTERM ends `tk serve` within --drain + GRACE_S, whatever a connection, a handler or the
+    event loop's own shutdown waits for (asyncio.run cancels and awaits every task left, and waits for
+    its worker threads, without a limit of its own before Python 3.12)."""
+
+    def __init__(self, server: Server):
+        self.server, self.done, self.started = server, threading.Event(), None
+
+    def begin(self) -> None:
+        if self.started is None:
+            self.started = time.monotonic()
+            threading.Thread(target=self._watch, name="tk-shutdown", daemon=True).start()
+
+    def left(self) -> float:
+        return max(0.0, self.started + self.server.drain_s - time.monotonic()) if self.started else self.server.drain_s
+
+    def _watch(self) -> None:
+        if not self.done.wait(self.left()):
+            self.server.batcher.close(timeout=0)
+        if not self.done.wait(GRACE_S):
+            import faulthandler
+            import os
+            import sys
+
+            print(f"tk serve: shutdown did not end {self.server.drain_s + GRACE_S:.0f} s after the stop signal; "
+                  "the threads' stacks follow, then the process exits", file=sys.stderr, flush=True)
+            faulthandler.dump_traceback(all_threads=True)
+            os._exit(1)
 
 
 def run(server: Server, sock) -> None:
     """Serve on a bound socket until SIGINT/SIGTERM (main thread); in-flight requests get the
-    server's `drain_s` to finish, then the rest are cancelled, and this returns."""
+    server's `drain_s` to finish, then the rest are cancelled, and this returns (`Shutdown`: within
+    drain_s + GRACE_S, or the process exits)."""
     def stopped(sig, frame):  # uvicorn shuts down gracefully, then re-raises the signal it caught
         raise _Stopped
     gc.collect()
     gc.freeze()  # the loaded heap (tokenizer, schemas, runtime) is never garbage: no GC pass walks it (vLLM's too)
-    process = _uvicorn(server)
+    process, shutdown = _uvicorn(server, GRACE_S / 2), Shutdown(server)
+    caught = process.handle_exit
+
+    def handle_exit(sig, frame):  # (uvicorn installs this on the signals while it serves)
+        shutdown.begin()
+        caught(sig, frame)
+    process.handle_exit = handle_exit
     handlers = {sig: signal.signal(sig, stopped) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         process.run(sockets=[sock])
@@ -117,7 +161,8 @@ def run(server: Server, sock) -> None:
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
-        server.batcher.close(timeout=server.drain_s)
+        server.batcher.close(timeout=shutdown.left())
+        shutdown.done.set()
 
 
 @contextmanager

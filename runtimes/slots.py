@@ -1,4 +1,5 @@
-"""Serving's slots: the rows of a static-capacity cache as places that requests take and leave.
+"""Slots: the rows of a static-capacity cache as places that requests (serving's) or rows (a draft
+model's, beside any loop) take and leave.
 
 `Slots(runtime, count)` opens one session of `count` empty rows on an active runtime whose export
 has a static cache (`slots_problem` says why one cannot hold them). A prompt takes a free row
@@ -9,7 +10,8 @@ at the row's write index (`chunk_problem` says where a backend cannot). `step(to
 decodes the busy rows together, each at its own length and write index, and computes only up to
 the last busy one where the backend views a buffer's leading rows (`Runtime.row_views`; ORT on
 CUDA runs every row); `free(slot)` empties a row, which keeps one visible position (0) and
-rewrites it: its throwaway row computes no NaN and touches no live row. A recurrent layer's state (a
+rewrites it: its throwaway row computes no NaN and touches no live row. `extend(slot, ids, at)` runs
+more of a slot's text from a position on (what a draft model catches up on). A recurrent layer's state (a
 hybrid's) has no position to throw away: a slot's state starts at zero when a prompt takes it, and a
 taken slot that sits a step out (mid-prompt) gets its state back after the step. `Slots` holds its runtime
 and its one session, and drives the static layout's primitives (`StaticLayout.allocate`,
@@ -120,6 +122,19 @@ class Slots:
             s.positions[slot] = end - 1
         return out
 
+    def extend(self, slot: int, ids: Sequence[int], at: int) -> StepOutput:
+        """Run `ids` into the taken `slot` at positions at .. at + n - 1, through the decode graph, in
+        place of what the slot held from `at` on -> the last one's logits; the slot then holds at + n
+        positions and decodes from the last (a draft catching up on the text it has not run)."""
+        s, n = self.session, len(ids)
+        if at + n >= self.layout.capacity:
+            raise InputError(f"a slot's static cache of {self.layout.capacity} positions cannot take {at + n}")
+        s.mask[slot, :at + n] = 1
+        s.mask[slot, at + n:] = 0
+        out = self.layout.prefill_row(s, slot, np.asarray([ids], dtype=np.int64), at=at)
+        s.static.write[slot], s.positions[slot] = at + n, at + n - 1
+        return out
+
     def read(self, slot: int, start: int, end: int) -> list:
         """A copy of the slot's cache positions start .. end - 1: one (1, H, n, D) array per cache
         tensor, in the backend's own kind of array, that `load` takes back."""
@@ -171,6 +186,16 @@ class Slots:
         ids = np.asarray(tokens, dtype=np.int64).reshape(1, -1)
         check_token_ids(ids, self.runtime.dims.vocab_size)
         return self.layout.verify(self.session, ids, slot)[0]
+
+    def verify_many(self, slots: list[int], tokens: np.ndarray) -> np.ndarray | None:
+        """Several slots' verify runs (tokens (len(slots), n), each its last token and guesses, padded) in
+        one run -> their logits (len(slots), n, V); None where the graph runs them one a run (the fused
+        graph) or a slot has no room (StaticLayout.verify_rows)."""
+        if not self.runtime.row_views:
+            return None
+        tokens = np.asarray(tokens, dtype=np.int64)
+        check_token_ids(tokens, self.runtime.dims.vocab_size)
+        return self.layout.verify_rows(self.session, slots, tokens)
 
     def rewind(self, slot: int, length: int) -> None:
         """The slot keeps its cache's first `length` positions (of what its last verify wrote)."""

@@ -1,0 +1,117 @@
+"""Serving's speculation rule: which decoding requests verify guesses in a step, and how many. Pure,
+like the scheduler that asks it (tests/test_scheduler.py feeds it numbers).
+
+A step that speculates trades one run for several: each guessing request's verify run (its last
+token and k guesses, k + 1 tokens charged to the step's budget, as vLLM charges num_tokens_with_spec)
+beside the decode run of the others, and a draft model's batched steps. Whether that pays depends on
+what a run costs here, so the loop measures it: every run it makes (decode steps of R rows, prompt
+chunks, verify runs) is a point (tokens, seconds), and `CostFit` fits seconds = fixed + per_token *
+tokens over the recent ones (least squares, older runs decaying). On a CPU `fixed` is reading the
+weights once and `per_token` the compute each token adds; a request's guesses are worth what it
+accepted of the guesses planned for it so far (`acceptance`, starting from the batcher's own
+acceptance so far, worth PRIOR_WEIGHT guesses). Where the proposer is cheap (prompt lookup) the loop
+proposes before the plan, so a request's `room` is the guesses it has, and one with none is not
+charged. The rule takes the set of guessing requests (the best first) whose step
+yields the most tokens per second, R + sum(a_i k_i) over the step's cost, and none where none beats
+plain decoding: with few rows the weights read dominates and a verify run is almost free, with many
+(or with requests whose guesses miss) the extra runs cost more than they save, and the step does not
+guess.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+PRIOR_WEIGHT = 8  # a request starts at the batcher's acceptance so far (0.5 before any), worth 8 planned guesses
+
+
+@dataclass(frozen=True)
+class Guess:
+    """A verify run of `seq` this step: its last token and up to `k` guesses (k + 1 tokens charged)."""
+
+    seq: object
+    k: int
+
+
+@dataclass(frozen=True)
+class RunCost:
+    """A run's seconds: fixed + per_token * tokens; `draft` a draft model's batched step (0: none)."""
+
+    fixed: float
+    per_token: float
+    draft: float = 0.0
+
+    def run(self, tokens: int) -> float:
+        return self.fixed + self.per_token * tokens if tokens > 0 else 0.0
+
+
+class CostFit:
+    """Least squares of seconds on tokens over the loop's runs, each older one weighing `decay` less;
+    `prior` until runs of at least two sizes were seen. A draft's steps are averaged apart."""
+
+    def __init__(self, prior: RunCost, decay: float = 0.99):
+        self.prior, self.decay = prior, decay
+        self.n = self.t = self.s = self.tt = self.ts = 0.0  # decayed sums: weight, tokens, seconds, t^2, t*s
+        self.draft = prior.draft
+
+    def add(self, tokens: int, seconds: float) -> None:
+        d = self.decay
+        self.n, self.t, self.s = d * self.n + 1, d * self.t + tokens, d * self.s + seconds
+        self.tt, self.ts = d * self.tt + tokens * tokens, d * self.ts + tokens * seconds
+
+    def add_draft(self, steps: int, seconds: float) -> None:
+        if steps > 0:
+            self.draft = 0.8 * self.draft + 0.2 * seconds / steps
+
+    @property
+    def cost(self) -> RunCost:
+        var = self.n * self.tt - self.t * self.t
+        if self.n < 2 or var <= 1e-9 * max(self.n * self.tt, 1.0):
+            return RunCost(self.prior.fixed, self.prior.per_token, self.draft)
+        per_token = max((self.n * self.ts - self.t * self.s) / var, 0.0)
+        fixed = max((self.s - per_token * self.t) / self.n, 0.0)
+        return RunCost(fixed, per_token, self.draft)
+
+
+@dataclass
+class SpeculationRule:
+    """`batched`: the verify runs of several rows are one run (else each row runs alone: the fused
+    graph's attention takes a run over a past one row a batch); `max_rows`: no guessing while more
+    requests decode (vLLM's disable_by_batch_size; None: the cost alone decides); `cost` is the loop's
+    latest fit (CostFit.cost)."""
+
+    cost: RunCost
+    batched: bool = False
+    max_rows: int | None = None
+    accepted: int = 0  # over every request so far: the prior of a new one
+    planned: int = 0
+
+    def acceptance(self, seq) -> float:
+        prior = (self.accepted + 1) / (self.planned + 2)
+        return (seq.accepted + PRIOR_WEIGHT * prior) / (seq.planned + PRIOR_WEIGHT)
+
+    def seconds(self, rows: int, ks: Sequence[int]) -> float:
+        """A step's runs: the decode run of the rows that do not guess, the verify runs, the draft's steps."""
+        c = self.cost
+        verify = c.run(sum(k + 1 for k in ks)) if self.batched else sum(c.run(k + 1) for k in ks)
+        return c.run(rows - len(ks)) + verify + c.draft * max(ks, default=0)
+
+    def plan(self, decoding: Sequence, spare: int | None = None) -> list[Guess]:
+        """The guesses of this step among the `decoding` requests (each `room` > 0 may guess that many),
+        within `spare` extra tokens of the step's budget (None: any)."""
+        R = len(decoding)
+        if self.max_rows is not None and R > self.max_rows:
+            return []
+        ranked = sorted((s for s in decoding if s.room > 0), key=lambda s: -self.acceptance(s) * s.room)
+        best, best_rate, chosen, gain, ks = 0, R / self.seconds(R, []), [], 0.0, []
+        for seq in ranked:
+            if spare is not None and sum(ks) + seq.room > spare:
+                continue
+            chosen.append(seq)
+            ks.append(seq.room)
+            gain += self.acceptance(seq) * seq.room
+            rate = (R + gain) / self.seconds(R, ks)
+            if rate > best_rate:
+                best, best_rate = len(chosen), rate
+        return [Guess(seq, seq.room) for seq in chosen[:best]]
