@@ -22,7 +22,7 @@ def test_tk_serve_speculating_gives_each_of_eight_clients_its_solo_tokens(serve_
     from tk.models.spec.manifest import Manifest
     from tk.runtimes.decoding.sampling import SamplingConfig
     from tk.runtimes.serving.batching import BatcherLimits
-    from tk.runtimes.serving.spec_rule import RunCost
+    from tk.runtimes.serving.spec_rule import Guess
     from tk.toolkit.serving.openai.process import ServeOptions, in_thread, open_server
     from tk.toolkit.speculation import SpeculationOptions
     from tk.toolkit.textgen import Tokenizer, generate_text
@@ -34,11 +34,19 @@ def test_tk_serve_speculating_gives_each_of_eight_clients_its_solo_tokens(serve_
                            else SpeculationOptions(draft=serve_artifact, k=3, draft_p_min=0))
     srv, sock = open_server(serve_artifact, "ort", BackendOptions(), options)
     sock.close()
-    # every step guesses (this tests what guessing gives, not when it pays: tests/test_scheduler.py): a run
-    # costs the same whatever its tokens, so one batched verify run of every request beats a plain step
+    # every request with guesses verifies them, within the step's budget (this tests what guessing gives, not
+    # when it pays: tests/test_scheduler.py tests the rule; on this graph each verify is a run of its own, and
+    # the rule would guess only once few requests decode)
     spec = srv.batcher.speculating
-    spec.measured = lambda tokens, seconds: None
-    spec.rule.cost = RunCost(fixed=1.0, per_token=0.0)
+
+    def every(decoding, spare=None):
+        out = []
+        for s in decoding:
+            if s.room > 0 and (spare is None or sum(g.k for g in out) + s.room <= spare):
+                out.append(Guess(s, s.room))
+        return out
+
+    spec.rule.plan = every
     words = "the cat sat on the mat and the dog sat on the log".split()
 
     def one(url, i):
