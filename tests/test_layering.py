@@ -10,7 +10,8 @@
   circle from Python, not from this test);
 - importing runtimes' ground, decoding and serving pulls in neither torch, tensorrt nor
   onnxruntime; no module is over 400 lines (one over 350 is reported, so a split is planned
-  before it is forced).
+  before it is forced); no class of the serving engine (runtimes/serving/, runtimes/slots.py,
+  runtimes/cache_layouts.py, the OpenAI server) is over 200 lines.
 Each rule has a planted violation below that shows it is caught.
 """
 
@@ -239,6 +240,25 @@ def test_no_module_is_over_400_lines():
         warnings.warn("plan a split by responsibility before the 400-line cap: " + ", ".join(near))
     long = [f"{p} ({n})" for p, n in sizes.items() if n > 400]
     assert not long, "split by responsibility: " + ", ".join(long)
+
+
+SERVING = ("runtimes/serving", "runtimes/slots.py", "runtimes/cache_layouts.py", "toolkit/serving")
+
+
+def test_no_serving_class_is_over_200_lines():
+    """The engine's classes stay small enough to read whole (issue 45: Batcher, StaticLayout and Server had
+    grown past it)."""
+    paths = [q for rel in SERVING for q in ([ROOT / rel] if rel.endswith(".py") else sorted((ROOT / rel).rglob("*.py")))
+             if q.exists()]
+    long = [f"{q.relative_to(ROOT)}: {n.name} ({n.end_lineno - n.lineno + 1})" for q in paths
+            for n in ast.walk(ast.parse(q.read_text())) if isinstance(n, ast.ClassDef) and n.end_lineno - n.lineno >= 200]
+    assert not long, "split by responsibility: " + ", ".join(long)
+
+
+def test_a_planted_long_serving_class_is_found(planted):
+    planted("runtimes/serving/batching.py", "class Batcher:\n" + "    x = 1\n" * 200)
+    with pytest.raises(AssertionError, match=r"Batcher \(201\)"):
+        test_no_serving_class_is_over_200_lines()
 
 
 def test_runtimes_import_is_light():
