@@ -271,13 +271,14 @@ def test_one_sigterm_ends_tk_serve_within_its_drain_with_streams_in_flight_cance
                              "tiny", "--drain", str(drain)], stderr=subprocess.PIPE, text=True)
     url = re.search(r"(http://127\.0\.0\.1:\d+)/v1", proc.stderr.readline()).group(1)
     host, port = url.removeprefix("http://").split(":")
-    started, outcomes = threading.Event(), []
+    started, outcomes, answered = threading.Event(), [], threading.Semaphore(0)
 
     def stream(i: int) -> None:
         conn = http.client.HTTPConnection(host, int(port), timeout=60)
         conn.request("POST", "/v1/completions", json.dumps({"model": "tiny", "prompt": f"the cat {i}", "max_tokens": 120,
                                                             "stream": True, "ignore_eos": True}))
         resp, events = conn.getresponse(), []
+        answered.release()  # its stream began (queued or decoding)
         for line in resp:
             if line.startswith(b"data: {"):
                 events.append(json.loads(line[6:]))
@@ -298,6 +299,8 @@ def test_one_sigterm_ends_tk_serve_within_its_drain_with_streams_in_flight_cance
     for t in threads:
         t.start()
     started.wait(30)
+    for _ in range(n):  # every stream answered before the signal (a connection still in the listen backlog when
+        assert answered.acquire(timeout=30)  # the server stops accepting is reset, as on any server)
     tick = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     code = proc.wait(30)
