@@ -117,10 +117,22 @@ class Slots:
                 self.buffers.release(present)
         else:
             out = self.layout.prefill_row(s, slot, ids[:, start:end], every, at=start)
-        s.static.write[slot] = end
-        if end == ids.shape[1]:  # the prompt is in: the row decodes from its last position
-            s.positions[slot] = end - 1
+        self._prefilled(slot, end, ids.shape[1])
         return out
+
+    def prefill_first(self, slots: list[int], prompts: list[np.ndarray], ends: list[int]) -> np.ndarray:
+        """A group of StaticLayout.first_groups (which slots' first chunks go in one run): each slot's
+        prompt (prompts[i], (1, T_i)) positions 0 .. ends[i] - 1, as `prefill` takes them, in one run
+        -> each one's last position's logits (len(slots), V)."""
+        logits = self.layout.prefill_first(self.session, slots, [p[0, :end] for p, end in zip(prompts, ends)])
+        for slot, p, end in zip(slots, prompts, ends):
+            self._prefilled(slot, end, p.shape[1])
+        return logits
+
+    def _prefilled(self, slot: int, end: int, length: int) -> None:
+        self.session.static.write[slot] = end
+        if end == length:  # the prompt is in: the row decodes from its last position
+            self.session.positions[slot] = end - 1
 
     def extend(self, slot: int, ids: Sequence[int], at: int) -> StepOutput:
         """Run `ids` into the taken `slot` at positions at .. at + n - 1, through the decode graph, in

@@ -221,3 +221,33 @@ def test_a_step_attends_over_what_the_rows_hold_not_the_whole_cache(serve_artifa
         _, session = ref.start(ids, np.ones_like(ids))
         full = [ref.step(session, [t]).logits[0] for t in (7, 8)]
     np.testing.assert_allclose(np.concatenate(narrow), np.concatenate(full), atol=1e-4)
+
+
+@pytest.mark.parametrize("variant", ["portable", "fast"])
+def test_prompts_first_chunks_in_one_run_compute_what_each_alone_does(serve_artifact, variant, request):
+    """Several prompts' first chunks go in one run (StaticLayout.first_groups, prefill_first): left-padded
+    through the prefill graph (any slots), or through the fused decode graph's GroupQueryAttention as its
+    first prompt (adjacent slots, right-padded: a mask as wide as the run). Each slot's logits, and the
+    decode step after, are what its prompt alone gives."""
+    artifact = request.getfixturevalue("fast_artifact") if variant == "fast" else serve_artifact
+    rng = np.random.default_rng(7)
+    vocab = Manifest.read(artifact).dims.vocab_size
+    prompts = [rng.integers(3, vocab, size=n).tolist() for n in (7, 9, 9, 8)]
+    with open_runtime(artifact, "ort", SLOTS) as rt:
+        layout = rt.layout
+        assert layout.first_groups(rt, [0, 1, 2, 3], [7, 9, 9, 8]) == [[0, 1, 2, 3]]
+        assert layout.first_groups(rt, [0, 1, 2, 3], [2, 9, 9, 9]) == [[1, 2, 3]]  # (a quarter padded at most)
+        assert layout.first_groups(rt, [0, 2], [9, 9]) == ([] if variant == "fast" else [[0, 2]])  # (one view)
+        with Slots(rt, 4) as alone:
+            solo = np.stack([alone.admit(i, p).logits[0, -1] for i, p in enumerate(prompts)])
+            after = alone.step(np.array([5, 6, 7, 8]), [0, 1, 2, 3]).logits[:, -1]
+        with Slots(rt, 4) as slots:
+            ids = [slots.begin(i, p) for i, p in enumerate(prompts)]
+            together = slots.prefill_first([0, 1, 2, 3], ids, [len(p) for p in prompts])
+            assert [slots.written(i) for i in range(4)] == [7, 9, 9, 8]
+            then = slots.step(np.array([5, 6, 7, 8]), [0, 1, 2, 3]).logits[:, -1]
+    scale = float(np.abs(solo).max())
+    assert scale > 3  # logits that are not flat
+    np.testing.assert_allclose(together, solo, atol=1e-4 * scale, rtol=0)
+    np.testing.assert_allclose(then, after, atol=1e-4 * scale, rtol=0)
+    assert (together.argmax(-1) == solo.argmax(-1)).all()

@@ -11,7 +11,7 @@
 - importing runtimes' ground, decoding and serving pulls in neither torch, tensorrt nor
   onnxruntime; no module is over 400 lines (one over 350 is reported, so a split is planned
   before it is forced); no class of the serving engine (runtimes/serving/, runtimes/slots.py,
-  runtimes/cache_layouts.py, the OpenAI server) is over 200 lines.
+  runtimes/cache_layouts.py, runtimes/cache_runs.py, the OpenAI server) is over 200 lines.
 Each rule has a planted violation below that shows it is caught.
 """
 
@@ -242,7 +242,8 @@ def test_no_module_is_over_400_lines():
     assert not long, "split by responsibility: " + ", ".join(long)
 
 
-SERVING = ("runtimes/serving", "runtimes/slots.py", "runtimes/cache_layouts.py", "toolkit/serving")
+SERVING = ("runtimes/serving", "runtimes/slots.py", "runtimes/cache_layouts.py", "runtimes/cache_runs.py",
+           "toolkit/serving")
 
 
 def test_no_serving_class_is_over_200_lines():

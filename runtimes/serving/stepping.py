@@ -6,7 +6,8 @@ Each request in its slot is an `Occupant`: its scheduler `Seq`, its `Request` an
 slots of the requests that left, lets the admitted in (a cached prefix copied into the slot), runs
 one decode run of the decoding requests that do not guess, lets a proposer guess for those that do
 (a draft model drafts all of them in one batched step a guess) and verifies each request's guesses
-in one run (`Row.take_verified`, then one rewind to what it kept), and runs the prompt chunks. A
+in one run (`Row.take_verified`, then one rewind to what it kept), and runs the prompt chunks
+(runtimes/serving/prefilling.py: prompts that came in together, in one run where the graphs allow). A
 request's events go to the batcher (`tell`, `leave`); a request whose row, sampler, processors or
 front end fail fails alone. Every run is timed for the speculation rule's costs.
 """
@@ -22,8 +23,9 @@ from tk.runtimes.base import Runtime
 from tk.runtimes.decoding.logits import TokenLogprob
 from tk.runtimes.decoding.row import Row, drain
 from tk.runtimes.decoding.rows import FinishReason, TokenEvent
+from tk.runtimes.serving.prefilling import Prefilling
 from tk.runtimes.serving.prefix_store import PrefixStore
-from tk.runtimes.serving.scheduler import Chunk, Seq, State, StepPlan
+from tk.runtimes.serving.scheduler import Seq, State, StepPlan
 from tk.runtimes.serving.spec_rule import Guess
 from tk.runtimes.serving.speculating import SlotSpeculation
 from tk.runtimes.slots import Slots
@@ -47,7 +49,7 @@ class Occupant:
         return self.seq.slot
 
 
-class Steps:
+class Steps(Prefilling):
     """Runs plans on `slots`; `tell(request, event)` hands a request's event to its front end,
     `advanced(chunk)` tells the scheduler a chunk ran, `ended(seq, reason, scored)` ends a request that
     left its slot (the batcher's bookkeeping); failures are logged to `log`."""
@@ -66,9 +68,7 @@ class Steps:
         for seq in plan.admitted:
             self._enter(seq)
         self._decode(plan.decode, plan.verify)
-        for chunk in plan.prefill:
-            if chunk.seq.state is State.PREFILL:  # (not failed this step)
-                self._prefill(chunk)
+        self.prefill(plan.prefill)
         if self.spec is not None:
             self._rooms()
 
@@ -176,24 +176,6 @@ class Steps:
         self.spec.verdict(slot, len(guesses), accepted)
         if self.running.get(slot) is r:
             self.slots.rewind(slot, at + 1 + accepted)  # the last token, and the guesses kept
-
-    def _prefill(self, chunk: Chunk) -> None:
-        seq = chunk.seq
-        r = self.running[seq.slot]
-        every = r.request.prompt_logprobs is not None
-        try:
-            out = self._timed(chunk.end - chunk.start,
-                              lambda: self.slots.prefill(seq.slot, r.ids, chunk.start, chunk.end, every))
-            self.advanced(chunk)
-            self.prefill_tokens += chunk.end - chunk.start
-            if self.store is not None:
-                self.store.prompt(r, chunk.end)
-            if every and (scores := r.row.score_prompt(out.logits[0], chunk.last)) is not None:
-                r.request.prompt_scores = scores
-        except Exception as e:  # noqa: BLE001
-            return self.fail([seq], e)
-        if chunk.last:
-            self._take(seq.slot, lambda r: r.row.take(out.logits[:, -1]))
 
     def _take(self, slot: int, take: Callable):
         """The request in `slot` takes its token(s) (`take(occupant)` -> the row's events): each told to
