@@ -229,6 +229,29 @@ def test_the_default_budget_gives_each_prompt_coming_in_a_chunk_of_prompt_oldest
     assert _chunks(plan) == [(1, 4, 12)] and short.state is State.WAITING  # two: 8 tokens, the oldest's first
 
 
+def test_a_burst_of_prompts_beside_fewer_streams_takes_the_idle_budget():
+    """More prompts coming in than requests decoding (a burst that arrived over a few steps): the step
+    takes the idle budget, so their first chunks go in together rather than a chunk a step each."""
+    sched = Scheduler(BatcherLimits(slots=8, max_queue=8, chunk_tokens=4, idle_tokens=64))
+    running = Seq([1])
+    sched.add(running)
+    _ran(sched, sched.schedule())
+    burst = [Seq(list(range(10))) for _ in range(3)]
+    for seq in burst:
+        sched.add(seq)
+    plan = sched.schedule()
+    assert plan.decode == [running] and _chunks(plan) == [(1, 0, 10), (2, 0, 10), (3, 0, 10)]
+    _ran(sched, plan)
+    sched.add(Seq(list(range(30))))  # one prompt beside four streams: a chunk of chunk_tokens
+    assert _chunks(sched.schedule()) == [(4, 0, 4)]
+    fixed = Scheduler(BatcherLimits(slots=8, max_queue=8, step_tokens=8, idle_tokens=64))  # a fixed budget is kept
+    fixed.add(Seq([1]))
+    _ran(fixed, fixed.schedule())
+    for seq in [Seq(list(range(10))) for _ in range(3)]:
+        fixed.add(seq)
+    assert _chunks(fixed.schedule()) == [(1, 0, 7)]
+
+
 # --- speculation in the plan (runtimes/serving/spec_rule.py) ---
 
 def _decoding(sched: Scheduler, n: int, room: int, accepted: int = 0, planned: int = 0) -> list[Seq]:
