@@ -230,8 +230,9 @@ def test_the_default_budget_gives_each_prompt_coming_in_a_chunk_of_prompt_oldest
 
 
 def test_a_burst_of_prompts_beside_fewer_streams_takes_the_idle_budget():
-    """More prompts coming in than requests decoding (a burst that arrived over a few steps): the step
-    takes the idle budget, so their first chunks go in together rather than a chunk a step each."""
+    """More prompts coming in than requests decoding (a burst that arrived over a few steps), or nobody
+    decoding: the step takes the idle budget for each prompt coming in, so their first chunks go in
+    together rather than a chunk a step each."""
     sched = Scheduler(BatcherLimits(slots=8, max_queue=8, chunk_tokens=4, idle_tokens=64))
     running = Seq([1])
     sched.add(running)
@@ -244,6 +245,10 @@ def test_a_burst_of_prompts_beside_fewer_streams_takes_the_idle_budget():
     _ran(sched, plan)
     sched.add(Seq(list(range(30))))  # one prompt beside four streams: a chunk of chunk_tokens
     assert _chunks(sched.schedule()) == [(4, 0, 4)]
+    idle = Scheduler(BatcherLimits(slots=8, max_queue=8, chunk_tokens=4, idle_tokens=64))
+    for seq in [Seq(list(range(60))) for _ in range(3)]:  # nobody decodes: the idle budget for each prompt
+        idle.add(seq)
+    assert _chunks(idle.schedule()) == [(0, 0, 60), (1, 0, 60), (2, 0, 60)]
     fixed = Scheduler(BatcherLimits(slots=8, max_queue=8, step_tokens=8, idle_tokens=64))  # a fixed budget is kept
     fixed.add(Seq([1]))
     _ran(fixed, fixed.schedule())
@@ -332,3 +337,19 @@ def test_the_cost_fit_recovers_what_runs_cost_and_keeps_its_prior_until_it_has_t
     for tokens in (1, 2, 9, 16, 64, 3, 9):
         fit.add(tokens, 0.020 + 0.002 * tokens)
     assert fit.cost.fixed == pytest.approx(0.020) and fit.cost.per_token == pytest.approx(0.002)
+
+
+def test_a_request_that_has_not_guessed_yet_tries_whatever_the_others_missed():
+    """Whether guesses land is each request's own (a copying answer's do, a free one's not): after the
+    batcher's first requests missed every guess, a new one still tries (EXPLORE), and then its own
+    record decides."""
+    rule = SpeculationRule(CPU, batched=True, accepted=0, planned=8)
+    sched = Scheduler(_limits(slots=16, max_queue=0), speculation=rule)
+    fresh = _decoding(sched, 4, room=8)
+    assert len(sched.schedule().verify) == 4
+    for seq in fresh:
+        seq.planned = 8  # each missed its own 8 guesses: no more
+    assert sched.schedule().verify == []
+    for seq in fresh:
+        seq.accepted = 8  # each kept them all: on
+    assert len(sched.schedule().verify) == 4

@@ -14,9 +14,10 @@ the rule's measured costs say the step gains by them (runtimes/serving/spec_rule
 `step_tokens` their guesses take what the decode tokens and the prompts coming in leave.
 So a long prompt is prefilled a chunk per step while the running requests keep decoding. A step
 in which no request decodes has nobody to keep waiting: its budget is `idle_tokens` (at least
-`step_tokens`); so has, without a fixed `step_tokens`, one in which more prompts are coming in than
-requests decode (a burst arriving over a few steps: its prompts' first chunks go in one run,
-runtimes/serving/prefilling.py, rather than a trickle beside one stream). `chunked` False (a backend that cannot continue a prompt part way:
+`step_tokens`), without a fixed `step_tokens` for each prompt coming in (a burst's prompts go in
+together, their first chunks in one run: runtimes/serving/prefilling.py, and then decode together);
+so is one in which more prompts are coming in than requests decode (a burst arriving over a few
+steps, rather than a trickle beside one stream). `chunked` False (a backend that cannot continue a prompt part way:
 Slots.chunk_problem) prefills each prompt whole in the step that admits it, over budget if it
 must. With a `PrefixCache`, an admitted prompt first takes the longest cached prefix of its own
 tokens (`Seq.cached`, for the loop to copy into its slot) and prefills only the rest; a prompt
@@ -204,13 +205,15 @@ class Scheduler:
             self.finish(seq)
             plan.left.append(seq)
         plan.decode = [self.running[slot] for slot in sorted(self.running) if self.running[slot].state is State.DECODE]
+        coming = len(self._prefilling) + min(len(self.waiting), self.limits.slots - len(self.running))
+        # nobody waits on the step: idle_tokens (a prompt coming in each, where the budget is not fixed)
+        idle = self.idle_tokens * (max(1, coming) if self.limits.step_tokens is None else 1)
         if not plan.decode:
-            budget = self.idle_tokens
+            budget = idle
         else:
-            coming = len(self._prefilling) + min(len(self.waiting), self.limits.slots - len(self.running))
             chunks = self.limits.chunk_tokens * max(1, coming)
             if self.limits.step_tokens is None and coming > len(plan.decode):  # more wait than stream: prompts first
-                chunks = max(chunks, self.idle_tokens)
+                chunks = max(chunks, idle)
             budget = chunks if self.limits.step_tokens is None else self.limits.step_tokens - len(plan.decode)
             if self.speculation is not None:  # guesses out of what the prompts coming in leave
                 spare = None if self.limits.step_tokens is None else budget - (chunks if coming else 0)

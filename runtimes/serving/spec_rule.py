@@ -9,7 +9,7 @@ chunks, verify runs) is a point (tokens, seconds), and `CostFit` fits seconds = 
 tokens over the recent ones (least squares, older runs decaying). On a CPU `fixed` is reading the
 weights once and `per_token` the compute each token adds; a request's guesses are worth what it
 accepted of the guesses planned for it so far (`acceptance`, starting from the batcher's own
-acceptance so far, worth PRIOR_WEIGHT guesses). Where the proposer is cheap (prompt lookup) the loop
+acceptance so far, worth PRIOR_WEIGHT guesses, and at least EXPLORE until it has guessed once). Where the proposer is cheap (prompt lookup) the loop
 proposes before the plan, so a request's `room` is the guesses it has, and one with none is not
 charged. The rule takes the set of guessing requests (the best first) whose step
 yields the most tokens per second, R + sum(a_i k_i) over the step's cost, and none where none beats
@@ -24,6 +24,9 @@ from dataclasses import dataclass
 from typing import Sequence
 
 PRIOR_WEIGHT = 8  # a request starts at the batcher's acceptance so far (0.5 before any), worth 8 planned guesses
+# ... and at least this before it has guessed: whether a request's guesses land is its own (a copying answer's
+# do, a free one's do not), so one request's misses must not stop every later one from ever trying
+EXPLORE = 0.5
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,8 @@ class SpeculationRule:
 
     def acceptance(self, seq) -> float:
         prior = (self.accepted + 1) / (self.planned + 2)
+        if not seq.planned:  # nothing of its own yet: tried at least once, then its own record decides
+            prior = max(prior, EXPLORE)
         return (seq.accepted + PRIOR_WEIGHT * prior) / (seq.planned + PRIOR_WEIGHT)
 
     def seconds(self, rows: int, ks: Sequence[int]) -> float:
