@@ -134,9 +134,7 @@ class ExportOptions:
         # a static decode graph takes a run of new tokens per row (contract.inputs): serving's chunked
         # prefill and cached prefixes continue a prompt through it; the fused one where it prefills too
         prefills = kv_cache == "static" and (target != Target.ORT.value or prefill_logits == "last")
-        # the mask as wide as the rows need: fewer positions attended (portable), and for the fused graph's
-        # GroupQueryAttention a batch of prompts' first runs in one (its first prompt: the mask as wide as the run)
-        narrow = kv_cache == "static"
+        narrow = kv_cache == "static"  # (the fused graph's batched first runs need it: Runs.prefill_first)
         variant = Variant(target=target, cache=kv_cache, capacity=max_seq_len, prefill_logits=prefill_logits,
                           debug_outputs=debug_outputs, opset=opset, decode_prefills=prefills, narrow_mask=narrow,
                           verify_logits=prefills)

@@ -41,10 +41,7 @@ class Prefilling:
         except Exception as e:  # noqa: BLE001
             return self.fail([c.seq for c in group], e)
         for c, r, row in zip(group, rs, logits):
-            self.advanced(c)
-            self.prefill_tokens += c.end
-            if self.store is not None:
-                self.store.prompt(r, c.end)
+            self._ran(c, r)
             if c.last:
                 self._take(c.seq.slot, lambda r, row=row: r.row.take(row[None]))
 
@@ -55,13 +52,17 @@ class Prefilling:
         try:
             out = self._timed(chunk.end - chunk.start,
                               lambda: self.slots.prefill(seq.slot, r.ids, chunk.start, chunk.end, every))
-            self.advanced(chunk)
-            self.prefill_tokens += chunk.end - chunk.start
-            if self.store is not None:
-                self.store.prompt(r, chunk.end)
+            self._ran(chunk, r)
             if every and (scores := r.row.score_prompt(out.logits[0], chunk.last)) is not None:
                 r.request.prompt_scores = scores
         except Exception as e:  # noqa: BLE001
             return self.fail([seq], e)
         if chunk.last:
             self._take(seq.slot, lambda r: r.row.take(out.logits[:, -1]))
+
+    def _ran(self, chunk: Chunk, r) -> None:
+        """A chunk of request `r` (its Occupant) is in its slot: the scheduler and the prefix store hear of it."""
+        self.advanced(chunk)
+        self.prefill_tokens += chunk.end - chunk.start
+        if self.store is not None:
+            self.store.prompt(r, chunk.end)
