@@ -8,8 +8,9 @@ import pytest
 
 from tk.runtimes.serving.prefix_cache import PrefixCache
 from tk.runtimes.base import InputError
-from tk.runtimes.serving.scheduler import BatcherLimits, QueueFull, Scheduler, Seq, State
-from tk.runtimes.serving.spec_rule import CostFit, RunCost, SpeculationRule
+from tk.runtimes.serving.scheduler import STALL, BatcherLimits, QueueFull, Scheduler, Seq, State
+from tk.runtimes.serving.run_cost import CostFit, RunCost
+from tk.runtimes.serving.spec_rule import SpeculationRule
 
 
 def _limits(**limits) -> BatcherLimits:
@@ -327,6 +328,36 @@ def test_a_busy_step_stops_guessing_where_the_measured_costs_say_it_costs_more_t
     sched = Scheduler(_limits(slots=16, max_queue=0), speculation=capped)
     _decoding(sched, 2, room=8, accepted=90, planned=100)
     assert sched.schedule().verify == []
+
+
+def test_a_prompt_beside_streams_takes_what_computes_in_stall_times_the_steps_runs_where_they_are_measured():
+    """With the loop's costs measured (`fit`), a prompt coming in beside decoding requests takes the
+    tokens that compute in STALL times the step's decode and verify runs, at least chunk_tokens: a
+    stream's gap at most doubles, and a prompt comes in faster beside a costly step (verify runs)."""
+    def prompt_tokens(fit, spec=None, rows=3):
+        sched = Scheduler(BatcherLimits(slots=8, max_queue=8, chunk_tokens=16, idle_tokens=64), fit=fit,
+                          speculation=spec)
+        _decoding(sched, rows, room=8, accepted=90, planned=100)
+        sched.add(Seq(list(range(1000))))
+        plan = sched.schedule()
+        assert len(plan.decode) + len(plan.verify) == rows
+        return sum(c.end - c.start for c in plan.prefill), plan
+
+    assert prompt_tokens(None)[0] == 16  # not measured: chunk_tokens
+    assert prompt_tokens(CostFit(CPU))[0] == 16  # 3 rows' decode run, 26 ms: 13 tokens' compute < 16
+    heavy = RunCost(fixed=100e-3, per_token=2e-3)  # a larger model's weights read
+    assert prompt_tokens(CostFit(heavy))[0] == pytest.approx(STALL * 106e-3 / 2e-3, abs=1)  # 53
+    # three requests guessing, a verify run each (38 ms): the prompt takes 3 * 38 ms of compute
+    n, plan = prompt_tokens(CostFit(CPU), SpeculationRule(CPU, accepted=90, planned=100))
+    assert len(plan.verify) == 3 and n == pytest.approx(STALL * 3 * 38e-3 / 2e-3, abs=1)  # 57
+    assert prompt_tokens(CostFit(RunCost(fixed=1.0, per_token=1e-3)))[0] == 64  # never over the idle budget
+    # the rule's costs are the fit's
+    fit = CostFit(CPU)
+    for tokens in (1, 9, 16, 64):
+        fit.add(tokens, 0.050 + 0.004 * tokens)
+    spec = SpeculationRule(CPU, accepted=90, planned=100)
+    prompt_tokens(fit, spec)
+    assert spec.cost.fixed == pytest.approx(0.050) and spec.cost.per_token == pytest.approx(0.004)
 
 
 def test_the_cost_fit_recovers_what_runs_cost_and_keeps_its_prior_until_it_has_two_sizes():

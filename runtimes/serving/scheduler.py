@@ -5,7 +5,8 @@ drives vLLM's).
 A request (`Seq`) waits in a queue, takes a free slot (the lowest), prefills its prompt, decodes,
 and ends; or it is aborted at any of those. Each `schedule()` returns a `StepPlan` within its
 `BatcherLimits`: a budget of `step_tokens` tokens (None: the decode tokens plus `chunk_tokens` for
-each prompt coming in), first one token for every decoding request (decode first, as
+each prompt coming in, or more where the loop's measured costs (`fit`) say the step's own runs take
+long: STALL below), first one token for every decoding request (decode first, as
 onnxruntime-genai's AllocateDecodeFirstTokenBudget and vLLM's scheduler do), then prefill chunks
 of the prompts already in slots, oldest first, then new admissions while slots and budget last.
 With a `SpeculationRule`, decoding requests whose next step may verify guesses (`Seq.room`) are
@@ -42,6 +43,7 @@ from typing import Any, Sequence
 
 from tk.runtimes.errors import InputError, RuntimeProblem
 from tk.runtimes.serving.prefix_cache import PrefixCache
+from tk.runtimes.serving.run_cost import CostFit
 from tk.runtimes.serving.spec_rule import Guess, SpeculationRule
 
 
@@ -102,12 +104,15 @@ class StepPlan:
 
 
 # A step's budget is one decode token for each running request, then prefill chunks. Its runs are one
-# decode run and one run per chunk (the graphs take no ragged batch), so while a prompt comes in, a
-# stream waits its decode step plus a chunk: on CPUs the decode step costs about what reading the
-# weights does, whatever the rows, and a chunk that plus its tokens' compute. On 2 cores and a 135M
-# model, 8 rows' decode step costs about what a 16-token chunk does (examples/bench_serve.py
-# --workload long-prompt measures the gaps). So by default a step takes its decode tokens plus
-# CHUNK_TOKENS of prompt, and a step in which nobody decodes (nobody waits) IDLE_TOKENS.
+# decode run (and the guessing requests' verify runs) and the chunks' runs, so while a prompt comes in a
+# stream waits its step plus a chunk: on CPUs the decode step costs about what reading the weights does,
+# whatever the rows, and a chunk that plus its tokens' compute. So by default a step takes, beside its
+# decode and verify tokens, CHUNK_TOKENS for each prompt coming in or, where the loop has measured its
+# runs (runtimes/serving/run_cost.py), the prompt tokens that compute in STALL times what the step's
+# decode and verify runs cost, whichever is more: a prompt coming in at most doubles a stream's gap, and
+# comes in faster beside a costlier step (several rows' verify runs) rather than a few tokens each of many
+# slow steps. A step in which nobody decodes (nobody waits) takes IDLE_TOKENS.
+STALL = 1.0
 CHUNK_TOKENS = 16
 IDLE_TOKENS = 512
 DEFAULT_PREFIX_CACHE_BYTES = 1 << 30
@@ -140,10 +145,11 @@ class BatcherLimits:
 
 class Scheduler:
     def __init__(self, limits: BatcherLimits, *, chunked: bool = True, prefix: PrefixCache | None = None,
-                 speculation: SpeculationRule | None = None):
+                 speculation: SpeculationRule | None = None, fit: CostFit | None = None):
         """`chunked` False: each prompt is prefilled whole, in the step that admits it; `speculation`:
-        which decoding requests verify guesses each step (None: none)."""
-        self.limits, self.chunked, self.speculation = limits, chunked, speculation
+        which decoding requests verify guesses each step (None: none); `fit`: what the loop's runs
+        cost, as it measures them (None: not measured; the budget counts tokens only)."""
+        self.limits, self.chunked, self.speculation, self.fit = limits, chunked, speculation, fit
         self.idle_tokens = max(limits.step_tokens or limits.chunk_tokens, limits.idle_tokens)
         self.prefix = prefix if chunked else None  # a cached prefix is useless where a prompt cannot continue
         self.waiting: deque[Seq] = deque()
@@ -206,22 +212,26 @@ class Scheduler:
             plan.left.append(seq)
         plan.decode = [self.running[slot] for slot in sorted(self.running) if self.running[slot].state is State.DECODE]
         coming = len(self._prefilling) + min(len(self.waiting), self.limits.slots - len(self.running))
+        fixed, streams, cost = self.limits.step_tokens, len(plan.decode), self.fit.cost if self.fit else None
         # nobody waits on the step: idle_tokens (a prompt coming in each, where the budget is not fixed)
-        idle = self.idle_tokens * (max(1, coming) if self.limits.step_tokens is None else 1)
+        idle = self.idle_tokens * (max(1, coming) if fixed is None else 1)
         if not plan.decode:
             budget = idle
         else:
             chunks = self.limits.chunk_tokens * max(1, coming)
-            if self.limits.step_tokens is None and coming > len(plan.decode):  # more wait than stream: prompts first
-                chunks = max(chunks, idle)
-            budget = chunks if self.limits.step_tokens is None else self.limits.step_tokens - len(plan.decode)
             if self.speculation is not None:  # guesses out of what the prompts coming in leave
-                spare = None if self.limits.step_tokens is None else budget - (chunks if coming else 0)
+                if cost is not None:
+                    self.speculation.cost = cost
+                spare = None if fixed is None else fixed - streams - (chunks if coming else 0)
                 plan.verify = self.speculation.plan(plan.decode, spare)
                 guessing = {id(g.seq) for g in plan.verify}
                 plan.decode = [seq for seq in plan.decode if id(seq) not in guessing]
-                if self.limits.step_tokens is not None:
-                    budget -= sum(g.k for g in plan.verify)
+            if fixed is not None:
+                budget = fixed - plan.tokens
+            elif coming > streams:  # more wait than stream: prompts first
+                budget = max(chunks, idle)
+            else:  # what computes in STALL times the step's runs, where measured
+                budget = max(chunks, min(idle, self._stall_tokens(plan, cost)))
         for seq in self._prefilling:
             budget -= self._chunk(plan, seq, budget)
         free = sorted(set(range(self.limits.slots)) - set(self.running))
@@ -236,6 +246,15 @@ class Scheduler:
             plan.admitted.append(seq)
             budget -= self._chunk(plan, seq, budget)
         return plan
+
+    def _stall_tokens(self, plan: StepPlan, cost) -> int:
+        """The prompt tokens that compute in STALL times what the step's decode and verify runs cost."""
+        if cost is None or cost.per_token <= 0:
+            return 0
+        rows = len(plan.decode) + len(plan.verify)
+        runs = (self.speculation.seconds(rows, [g.k for g in plan.verify]) if self.speculation is not None
+                else cost.run(rows))
+        return int(STALL * runs / cost.per_token)
 
     def _head(self, seq: Seq) -> bytes:
         if seq.head is None:

@@ -4,10 +4,8 @@ like the scheduler that asks it (tests/test_scheduler.py feeds it numbers).
 A step that speculates trades one run for several: each guessing request's verify run (its last
 token and k guesses, k + 1 tokens charged to the step's budget, as vLLM charges num_tokens_with_spec)
 beside the decode run of the others, and a draft model's batched steps. Whether that pays depends on
-what a run costs here, so the loop measures it: every run it makes (decode steps of R rows, prompt
-chunks, verify runs) is a point (tokens, seconds), and `CostFit` fits seconds = fixed + per_token *
-tokens over the recent ones (least squares, older runs decaying). On a CPU `fixed` is reading the
-weights once and `per_token` the compute each token adds; a request's guesses are worth what it
+what a run costs here, so the loop measures it (runtimes/serving/run_cost.py: seconds = fixed +
+per_token * tokens, fitted over its recent runs); a request's guesses are worth what it
 accepted of the guesses planned for it so far (`acceptance`, starting from the batcher's own
 acceptance so far, worth PRIOR_WEIGHT guesses, and at least EXPLORE until it has guessed once). Where the proposer is cheap (prompt lookup) the loop
 proposes before the plan, so a request's `room` is the guesses it has, and one with none is not
@@ -23,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from tk.runtimes.serving.run_cost import RunCost
+
 PRIOR_WEIGHT = 8  # a request starts at the batcher's acceptance so far (0.5 before any), worth 8 planned guesses
 # ... and at least this before it has guessed: whether a request's guesses land is its own (a copying answer's
 # do, a free one's do not), so one request's misses must not stop every later one from ever trying
@@ -35,46 +35,6 @@ class Guess:
 
     seq: object
     k: int
-
-
-@dataclass(frozen=True)
-class RunCost:
-    """A run's seconds: fixed + per_token * tokens; `draft` a draft model's batched step (0: none)."""
-
-    fixed: float
-    per_token: float
-    draft: float = 0.0
-
-    def run(self, tokens: int) -> float:
-        return self.fixed + self.per_token * tokens if tokens > 0 else 0.0
-
-
-class CostFit:
-    """Least squares of seconds on tokens over the loop's runs, each older one weighing `decay` less;
-    `prior` until runs of at least two sizes were seen. A draft's steps are averaged apart."""
-
-    def __init__(self, prior: RunCost, decay: float = 0.99):
-        self.prior, self.decay = prior, decay
-        self.n = self.t = self.s = self.tt = self.ts = 0.0  # decayed sums: weight, tokens, seconds, t^2, t*s
-        self.draft = prior.draft
-
-    def add(self, tokens: int, seconds: float) -> None:
-        d = self.decay
-        self.n, self.t, self.s = d * self.n + 1, d * self.t + tokens, d * self.s + seconds
-        self.tt, self.ts = d * self.tt + tokens * tokens, d * self.ts + tokens * seconds
-
-    def add_draft(self, steps: int, seconds: float) -> None:
-        if steps > 0:
-            self.draft = 0.8 * self.draft + 0.2 * seconds / steps
-
-    @property
-    def cost(self) -> RunCost:
-        var = self.n * self.tt - self.t * self.t
-        if self.n < 2 or var <= 1e-9 * max(self.n * self.tt, 1.0):
-            return RunCost(self.prior.fixed, self.prior.per_token, self.draft)
-        per_token = max((self.n * self.ts - self.t * self.s) / var, 0.0)
-        fixed = max((self.s - per_token * self.t) / self.n, 0.0)
-        return RunCost(fixed, per_token, self.draft)
 
 
 @dataclass

@@ -12,20 +12,17 @@ import time
 
 from tk.runtimes.base import Runtime
 from tk.runtimes.decoding.speculative import DraftModel, Proposal, Speculation
-from tk.runtimes.serving.spec_rule import CostFit, RunCost, SpeculationRule
-
-# before the loop has timed runs of two sizes: a run's fixed cost as 8 tokens' compute (a 135M model's
-# decode step on 2 cores reads its weights in about what 8 tokens compute; the fit replaces it within steps)
-PRIOR = RunCost(fixed=8e-3, per_token=1e-3)
+from tk.runtimes.serving.run_cost import PRIOR, CostFit
+from tk.runtimes.serving.spec_rule import SpeculationRule
 
 
 class SlotSpeculation:
-    """The batcher's speculation over `slots` slots; `fit` holds what its runs cost (the loop adds
-    every run), `rule` what the scheduler asks. Counts the guesses `proposed` and `accepted`."""
+    """The batcher's speculation over `slots` slots; `fit` holds what the loop's runs cost (the loop
+    adds every run, this a draft's steps), `rule` what the scheduler asks (its costs the fit's, set
+    by the scheduler each step). Counts the guesses `proposed` and `accepted`."""
 
-    def __init__(self, speculation: Speculation):
-        self.speculation, self.proposer = speculation, speculation.proposer
-        self.fit = CostFit(PRIOR)
+    def __init__(self, speculation: Speculation, fit: CostFit):
+        self.speculation, self.proposer, self.fit = speculation, speculation.proposer, fit
         self.rule = SpeculationRule(PRIOR, batched=False, max_rows=speculation.max_rows)
         self.proposed = self.accepted = 0
 
@@ -69,8 +66,3 @@ class SlotSpeculation:
         self.rule.planned += guessed  # the prior of the next requests
         self.rule.accepted += kept
         self.proposer.accept(slot, kept)
-
-    def measured(self, tokens: int, seconds: float) -> None:
-        """One run of the target: the rule's costs follow the fit."""
-        self.fit.add(tokens, seconds)
-        self.rule.cost = self.fit.cost

@@ -1,0 +1,56 @@
+"""What a run of the serving loop costs here, measured: every run it makes (decode steps of R rows,
+prompt chunks, verify runs) is a point (tokens, seconds), and `CostFit` fits seconds = fixed +
+per_token * tokens over the recent ones (least squares, older runs decaying). On a CPU `fixed` is
+reading the weights once and `per_token` the compute each token adds. The scheduler sizes a step's
+prompt chunks by it (runtimes/serving/scheduler.py) and the speculation rule weighs guesses by it
+(runtimes/serving/spec_rule.py). Pure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RunCost:
+    """A run's seconds: fixed + per_token * tokens; `draft` a draft model's batched step (0: none)."""
+
+    fixed: float
+    per_token: float
+    draft: float = 0.0
+
+    def run(self, tokens: int) -> float:
+        return self.fixed + self.per_token * tokens if tokens > 0 else 0.0
+
+
+class CostFit:
+    """Least squares of seconds on tokens over the loop's runs, each older one weighing `decay` less;
+    `prior` until runs of at least two sizes were seen. A draft's steps are averaged apart."""
+
+    def __init__(self, prior: RunCost, decay: float = 0.99):
+        self.prior, self.decay = prior, decay
+        self.n = self.t = self.s = self.tt = self.ts = 0.0  # decayed sums: weight, tokens, seconds, t^2, t*s
+        self.draft = prior.draft
+
+    def add(self, tokens: int, seconds: float) -> None:
+        d = self.decay
+        self.n, self.t, self.s = d * self.n + 1, d * self.t + tokens, d * self.s + seconds
+        self.tt, self.ts = d * self.tt + tokens * tokens, d * self.ts + tokens * seconds
+
+    def add_draft(self, steps: int, seconds: float) -> None:
+        if steps > 0:
+            self.draft = 0.8 * self.draft + 0.2 * seconds / steps
+
+    @property
+    def cost(self) -> RunCost:
+        var = self.n * self.tt - self.t * self.t
+        if self.n < 2 or var <= 1e-9 * max(self.n * self.tt, 1.0):
+            return RunCost(self.prior.fixed, self.prior.per_token, self.draft)
+        per_token = max((self.n * self.ts - self.t * self.s) / var, 0.0)
+        fixed = max((self.s - per_token * self.t) / self.n, 0.0)
+        return RunCost(fixed, per_token, self.draft)
+
+
+# before the loop has timed runs of two sizes: a run's fixed cost as 8 tokens' compute (a 135M model's
+# decode step on 2 cores reads its weights in about what 8 tokens compute; the fit replaces it within steps)
+PRIOR = RunCost(fixed=8e-3, per_token=1e-3)
