@@ -10,6 +10,7 @@ import pytest
 
 from tk.models.spec.manifest import Manifest
 from tk.runtimes.base import InputError
+from tk.runtimes.cache_runs import GROUP_TOKENS
 from tk.runtimes.serving.batching import Batcher, BatcherClosed, BatcherLimits, QueueFull, Request, wait_all
 from tk.runtimes.decoding.generate import generate
 from tk.runtimes.slots import Slots
@@ -237,6 +238,8 @@ def test_prompts_first_chunks_in_one_run_compute_what_each_alone_does(serve_arti
         layout = rt.layout
         assert layout.first_groups(rt, [0, 1, 2, 3], [7, 9, 9, 8]) == [[0, 1, 2, 3]]
         assert layout.first_groups(rt, [0, 1, 2, 3], [2, 9, 9, 9]) == [[1, 2, 3]]  # (a quarter padded at most)
+        n = GROUP_TOKENS // 3  # (GROUP_TOKENS a run at most)
+        assert layout.first_groups(rt, [0, 1, 2, 3, 4], [n] * 5) == [[0, 1, 2], [3, 4]]
         assert layout.first_groups(rt, [0, 2], [9, 9]) == ([] if variant == "fast" else [[0, 2]])  # (one view)
         with Slots(rt, 4) as alone:
             solo = np.stack([alone.admit(i, p).logits[0, -1] for i, p in enumerate(prompts)])
