@@ -7,6 +7,10 @@ layout, one thread or many."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 from tk.models.quant import quantize as qmod
@@ -245,3 +249,26 @@ def test_any_layout_is_read_as_it_is():
     strided = np.zeros((96, 140), np.float32)
     strided[:, ::2] = w
     _same(quantize(strided[:, ::2], scheme, threads=2), want)
+
+
+def test_the_kernel_compiles_while_torch_export_has_math_patched_once_ready_ran():
+    """The weights writer quantizes on a thread beside torch.export's trace, which swaps math functions
+    for lambdas of its own while it traces (torch._export.non_strict_utils); numba's first compile or
+    cache load in a process reads the math module and failed on them (AttributeError, `tk export
+    --weights int4 --symmetric` on a real checkpoint). `ready()`, run before the trace, loads it first."""
+    code = textwrap.dedent("""
+        import math, sys
+        import numpy as np
+        from tk.models.quant import kernel
+        if sys.argv[1] == "ready":
+            kernel.ready()
+        math.pow = lambda x, y: x ** y  # what the trace does to math while it runs
+        from tk.models.quant.quantize import Scheme, quantize
+        quantize(np.ones((32, 8), np.float32), Scheme(bits="int4", block=32, zero_points=False), threads=1)
+        print("ok")
+    """)
+    run = lambda arg: subprocess.run([sys.executable, "-c", code, arg], capture_output=True, text=True, timeout=300)
+    done = run("ready")
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+    failed = run("not")
+    assert failed.returncode != 0 and "AttributeError" in failed.stderr  # what ready() prevents

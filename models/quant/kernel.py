@@ -20,6 +20,16 @@ from numba import njit
 F0, F1 = np.float32(0), np.float32(1)
 
 
+def ready() -> None:
+    """Load numba's typing declarations now, on the caller's thread. The exporter quantizes on a thread
+    beside torch.export's trace, which swaps math functions for lambdas of its own while it traces
+    (torch._export.non_strict_utils); numba's first compile or cache load in a process reads the math
+    module and fails on them (AttributeError). Once loaded, they are not read again."""
+    from numba.core.registry import cpu_target
+
+    cpu_target.typing_context.refresh()
+
+
 @njit(nogil=True, cache=True, error_model="numpy", inline="always")
 def _clip(v, lo, hi):
     """min(max(v, lo), hi), as numpy's maximum then minimum (a NaN v stays NaN)."""

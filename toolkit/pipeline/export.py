@@ -107,6 +107,9 @@ def _export_graphs(model_dir: Path, tmp: Path, config, options: ExportOptions, p
     dims = GraphDims.of(config, options.precision, options.variant)
     progress.step("trace")
     weighing = "quantize" if p.quantized else "weights"
+    if p.quantized:  # before the trace patches math (models/quant/kernel.py)
+        from tk.models.quant.kernel import ready
+        ready()
     size, tensors = planned_size(plan_weights(view, options.precision))
     with progress.task(weighing, size, "B", tensors, "tensors") as task:  # begins now, beside tracing
         writer = Background.thread(write_weights, CheckpointReader(model_dir, config), view, tmp / WEIGHTS_FILE,
