@@ -37,8 +37,9 @@ def batcher_options(f):
               help="Larger request bodies are refused (HTTP 413).")
 @click.option("--step-tokens", type=click.IntRange(min=1),
               help="Tokens a step computes while requests decode (vLLM's --max-num-batched-tokens): a decode token "
-                   "for each first, then chunks of the prompts coming in [default: the decode tokens + 16; a "
-                   "step where nothing decodes takes up to 512].")
+                   "for each first, then chunks of the prompts coming in [default: the decode tokens, and for "
+                   "the prompts 16 each or what computes in the step's own measured run time, whichever is "
+                   "more; a step where nothing decodes takes up to 512 each].")
 @click.option("--prefix-cache-mib", default=1024, show_default=True, type=click.IntRange(min=1),
               help="Host memory for cached prompt prefixes (their keys and values); least recently used go first.")
 @click.option("--no-prefix-cache", is_flag=True, help="Prefill every prompt whole: reuse no cached prefix.")
