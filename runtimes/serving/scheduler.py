@@ -248,13 +248,15 @@ class Scheduler:
         return plan
 
     def _stall_tokens(self, plan: StepPlan, cost) -> int:
-        """The prompt tokens that compute in STALL times what the step's decode and verify runs cost."""
+        """The prompt tokens that compute in STALL times what the step's decode and verify runs cost, in
+        whole chunk_tokens (the runs' shapes stay few: ONNX Runtime keeps a memory plan for each)."""
         if cost is None or cost.per_token <= 0:
             return 0
         rows = len(plan.decode) + len(plan.verify)
         runs = (self.speculation.seconds(rows, [g.k for g in plan.verify]) if self.speculation is not None
                 else cost.run(rows))
-        return int(STALL * runs / cost.per_token)
+        step = self.limits.chunk_tokens
+        return int(STALL * runs / cost.per_token) // step * step
 
     def _head(self, seq: Seq) -> bytes:
         if seq.head is None:
