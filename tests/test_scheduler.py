@@ -9,7 +9,7 @@ import pytest
 from tk.runtimes.serving.prefix_cache import PrefixCache
 from tk.runtimes.base import InputError
 from tk.runtimes.serving.scheduler import STALL, BatcherLimits, QueueFull, Scheduler, Seq, State
-from tk.runtimes.serving.run_cost import CostFit, RunCost
+from tk.runtimes.serving.run_cost import CostFit, Costs, RunCost
 from tk.runtimes.serving.spec_rule import SpeculationRule
 
 
@@ -330,13 +330,13 @@ def test_a_busy_step_stops_guessing_where_the_measured_costs_say_it_costs_more_t
     assert sched.schedule().verify == []
 
 
-def test_a_prompt_beside_streams_takes_what_computes_in_stall_times_the_steps_runs_where_they_are_measured():
-    """With the loop's costs measured (`fit`), a prompt coming in beside decoding requests takes the
-    tokens that compute in STALL times the step's decode and verify runs, at least chunk_tokens: a
-    stream's gap at most doubles, and a prompt comes in faster beside a costly step (verify runs); in
-    whole chunk_tokens, so the runs' shapes stay few."""
-    def prompt_tokens(fit, spec=None, rows=3):
-        sched = Scheduler(BatcherLimits(slots=8, max_queue=8, chunk_tokens=16, idle_tokens=64), fit=fit,
+def test_a_prompt_beside_streams_takes_a_run_that_costs_stall_times_the_steps_runs_where_they_are_measured():
+    """With the loop's costs measured (`costs`), a prompt coming in beside decoding requests takes the
+    tokens whose run (the prompt chunks' own fit) costs STALL times the step's decode and verify runs
+    (the steps' fit), at least chunk_tokens: a stream's gap at most doubles, and a prompt comes in
+    faster beside a costly step (verify runs); in whole chunk_tokens, so the runs' shapes stay few."""
+    def prompt_tokens(costs, spec=None, rows=3):
+        sched = Scheduler(BatcherLimits(slots=8, max_queue=8, chunk_tokens=16, idle_tokens=64), costs=costs,
                           speculation=spec)
         _decoding(sched, rows, room=8, accepted=90, planned=100)
         sched.add(Seq(list(range(1000))))
@@ -344,20 +344,27 @@ def test_a_prompt_beside_streams_takes_what_computes_in_stall_times_the_steps_ru
         assert len(plan.decode) + len(plan.verify) == rows
         return sum(c.end - c.start for c in plan.prefill), plan
 
+    def costs(steps: RunCost, prompts: RunCost = CPU) -> Costs:
+        c = Costs()
+        c.steps, c.prompts = CostFit(steps), CostFit(prompts)  # (their priors until runs are measured)
+        return c
+
     assert prompt_tokens(None)[0] == 16  # not measured: chunk_tokens
-    assert prompt_tokens(CostFit(CPU))[0] == 16  # 3 rows' decode run, 26 ms: 13 tokens' compute < 16
-    heavy = RunCost(fixed=100e-3, per_token=2e-3)  # a larger model's weights read
-    assert prompt_tokens(CostFit(heavy))[0] == int(STALL * 106e-3 / 2e-3) // 16 * 16 == 48  # 53, in whole chunks
-    # three requests guessing, a verify run each (38 ms): the prompt takes 3 * 38 ms of compute
-    n, plan = prompt_tokens(CostFit(CPU), SpeculationRule(CPU, accepted=90, planned=100))
-    assert len(plan.verify) == 3 and n == int(STALL * 3 * 38e-3 / 2e-3) // 16 * 16 == 48  # 57 tokens: 48
-    assert prompt_tokens(CostFit(RunCost(fixed=1.0, per_token=1e-3)))[0] == 64  # never over the idle budget
-    # the rule's costs are the fit's
-    fit = CostFit(CPU)
+    # 3 rows' decode run (26 ms) beside a chunk that reads the weights too (20 ms + 2 ms a token): 16
+    assert prompt_tokens(costs(CPU))[0] == 16
+    heavy = RunCost(fixed=100e-3, per_token=2e-3)  # a costly step: the chunk takes (106 - 20) / 2 = 43 tokens
+    assert prompt_tokens(costs(heavy))[0] == int((STALL * 106e-3 - 20e-3) / 2e-3) // 16 * 16 == 32
+    # three requests guessing, a verify run each (38 ms): (114 - 20) / 2 = 47 tokens, 32 in whole chunks
+    n, plan = prompt_tokens(costs(CPU), SpeculationRule(CPU, accepted=90, planned=100))
+    assert len(plan.verify) == 3 and n == 32
+    assert prompt_tokens(costs(RunCost(fixed=1.0, per_token=1e-3)))[0] == 64  # never over the idle budget
+    # the rule's costs are the steps' fit, not the prompts'
+    measured = costs(CPU)
     for tokens in (1, 9, 16, 64):
-        fit.add(tokens, 0.050 + 0.004 * tokens)
+        measured.add(tokens, 0.050 + 0.004 * tokens)
+        measured.add(tokens * 8, 0.5, prompt=True)
     spec = SpeculationRule(CPU, accepted=90, planned=100)
-    prompt_tokens(fit, spec)
+    prompt_tokens(measured, spec)
     assert spec.cost.fixed == pytest.approx(0.050) and spec.cost.per_token == pytest.approx(0.004)
 
 

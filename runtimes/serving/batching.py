@@ -40,7 +40,7 @@ from tk.runtimes.decoding.sampling import SamplingConfig
 from tk.runtimes.decoding.speculative import Speculation
 from tk.runtimes.serving.prefix_cache import PrefixCache
 from tk.runtimes.serving.prefix_store import PrefixStore
-from tk.runtimes.serving.run_cost import PRIOR, CostFit
+from tk.runtimes.serving.run_cost import Costs
 from tk.runtimes.serving.scheduler import BatcherLimits, QueueFull, Scheduler, Seq, State
 from tk.runtimes.serving.speculating import SlotSpeculation
 from tk.runtimes.serving.stepping import Steps
@@ -92,9 +92,9 @@ class Batcher:
     def __init__(self, runtime: Runtime, *, limits: BatcherLimits = BatcherLimits(), eos_ids: Sequence[int] = (),
                  speculation: Speculation | None = None):
         self.runtime, self.limits, self.eos, self.speculation = runtime, limits, frozenset(eos_ids), speculation
-        self.fit = CostFit(PRIOR)  # what the loop's runs cost: the scheduler's chunks and guesses follow it
+        self.costs = Costs()  # what the loop's runs cost: the scheduler's chunks and guesses follow it
         # its proposer, rule and counters (what the runtime can verify is checked at start, once it is loaded)
-        self.speculating = None if speculation is None else SlotSpeculation(speculation, self.fit)
+        self.speculating = None if speculation is None else SlotSpeculation(speculation, self.costs.steps)
         self._cv, self._closed = threading.Condition(), threading.Lock()
         self._sched: Scheduler | None = None  # made at start: what the runtime can do is known once it is loaded
         self._seqs: dict[Request, Seq] = {}  # every request submitted and not finished
@@ -155,9 +155,9 @@ class Batcher:
         elif self.chunked and self.limits.prefix_cache_bytes > 0:
             log.info("prefix caching is off: a sliding layer's cache is a ring of its window, whose slots a cached "
                      "block of positions cannot restore")
-        self._sched = Scheduler(self.limits, chunked=self.chunked, prefix=self.prefix, fit=self.fit,
+        self._sched = Scheduler(self.limits, chunked=self.chunked, prefix=self.prefix, costs=self.costs,
                                 speculation=None if self.speculating is None else self.speculating.rule)
-        self._steps = Steps(self.runtime, slots, self.eos, store=store, speculating=self.speculating, fit=self.fit,
+        self._steps = Steps(self.runtime, slots, self.eos, store=store, speculating=self.speculating, costs=self.costs,
                             tell=self._tell, advanced=self._advanced, ended=self._ended, log=log)
         self._thread = threading.Thread(target=self._loop, name="tk-batcher", daemon=True)
         self._thread.start()

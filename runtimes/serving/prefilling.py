@@ -37,7 +37,7 @@ class Prefilling:
         rs = [self.running[c.seq.slot] for c in group]
         try:
             logits = self._timed(sum(c.end for c in group), lambda: self.slots.prefill_first(
-                [c.seq.slot for c in group], [r.ids for r in rs], [c.end for c in group]))
+                [c.seq.slot for c in group], [r.ids for r in rs], [c.end for c in group]), prompt=True)
         except Exception as e:  # noqa: BLE001
             return self.fail([c.seq for c in group], e)
         for c, r, row in zip(group, rs, logits):
@@ -51,7 +51,7 @@ class Prefilling:
         every = r.request.prompt_logprobs is not None
         try:
             out = self._timed(chunk.end - chunk.start,
-                              lambda: self.slots.prefill(seq.slot, r.ids, chunk.start, chunk.end, every))
+                              lambda: self.slots.prefill(seq.slot, r.ids, chunk.start, chunk.end, every), prompt=True)
             self._ran(chunk, r)
             if every and (scores := r.row.score_prompt(out.logits[0], chunk.last)) is not None:
                 r.request.prompt_scores = scores

@@ -1,9 +1,10 @@
-"""What a run of the serving loop costs here, measured: every run it makes (decode steps of R rows,
-prompt chunks, verify runs) is a point (tokens, seconds), and `CostFit` fits seconds = fixed +
-per_token * tokens over the recent ones (least squares, older runs decaying). On a CPU `fixed` is
-reading the weights once and `per_token` the compute each token adds. The scheduler sizes a step's
-prompt chunks by it (runtimes/serving/scheduler.py) and the speculation rule weighs guesses by it
-(runtimes/serving/spec_rule.py). Pure.
+"""What a run of the serving loop costs here, measured: every run it makes is a point (tokens,
+seconds), and `CostFit` fits seconds = fixed + per_token * tokens over the recent ones (least
+squares, older runs decaying). On a CPU `fixed` is reading the weights once and `per_token` the
+compute each token adds. `Costs` keeps two fits: the steps' runs (decode steps of R rows, verify
+runs), which the speculation rule weighs guesses by (runtimes/serving/spec_rule.py), and the prompt
+chunks' runs, which cost more a token (a chunk deep in a long prompt attends over every position
+before it) and by which the scheduler sizes a step's chunks (runtimes/serving/scheduler.py). Pure.
 """
 
 from __future__ import annotations
@@ -54,3 +55,14 @@ class CostFit:
 # before the loop has timed runs of two sizes: a run's fixed cost as 8 tokens' compute (a 135M model's
 # decode step on 2 cores reads its weights in about what 8 tokens compute; the fit replaces it within steps)
 PRIOR = RunCost(fixed=8e-3, per_token=1e-3)
+
+
+class Costs:
+    """The loop's two fits: `steps` (decode and verify runs, and a draft's steps) and `prompts` (prompt
+    chunks' runs: a prompt's first run with others, or a chunk alone)."""
+
+    def __init__(self, prior: RunCost = PRIOR):
+        self.steps, self.prompts = CostFit(prior), CostFit(prior)
+
+    def add(self, tokens: int, seconds: float, prompt: bool = False) -> None:
+        (self.prompts if prompt else self.steps).add(tokens, seconds)

@@ -5,7 +5,7 @@ drives vLLM's).
 A request (`Seq`) waits in a queue, takes a free slot (the lowest), prefills its prompt, decodes,
 and ends; or it is aborted at any of those. Each `schedule()` returns a `StepPlan` within its
 `BatcherLimits`: a budget of `step_tokens` tokens (None: the decode tokens plus `chunk_tokens` for
-each prompt coming in, or more where the loop's measured costs (`fit`) say the step's own runs take
+each prompt coming in, or more where the loop's measured costs (`costs`) say the step's own runs take
 long: STALL below), first one token for every decoding request (decode first, as
 onnxruntime-genai's AllocateDecodeFirstTokenBudget and vLLM's scheduler do), then prefill chunks
 of the prompts already in slots, oldest first, then new admissions while slots and budget last.
@@ -43,7 +43,7 @@ from typing import Any, Sequence
 
 from tk.runtimes.errors import InputError, RuntimeProblem
 from tk.runtimes.serving.prefix_cache import PrefixCache
-from tk.runtimes.serving.run_cost import CostFit
+from tk.runtimes.serving.run_cost import Costs
 from tk.runtimes.serving.spec_rule import Guess, SpeculationRule
 
 
@@ -108,10 +108,10 @@ class StepPlan:
 # stream waits its step plus a chunk: on CPUs the decode step costs about what reading the weights does,
 # whatever the rows, and a chunk that plus its tokens' compute. So by default a step takes, beside its
 # decode and verify tokens, CHUNK_TOKENS for each prompt coming in or, where the loop has measured its
-# runs (runtimes/serving/run_cost.py), the prompt tokens that compute in STALL times what the step's
+# runs (runtimes/serving/run_cost.py), the prompt tokens whose run costs STALL times what the step's
 # decode and verify runs cost, whichever is more: a prompt coming in at most doubles a stream's gap, and
 # comes in faster beside a costlier step (several rows' verify runs) rather than a few tokens each of many
-# slow steps. A step in which nobody decodes (nobody waits) takes IDLE_TOKENS.
+# slow steps (beside a plain decode step, a chunk's own weights read leaves it CHUNK_TOKENS). A step in which nobody decodes (nobody waits) takes IDLE_TOKENS.
 STALL = 1.0
 CHUNK_TOKENS = 16
 IDLE_TOKENS = 512
@@ -145,11 +145,11 @@ class BatcherLimits:
 
 class Scheduler:
     def __init__(self, limits: BatcherLimits, *, chunked: bool = True, prefix: PrefixCache | None = None,
-                 speculation: SpeculationRule | None = None, fit: CostFit | None = None):
+                 speculation: SpeculationRule | None = None, costs: Costs | None = None):
         """`chunked` False: each prompt is prefilled whole, in the step that admits it; `speculation`:
-        which decoding requests verify guesses each step (None: none); `fit`: what the loop's runs
+        which decoding requests verify guesses each step (None: none); `costs`: what the loop's runs
         cost, as it measures them (None: not measured; the budget counts tokens only)."""
-        self.limits, self.chunked, self.speculation, self.fit = limits, chunked, speculation, fit
+        self.limits, self.chunked, self.speculation, self.costs = limits, chunked, speculation, costs
         self.idle_tokens = max(limits.step_tokens or limits.chunk_tokens, limits.idle_tokens)
         self.prefix = prefix if chunked else None  # a cached prefix is useless where a prompt cannot continue
         self.waiting: deque[Seq] = deque()
@@ -212,7 +212,7 @@ class Scheduler:
             plan.left.append(seq)
         plan.decode = [self.running[slot] for slot in sorted(self.running) if self.running[slot].state is State.DECODE]
         coming = len(self._prefilling) + min(len(self.waiting), self.limits.slots - len(self.running))
-        fixed, streams, cost = self.limits.step_tokens, len(plan.decode), self.fit.cost if self.fit else None
+        fixed, streams, cost = self.limits.step_tokens, len(plan.decode), self.costs.steps.cost if self.costs else None
         # nobody waits on the step: idle_tokens (a prompt coming in each, where the budget is not fixed)
         idle = self.idle_tokens * (max(1, coming) if fixed is None else 1)
         if not plan.decode:
@@ -248,15 +248,17 @@ class Scheduler:
         return plan
 
     def _stall_tokens(self, plan: StepPlan, cost) -> int:
-        """The prompt tokens that compute in STALL times what the step's decode and verify runs cost, in
-        whole chunk_tokens (the runs' shapes stay few: ONNX Runtime keeps a memory plan for each)."""
-        if cost is None or cost.per_token <= 0:
+        """The prompt tokens whose run costs STALL times what the step's decode and verify runs cost (the
+        prompt chunks' own fit: a chunk's run reads the weights too), in whole chunk_tokens (the runs'
+        shapes stay few: ONNX Runtime keeps a memory plan for each)."""
+        chunk = self.costs.prompts.cost if cost is not None else None
+        if chunk is None or chunk.per_token <= 0:
             return 0
         rows = len(plan.decode) + len(plan.verify)
         runs = (self.speculation.seconds(rows, [g.k for g in plan.verify]) if self.speculation is not None
                 else cost.run(rows))
         step = self.limits.chunk_tokens
-        return int(STALL * runs / cost.per_token) // step * step
+        return max(0, int((STALL * runs - chunk.fixed) / chunk.per_token)) // step * step
 
     def _head(self, seq: Seq) -> bytes:
         if seq.head is None:

@@ -17,9 +17,9 @@ from tk.runtimes.serving.spec_rule import SpeculationRule
 
 
 class SlotSpeculation:
-    """The batcher's speculation over `slots` slots; `fit` holds what the loop's runs cost (the loop
-    adds every run, this a draft's steps), `rule` what the scheduler asks (its costs the fit's, set
-    by the scheduler each step). Counts the guesses `proposed` and `accepted`."""
+    """The batcher's speculation over `slots` slots; `fit` holds what the loop's steps cost (the loop
+    adds every decode and verify run, this a draft's steps), `rule` what the scheduler asks (its
+    costs the fit's, set by the scheduler each step). Counts the guesses `proposed` and `accepted`."""
 
     def __init__(self, speculation: Speculation, fit: CostFit):
         self.speculation, self.proposer, self.fit = speculation, speculation.proposer, fit

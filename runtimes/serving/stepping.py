@@ -9,7 +9,7 @@ one decode run of the decoding requests that do not guess, lets a proposer guess
 in one run (`Row.take_verified`, then one rewind to what it kept), and runs the prompt chunks
 (runtimes/serving/prefilling.py: prompts that came in together, in one run where the graphs allow). A
 request's events go to the batcher (`tell`, `leave`); a request whose row, sampler, processors or
-front end fail fails alone. Every run is timed (`fit`: runtimes/serving/run_cost.py) for the
+front end fail fails alone. Every run is timed (`costs`: runtimes/serving/run_cost.py) for the
 scheduler's prompt chunks and the speculation rule.
 """
 
@@ -26,7 +26,7 @@ from tk.runtimes.decoding.row import Row, drain
 from tk.runtimes.decoding.rows import FinishReason, TokenEvent
 from tk.runtimes.serving.prefilling import Prefilling
 from tk.runtimes.serving.prefix_store import PrefixStore
-from tk.runtimes.serving.run_cost import CostFit
+from tk.runtimes.serving.run_cost import Costs
 from tk.runtimes.serving.scheduler import Seq, State, StepPlan
 from tk.runtimes.serving.spec_rule import Guess
 from tk.runtimes.serving.speculating import SlotSpeculation
@@ -54,13 +54,13 @@ class Occupant:
 class Steps(Prefilling):
     """Runs plans on `slots`; `tell(request, event)` hands a request's event to its front end,
     `advanced(chunk)` tells the scheduler a chunk ran, `ended(seq, reason, scored)` ends a request that
-    left its slot (the batcher's bookkeeping); failures are logged to `log`; `fit` hears every run."""
+    left its slot (the batcher's bookkeeping); failures are logged to `log`; `costs` hears every run."""
 
     def __init__(self, runtime: Runtime, slots: Slots, eos: frozenset, *, store: PrefixStore | None,
-                 speculating: SlotSpeculation | None, fit: CostFit, tell: Callable, advanced: Callable, ended: Callable,
+                 speculating: SlotSpeculation | None, costs: Costs, tell: Callable, advanced: Callable, ended: Callable,
                  log):
         self.runtime, self.slots, self.eos, self.store, self.spec = runtime, slots, eos, store, speculating
-        self.fit = fit
+        self.costs = costs
         self.tell, self.advanced, self.ended, self.log = tell, advanced, ended, log
         self.running: dict[int, Occupant] = {}  # slot -> its request
         self.last = np.zeros(slots.count, dtype=np.int64)  # each slot's last token: the next step's input
@@ -92,10 +92,10 @@ class Steps(Prefilling):
             for r, p in zip(asked, proposals):
                 r.proposal, r.seq.room = p, len(p.tokens)
 
-    def _timed(self, tokens: int, run: Callable):
+    def _timed(self, tokens: int, run: Callable, prompt: bool = False):
         tick = time.perf_counter()
         out = run()
-        self.fit.add(tokens, time.perf_counter() - tick)
+        self.costs.add(tokens, time.perf_counter() - tick, prompt)
         return out
 
     def _enter(self, seq: Seq) -> None:
