@@ -111,7 +111,8 @@ class StepPlan:
 # runs (runtimes/serving/run_cost.py), the prompt tokens whose run costs STALL times what the step's
 # decode and verify runs cost, whichever is more: a prompt coming in at most doubles a stream's gap, and
 # comes in faster beside a costlier step (several rows' verify runs) rather than a few tokens each of many
-# slow steps (beside a plain decode step, a chunk's own weights read leaves it CHUNK_TOKENS). A step in which nobody decodes (nobody waits) takes IDLE_TOKENS.
+# slow steps (beside a plain decode step, a chunk's own weights read leaves it CHUNK_TOKENS). A step in
+# which nobody decodes (nobody waits) takes IDLE_TOKENS.
 STALL = 1.0
 CHUNK_TOKENS = 16
 IDLE_TOKENS = 512
@@ -230,7 +231,7 @@ class Scheduler:
                 budget = fixed - plan.tokens
             elif coming > streams:  # more wait than stream: prompts first
                 budget = max(chunks, idle)
-            else:  # what computes in STALL times the step's runs, where measured
+            else:  # a chunk run that costs STALL times the step's own runs, where measured
                 budget = max(chunks, min(idle, self._stall_tokens(plan, cost)))
         for seq in self._prefilling:
             budget -= self._chunk(plan, seq, budget)
