@@ -252,8 +252,7 @@ class Scheduler:
         """The prompt tokens whose run costs STALL times what the step's decode and verify runs cost (the
         prompt chunks' own fit: a chunk's run reads the weights too), in whole chunk_tokens (the runs'
         shapes stay few: ONNX Runtime keeps a memory plan for each)."""
-        chunk = self.costs.prompts.cost if cost is not None else None
-        if chunk is None or chunk.per_token <= 0:
+        if self.costs is None or (chunk := self.costs.prompts.cost).per_token <= 0:
             return 0
         rows = len(plan.decode) + len(plan.verify)
         runs = (self.speculation.seconds(rows, [g.k for g in plan.verify]) if self.speculation is not None
