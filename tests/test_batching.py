@@ -4,6 +4,7 @@ at different lengths, and each one's tokens equal `tk generate` of its prompt al
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -172,6 +173,23 @@ def test_the_backends_batch_and_prompt_limits_are_refusals(serve_artifact):
     with (Batcher(runtime, limits=BatcherLimits(slots=2)) as batcher,
           pytest.raises(InputError, match="longer than the ort backend's 8")):
         batcher.submit(Request(list(range(5, 14)), 4))
+
+
+def test_an_idle_batcher_waits_for_the_requests_arriving_with_its_first(serve_artifact):
+    """A burst: while a front end is still reading requests (`arriving`), an idle loop's first step waits
+    for them (up to gather_s), so their prompts go in one step and none decodes alone while the others
+    prefill; a request that arrives alone waits for nobody."""
+    with Batcher(open_runtime(serve_artifact, "ort", SLOTS), limits=BatcherLimits(slots=4, gather_s=30)) as batcher:
+        with batcher.arriving():  # the second request, being read
+            first = batcher.submit(Request([5, 6, 7], 2, ignore_eos=True))
+            time.sleep(0.3)  # the loop would have run the first alone by now
+            assert not first.done.is_set()
+            second = batcher.submit(Request([8, 9], 2, ignore_eos=True))
+        assert wait_all([first, second], 30)
+        assert batcher.steps == 1  # both prompts came in together, then one decode step for both
+        alone = batcher.submit(Request([5, 6, 7], 2, ignore_eos=True))
+        assert wait_all([alone], 10) and batcher.steps == 2  # (not the 30 s of gathering)
+        assert alone.tokens == first.tokens
 
 
 @pytest.mark.parametrize("backend,variant", [("ort", "portable"), ("torch", "portable"), ("ort", "fast")])

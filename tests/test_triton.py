@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -95,7 +96,7 @@ class _Request(dict):
 
 
 def _model(tokenizer):
-    """The Triton model's request handling, without a runtime: a pb of its own, no batcher reached."""
+    """The Triton model's request handling, without a runtime: a pb of its own, no batcher submitted to."""
     from types import SimpleNamespace
 
     from tk.toolkit.serving.triton.backend import TkModel
@@ -107,6 +108,7 @@ def _model(tokenizer):
                                                                          else None))
     model = TkModel.__new__(TkModel)
     model.pb, model.tokenizer, model.metrics = pb, tokenizer, SimpleNamespace(update=lambda: None)
+    model.batcher = SimpleNamespace(arriving=contextlib.nullcontext)  # (reached only to say requests are arriving)
     return model
 
 

@@ -23,6 +23,7 @@ text: its `stop(tokens)` is asked after each token. Limits: `slots` requests run
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
@@ -96,6 +97,7 @@ class Batcher:
         # its proposer, rule and counters (what the runtime can verify is checked at start, once it is loaded)
         self.speculating = None if speculation is None else SlotSpeculation(speculation, self.costs.steps)
         self._cv, self._closed = threading.Condition(), threading.Lock()
+        self.arriving = Arrivals(self._cv)  # front ends: `with batcher.arriving():` while reading a request
         self._sched: Scheduler | None = None  # made at start: what the runtime can do is known once it is loaded
         self._seqs: dict[Request, Seq] = {}  # every request submitted and not finished
         self._closing = self._abort = False
@@ -233,6 +235,8 @@ class Batcher:
             with self._cv:
                 while not (self._sched.has_work or self._closing):
                     self._cv.wait()
+                if not (self._sched.running or self._closing):  # an idle loop's first step: a burst joins it
+                    self.arriving.gather(self.limits.gather_s)
                 dropped = self._sched.abort_all() if self._abort else []
                 if self._closing and not self._sched.has_work and not dropped:
                     return
@@ -270,6 +274,36 @@ class Batcher:
                 request.on_event(event)
             except Exception:  # a front end's callback must not stop the batcher
                 log.exception("a request's on_event raised")
+
+
+class Arrivals:
+    """Requests the front ends have begun to read (the body, a chat template, the tokens) and not yet
+    submitted. A burst of requests reaches the batcher over tens of milliseconds (an HTTP server reads
+    them one at a time): the first one submitted to an idle loop would prefill and start decoding
+    alone, and its second token would wait out the others' prefill, a gap of the whole burst's
+    first run. So an idle loop `gather`s first: it waits while requests are arriving, up to
+    `BatcherLimits.gather_s`. A request that arrives alone waits for nobody."""
+
+    def __init__(self, cv: threading.Condition):
+        self._cv, self.count = cv, 0
+
+    @contextlib.contextmanager
+    def __call__(self):
+        """Around reading and submitting one request."""
+        with self._cv:
+            self.count += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self.count -= 1
+                self._cv.notify_all()
+
+    def gather(self, limit: float) -> None:
+        """Under the condition's lock: wait while requests are arriving, at most `limit` seconds."""
+        deadline = time.monotonic() + limit
+        while self.count > 0 and (left := deadline - time.monotonic()) > 0:
+            self._cv.wait(left)
 
 
 TRIM_EVERY_S = 10.0  # while busy, the batcher gives the C heap's freed memory back this often (and whenever idle)

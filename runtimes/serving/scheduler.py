@@ -116,6 +116,7 @@ class StepPlan:
 STALL = 1.0
 CHUNK_TOKENS = 16
 IDLE_TOKENS = 512
+GATHER_S = 0.1  # the most an idle loop waits for requests that are arriving (runtimes/serving/batching.py: Arrivals)
 DEFAULT_PREFIX_CACHE_BYTES = 1 << 30
 
 
@@ -124,7 +125,7 @@ class BatcherLimits:
     """Serving's limits, checked once here (InputError, one line): `slots` requests run at once and
     `max_queue` wait; a step computes `step_tokens` (None: its decode tokens plus `chunk_tokens` for
     each prompt coming in), or `idle_tokens` where nobody decodes; `prefix_cache_bytes` of cached
-    prefixes (0: none)."""
+    prefixes (0: none); an idle loop waits up to `gather_s` for requests the front end is reading."""
 
     slots: int = 8
     max_queue: int = 64
@@ -132,6 +133,7 @@ class BatcherLimits:
     chunk_tokens: int = CHUNK_TOKENS
     idle_tokens: int = IDLE_TOKENS
     prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES
+    gather_s: float = GATHER_S
 
     def __post_init__(self):
         if self.slots < 1 or self.max_queue < 0:
@@ -139,9 +141,9 @@ class BatcherLimits:
         if self.step_tokens is not None and self.step_tokens < self.slots:
             raise InputError(f"a step's budget of {self.step_tokens} tokens is less than one decode token for each "
                              f"of the {self.slots} slots; give at least {self.slots}")
-        if self.chunk_tokens < 1 or self.idle_tokens < 0 or self.prefix_cache_bytes < 0:
-            raise InputError(f"a chunk takes >= 1 token and the idle budget and prefix cache >= 0, got "
-                             f"{self.chunk_tokens}, {self.idle_tokens} and {self.prefix_cache_bytes}")
+        if self.chunk_tokens < 1 or min(self.idle_tokens, self.prefix_cache_bytes, self.gather_s) < 0:
+            raise InputError(f"a chunk takes >= 1 token and the idle budget, prefix cache and gathering >= 0, got "
+                             f"{self.chunk_tokens}, {self.idle_tokens}, {self.prefix_cache_bytes} and {self.gather_s}")
 
 
 class Scheduler:

@@ -153,7 +153,8 @@ class Responses:
         from fastapi.responses import JSONResponse, StreamingResponse
 
         queue = asyncio.Queue()
-        run, reply = await run_in_threadpool(self._prepare, body, asyncio.get_running_loop(), queue)
+        with self.server.batcher.arriving():  # (Arrivals, as the chat endpoint's)
+            run, reply = await run_in_threadpool(self._prepare, body, asyncio.get_running_loop(), queue)
         if body.stream:
             watch = asyncio.ensure_future(run.cancel_when_gone(http))
             return StreamingResponse(self._events(run, reply, watch), media_type="text/event-stream")

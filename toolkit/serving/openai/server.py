@@ -213,7 +213,8 @@ class Server:
         from fastapi.responses import JSONResponse, StreamingResponse
 
         queue = asyncio.Queue()
-        prompts, jobs, calls = await run_in_threadpool(self.prepare, body, chat, asyncio.get_running_loop(), queue)
+        with self.batcher.arriving():  # an idle batcher waits for a burst's requests (Arrivals)
+            prompts, jobs, calls = await run_in_threadpool(self.prepare, body, chat, asyncio.get_running_loop(), queue)
         readers = [self.reasoning.stream(calls, p.ids) if chat else None for p in prompts for _ in range(body.n)]
         choices = [api.Choice(job.index, prompts[job.index // body.n], parsing=readers[job.index]) for job in jobs]
         reply = api.Reply(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", self.model_name, chat, body,

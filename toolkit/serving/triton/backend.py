@@ -57,6 +57,10 @@ class TkModel:
         self.metrics = _TritonMetrics(pb, name, self.batcher)
 
     def execute(self, requests):
+        with self.batcher.arriving():  # an idle batcher's first step waits for all of them (a burst)
+            self._execute(requests)
+
+    def _execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
             try:
