@@ -176,9 +176,9 @@ def test_the_backends_batch_and_prompt_limits_are_refusals(serve_artifact):
 
 
 def test_an_idle_batcher_waits_for_the_requests_arriving_with_its_first(serve_artifact):
-    """A burst: while a front end is still reading requests (`arriving`), an idle loop's first step waits
-    for them (up to gather_s), so their prompts go in one step and none decodes alone while the others
-    prefill; a request that arrives alone waits for nobody."""
+    """A burst: while a front end is still reading requests (`arriving`), and for a tenth of a decode step
+    after the last came, an idle loop's first step waits for them (up to gather_s), so their prompts go
+    in one step and none decodes alone while the others prefill."""
     with Batcher(open_runtime(serve_artifact, "ort", SLOTS), limits=BatcherLimits(slots=4, gather_s=30)) as batcher:
         with batcher.arriving():  # the second request, being read
             first = batcher.submit(Request([5, 6, 7], 2, ignore_eos=True))
@@ -190,6 +190,12 @@ def test_an_idle_batcher_waits_for_the_requests_arriving_with_its_first(serve_ar
         alone = batcher.submit(Request([5, 6, 7], 2, ignore_eos=True))
         assert wait_all([alone], 10) and batcher.steps == 2  # (not the 30 s of gathering)
         assert alone.tokens == first.tokens
+        # and it lingers a tenth of a decode step (LINGER) for the next of a burst: here a step of 10 s
+        batcher._steps.decode_s = 10.0
+        first = batcher.submit(Request([5, 6, 7], 2, ignore_eos=True))
+        time.sleep(0.3)
+        second = batcher.submit(Request([8, 9], 2, ignore_eos=True))
+        assert wait_all([first, second], 30) and batcher.steps == 3
 
 
 @pytest.mark.parametrize("backend,variant", [("ort", "portable"), ("torch", "portable"), ("ort", "fast")])

@@ -188,6 +188,7 @@ class Batcher:
                 raise BatcherClosed("the batcher is shutting down and takes no new requests")
             seq = Seq(request.prompt, request, reuse=request.prompt_logprobs is None)
             self._sched.add(seq)  # QueueFull
+            self.arriving.last = time.monotonic()
             request.id = next(self._ids)
             self._seqs[request] = seq
             self._cv.notify()
@@ -236,7 +237,7 @@ class Batcher:
                 while not (self._sched.has_work or self._closing):
                     self._cv.wait()
                 if not (self._sched.running or self._closing):  # an idle loop's first step: a burst joins it
-                    self.arriving.gather(self.limits.gather_s)
+                    self.arriving.gather(self.limits.gather_s, LINGER * self._steps.decode_s)
                 dropped = self._sched.abort_all() if self._abort else []
                 if self._closing and not self._sched.has_work and not dropped:
                     return
@@ -276,16 +277,22 @@ class Batcher:
                 log.exception("a request's on_event raised")
 
 
+# an idle loop lingers for a burst's next request this share of a decode step (measured) after the last arrived
+LINGER = 0.1
+
+
 class Arrivals:
     """Requests the front ends have begun to read (the body, a chat template, the tokens) and not yet
-    submitted. A burst of requests reaches the batcher over tens of milliseconds (an HTTP server reads
-    them one at a time): the first one submitted to an idle loop would prefill and start decoding
-    alone, and its second token would wait out the others' prefill, a gap of the whole burst's
-    first run. So an idle loop `gather`s first: it waits while requests are arriving, up to
-    `BatcherLimits.gather_s`. A request that arrives alone waits for nobody."""
+    submitted, and when the last one was submitted. A burst of requests reaches the batcher over tens
+    of milliseconds (an HTTP server reads them one at a time, a few milliseconds apart): the first one
+    submitted to an idle loop would prefill and start decoding alone, and its second token would wait
+    out the others' prefill, a gap of the whole burst's first run. So an idle loop `gather`s first:
+    it waits while requests are arriving and until none has come for a tenth of a decode step
+    (LINGER: a few milliseconds on a CPU, less on a GPU), up to `BatcherLimits.gather_s`. A request
+    that arrives alone waits that tenth of a step."""
 
     def __init__(self, cv: threading.Condition):
-        self._cv, self.count = cv, 0
+        self._cv, self.count, self.last = cv, 0, 0.0
 
     @contextlib.contextmanager
     def __call__(self):
@@ -299,11 +306,17 @@ class Arrivals:
                 self.count -= 1
                 self._cv.notify_all()
 
-    def gather(self, limit: float) -> None:
-        """Under the condition's lock: wait while requests are arriving, at most `limit` seconds."""
+    def gather(self, limit: float, linger: float) -> None:
+        """Under the condition's lock: wait while requests are arriving or one came within `linger`
+        seconds, at most `limit` seconds."""
         deadline = time.monotonic() + limit
-        while self.count > 0 and (left := deadline - time.monotonic()) > 0:
-            self._cv.wait(left)
+        while (left := deadline - time.monotonic()) > 0:
+            if self.count > 0:
+                self._cv.wait(left)
+            elif (quiet := self.last + linger - time.monotonic()) > 0:
+                self._cv.wait(min(quiet, left))
+            else:
+                return
 
 
 TRIM_EVERY_S = 10.0  # while busy, the batcher gives the C heap's freed memory back this often (and whenever idle)

@@ -65,6 +65,7 @@ class Steps(Prefilling):
         self.running: dict[int, Occupant] = {}  # slot -> its request
         self.last = np.zeros(slots.count, dtype=np.int64)  # each slot's last token: the next step's input
         self.steps = self.prefill_tokens = 0
+        self.decode_s = 0.0  # the last plain decode run's seconds
 
     def run(self, plan: StepPlan) -> None:
         for seq in plan.left:
@@ -95,7 +96,8 @@ class Steps(Prefilling):
     def _timed(self, tokens: int, run: Callable, prompt: bool = False):
         tick = time.perf_counter()
         out = run()
-        self.costs.add(tokens, time.perf_counter() - tick, prompt)
+        self.ran_s = time.perf_counter() - tick
+        self.costs.add(tokens, self.ran_s, prompt)
         return out
 
     def _enter(self, seq: Seq) -> None:
@@ -121,7 +123,7 @@ class Steps(Prefilling):
                                   lambda: self.slots.step(self.last[:n], plain))
             except Exception as e:  # noqa: BLE001
                 return self.fail([self.running[slot].seq for slot in plain], e)
-            self.steps += 1
+            self.steps, self.decode_s = self.steps + 1, self.ran_s
             for slot in plain:
                 self._take(slot, lambda r: r.row.take(out.logits[slot:slot + 1, -1]))
         if len(guesses) > 1 and self.spec.rule.batched:  # every guessing slot's run in one
