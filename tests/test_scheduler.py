@@ -368,11 +368,19 @@ def test_a_prompt_beside_streams_takes_a_run_that_costs_stall_times_the_steps_ru
     assert spec.cost.fixed == pytest.approx(0.050) and spec.cost.per_token == pytest.approx(0.004)
 
 
-def test_the_cost_fit_recovers_what_runs_cost_and_keeps_its_prior_until_it_has_two_sizes():
+def test_the_cost_fit_recovers_what_runs_cost_and_keeps_its_priors_shape_until_it_has_two_sizes():
     fit = CostFit(RunCost(1.0, 1.0))
+    fit.add(4, 0.5)  # the first run pays what a process pays once: not counted
+    assert fit.cost == RunCost(1.0, 1.0)
     for _ in range(3):
         fit.add(4, 0.028)
-    assert fit.cost == RunCost(1.0, 1.0)  # one size: no slope to fit
+    # one size: no slope to fit; the prior's shape at what they cost (1 + 4 tokens' 1 a token: 0.028)
+    assert fit.cost.fixed == pytest.approx(0.028 / 5) and fit.cost.per_token == pytest.approx(0.028 / 5)
+    two = CostFit(RunCost(1.0, 1.0))
+    two.add(64, 0.5)
+    two.add(4, 0.028)
+    two.add(16, 0.052)
+    assert two.cost.fixed == pytest.approx(0.020) and two.cost.per_token == pytest.approx(0.002)  # two runs suffice
     for tokens in (1, 2, 9, 16, 64, 3, 9):
         fit.add(tokens, 0.020 + 0.002 * tokens)
     assert fit.cost.fixed == pytest.approx(0.020) and fit.cost.per_token == pytest.approx(0.002)

@@ -26,14 +26,21 @@ class RunCost:
 
 class CostFit:
     """Least squares of seconds on tokens over the loop's runs, each older one weighing `decay` less;
-    `prior` until runs of at least two sizes were seen. A draft's steps are averaged apart."""
+    until runs of two sizes were seen, `prior`'s shape scaled to what the runs of one size cost (none:
+    the prior). Its first run is not counted: it also pays what a process pays once (the weights' pages
+    read in from disk, the thread pool started, the first memory plans), several times a later run's
+    cost on a small model, which would tilt the fit for its first hundred runs. A draft's steps are
+    averaged apart."""
 
     def __init__(self, prior: RunCost, decay: float = 0.99):
         self.prior, self.decay = prior, decay
         self.n = self.t = self.s = self.tt = self.ts = 0.0  # decayed sums: weight, tokens, seconds, t^2, t*s
-        self.draft = prior.draft
+        self.draft, self.first = prior.draft, True
 
     def add(self, tokens: int, seconds: float) -> None:
+        if self.first:
+            self.first = False
+            return
         d = self.decay
         self.n, self.t, self.s = d * self.n + 1, d * self.t + tokens, d * self.s + seconds
         self.tt, self.ts = d * self.tt + tokens * tokens, d * self.ts + tokens * seconds
@@ -45,8 +52,9 @@ class CostFit:
     @property
     def cost(self) -> RunCost:
         var = self.n * self.tt - self.t * self.t
-        if self.n < 2 or var <= 1e-9 * max(self.n * self.tt, 1.0):
-            return RunCost(self.prior.fixed, self.prior.per_token, self.draft)
+        if var <= 1e-9 * max(self.n * self.tt, 1.0):  # (two runs weigh 1.99: the decay)
+            k = self.s / self.n / self.prior.run(self.t / self.n) if self.n and self.t else 1.0
+            return RunCost(k * self.prior.fixed, k * self.prior.per_token, self.draft)
         per_token = max((self.n * self.ts - self.t * self.s) / var, 0.0)
         fixed = max((self.s - per_token * self.t) / self.n, 0.0)
         return RunCost(fixed, per_token, self.draft)
