@@ -191,7 +191,7 @@ def test_an_idle_batcher_waits_for_the_requests_arriving_with_its_first(serve_ar
         assert wait_all([alone], 10) and batcher.steps == 2  # (not the 30 s of gathering)
         assert alone.tokens == first.tokens
         # and it lingers a tenth of a decode step (LINGER) for the next of a burst: here a step of 10 s
-        batcher._steps.decode_s = 10.0
+        batcher.costs.decode = 10.0
         first = batcher.submit(Request([5, 6, 7], 2, ignore_eos=True))
         time.sleep(0.3)
         second = batcher.submit(Request([8, 9], 2, ignore_eos=True))

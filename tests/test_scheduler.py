@@ -358,6 +358,10 @@ def test_a_prompt_beside_streams_takes_a_run_that_costs_stall_times_the_steps_ru
     n, plan = prompt_tokens(costs(CPU), SpeculationRule(CPU, accepted=90, planned=100))
     assert len(plan.verify) == 3 and n == 32
     assert prompt_tokens(costs(RunCost(fixed=1.0, per_token=1e-3)))[0] == 64  # never over the idle budget
+    # a plain step's decode costs what the last one measured (a fit of rows misses what the rows' width adds)
+    wide = costs(CPU)
+    wide.decode = 0.106
+    assert prompt_tokens(wide)[0] == 32
     # the rule's costs are the steps' fit, not the prompts'
     measured = costs(CPU)
     for tokens in (1, 9, 16, 64):

@@ -237,7 +237,7 @@ class Batcher:
                 while not (self._sched.has_work or self._closing):
                     self._cv.wait()
                 if not (self._sched.running or self._closing):  # an idle loop's first step: a burst joins it
-                    self.arriving.gather(self.limits.gather_s, LINGER * self._steps.decode_s)
+                    self.arriving.gather(self.limits.gather_s, LINGER * self.costs.decode)
                 dropped = self._sched.abort_all() if self._abort else []
                 if self._closing and not self._sched.has_work and not dropped:
                     return

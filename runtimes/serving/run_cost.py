@@ -67,10 +67,15 @@ PRIOR = RunCost(fixed=8e-3, per_token=1e-3)
 
 class Costs:
     """The loop's two fits: `steps` (decode and verify runs, and a draft's steps) and `prompts` (prompt
-    chunks' runs: a prompt's first run with others, or a chunk alone)."""
+    chunks' runs: a prompt's first run with others, or a chunk alone); and `decode`, the seconds of
+    its last plain decode run as measured (0: none yet). A fit of rows alone misses what a decode step
+    also costs by its rows' width (a narrow mask's step attends over the longest row's positions: 8
+    streams and one row of 1,500 positions cost 200 ms a step on the 0.5B against 127 without it), so
+    what the next step's decode costs is read from the last one."""
 
     def __init__(self, prior: RunCost = PRIOR):
         self.steps, self.prompts = CostFit(prior), CostFit(prior)
+        self.decode = 0.0
 
     def add(self, tokens: int, seconds: float, prompt: bool = False) -> None:
         (self.prompts if prompt else self.steps).add(tokens, seconds)

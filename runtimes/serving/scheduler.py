@@ -252,13 +252,14 @@ class Scheduler:
 
     def _stall_tokens(self, plan: StepPlan, cost) -> int:
         """The prompt tokens whose run costs STALL times what the step's decode and verify runs cost (the
-        prompt chunks' own fit: a chunk's run reads the weights too), in whole chunk_tokens (the runs'
-        shapes stay few: ONNX Runtime keeps a memory plan for each)."""
+        prompt chunks' own fit: a chunk's run reads the weights too; a plain decode step's cost is the
+        last one's, measured), in whole chunk_tokens (the runs' shapes stay few: ONNX Runtime keeps a
+        memory plan for each)."""
         if self.costs is None or (chunk := self.costs.prompts.cost).per_token <= 0:
             return 0
         rows = len(plan.decode) + len(plan.verify)
-        runs = (self.speculation.seconds(rows, [g.k for g in plan.verify]) if self.speculation is not None
-                else cost.run(rows))
+        runs = (self.speculation.seconds(rows, [g.k for g in plan.verify]) if plan.verify
+                else self.costs.decode or cost.run(rows))  # (a plain step's: what the last one measured)
         step = self.limits.chunk_tokens
         return max(0, int((STALL * runs - chunk.fixed) / chunk.per_token)) // step * step
 

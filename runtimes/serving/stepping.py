@@ -65,7 +65,6 @@ class Steps(Prefilling):
         self.running: dict[int, Occupant] = {}  # slot -> its request
         self.last = np.zeros(slots.count, dtype=np.int64)  # each slot's last token: the next step's input
         self.steps = self.prefill_tokens = 0
-        self.decode_s = 0.0  # the last plain decode run's seconds
 
     def run(self, plan: StepPlan) -> None:
         for seq in plan.left:
@@ -123,7 +122,7 @@ class Steps(Prefilling):
                                   lambda: self.slots.step(self.last[:n], plain))
             except Exception as e:  # noqa: BLE001
                 return self.fail([self.running[slot].seq for slot in plain], e)
-            self.steps, self.decode_s = self.steps + 1, self.ran_s
+            self.steps, self.costs.decode = self.steps + 1, self.ran_s
             for slot in plain:
                 self._take(slot, lambda r: r.row.take(out.logits[slot:slot + 1, -1]))
         if len(guesses) > 1 and self.spec.rule.batched:  # every guessing slot's run in one
