@@ -77,5 +77,8 @@ class Costs:
         self.steps, self.prompts = CostFit(prior), CostFit(prior)
         self.decode = 0.0
 
-    def add(self, tokens: int, seconds: float, prompt: bool = False) -> None:
+    def add(self, tokens: int, seconds: float, prompt: bool = False, decode: bool = False) -> None:
+        """A run: a prompt chunk's, or a step's (`decode`: a plain decode run, which is also the last one)."""
         (self.prompts if prompt else self.steps).add(tokens, seconds)
+        if decode:
+            self.decode = seconds

@@ -92,11 +92,10 @@ class Steps(Prefilling):
             for r, p in zip(asked, proposals):
                 r.proposal, r.seq.room = p, len(p.tokens)
 
-    def _timed(self, tokens: int, run: Callable, prompt: bool = False):
+    def _timed(self, tokens: int, run: Callable, prompt: bool = False, decode: bool = False):
         tick = time.perf_counter()
         out = run()
-        self.ran_s = time.perf_counter() - tick
-        self.costs.add(tokens, self.ran_s, prompt)
+        self.costs.add(tokens, time.perf_counter() - tick, prompt, decode)
         return out
 
     def _enter(self, seq: Seq) -> None:
@@ -119,10 +118,10 @@ class Steps(Prefilling):
             n = plain[-1] + 1
             try:
                 out = self._timed(n if self.runtime.row_views else self.slots.count,
-                                  lambda: self.slots.step(self.last[:n], plain))
+                                  lambda: self.slots.step(self.last[:n], plain), decode=True)
             except Exception as e:  # noqa: BLE001
                 return self.fail([self.running[slot].seq for slot in plain], e)
-            self.steps, self.costs.decode = self.steps + 1, self.ran_s
+            self.steps += 1
             for slot in plain:
                 self._take(slot, lambda r: r.row.take(out.logits[slot:slot + 1, -1]))
         if len(guesses) > 1 and self.spec.rule.batched:  # every guessing slot's run in one
