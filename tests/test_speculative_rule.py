@@ -180,6 +180,35 @@ def test_prompt_lookup_longest_then_latest_match():
     assert [(g.tokens, g.probs) for g in proposals] == [([9, 1, 5], None), ([4], None)]
 
 
+def test_prompt_lookup_guesses_more_while_its_guesses_are_kept_and_fewer_when_not():
+    """A row's span (transformers' heuristic schedule): it starts at `start`, grows by two after the
+    target kept every guess (a short match's too), shrinks by one after it did not (at least one),
+    stays within the loop's k, and is the row's own; a new prompt in the row starts over."""
+    copied = list(range(3, 43))
+    text = copied + copied[:4]  # a copy: after [3 4 5 6] the lookup has the 36 tokens that followed
+    lookup, greedy = PromptLookup(2, 4, start=4), SamplingConfig()
+    for row in (0, 1):
+        lookup.begin(row, text, greedy)
+
+    def guess(row, k=16):
+        return len(lookup.propose([row], [text], [k])[0].tokens)
+
+    spans = []
+    for kept in ("all", "all", "all", "all", 3, 0, 0, 0, 0, 0, 0, 0, 0, "all"):
+        n = guess(0, k=9)
+        spans.append(n)
+        lookup.accept(0, n if kept == "all" else kept)
+    assert spans == [4, 6, 8, 9, 9, 8, 7, 6, 5, 4, 3, 2, 1, 1]  # (k = 9 caps it)
+    assert guess(1) == 4  # the other row's own
+    short = [1, 7, 8, 7, 8]  # [7 8] recurs with two tokens after it
+    assert lookup.propose([1], [short], [16])[0].tokens == [7, 8]
+    lookup.accept(1, 2)
+    assert guess(1) == 6
+    lookup.begin(0, text, greedy)
+    assert guess(0) == 4
+    assert PromptLookup().propose([0], [text], [16])[0].tokens == copied[4:12]  # SPAN_START, unbegun
+
+
 def test_prompt_lookup_nothing_and_usage():
     """No match (or a match shorter than min_n), k = 0 and too short a text propose nothing;
     min_n > max_n or min_n < 1 is a usage problem."""

@@ -14,7 +14,9 @@ from tk.models.spec.manifest import ArtifactError
 from tk.runtimes.decoding.speculative import P_MIN
 
 WORKLOADS = ("code-edit", "summary", "free")  # tk bench --workloads (toolkit/tools/bench_speculative.py)
-DEFAULT_K = {"lookup": 8, "draft": 4}  # guesses a step: llama.cpp's n-gram runs here drafted 8; a draft model pays for few
+# the most guesses a step: a row's lookup starts at 8 and grows to 16 while the target keeps them (PromptLookup;
+# llama.cpp's --spec-draft-n-max is 16 too); a draft model pays for few
+DEFAULT_K = {"lookup": 16, "draft": 4}
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,7 @@ class SpeculationOptions:
 
     def describe(self) -> str:
         if self.proposer == "lookup":
-            return f"prompt lookup (n-grams {self.lookup_min}..{self.lookup_max}), {self.guesses} guesses a step"
+            return f"prompt lookup (n-grams {self.lookup_min}..{self.lookup_max}), up to {self.guesses} guesses a step"
         return f"draft {self.draft}, {self.guesses} guesses a step" if self.draft else "off"
 
 

@@ -58,20 +58,42 @@ class Proposer(ABC):
         """Release what `open` took (a draft's runtime stays loaded: its owner deactivates it)."""
 
 
+# a row's first lookup guesses at most this many; the row's span then follows what the target keeps
+SPAN_START = 8
+
+
 class PromptLookup(Proposer):
     """The tokens that followed the latest earlier occurrence of the row's last n tokens (n from
     `max_n` down to `min_n`) in the row's own text: what a code edit, a summary or a RAG answer
-    copies from its prompt (vLLM's ngram method; llama.cpp's lookup)."""
+    copies from its prompt (vLLM's ngram method; llama.cpp's lookup). How many a row guesses follows
+    its copying (transformers' "heuristic" schedule of assistant tokens): it starts at `start`, takes
+    two more after the target kept all its guesses and one fewer after it did not (at least one), and
+    never more than the loop's k. A copying row's runs grow long (the real 0.5B copying code alone:
+    14.1 tokens a run at k = 16 against 8.5 at 8); a row whose guesses miss keeps its runs short."""
 
     name = "lookup"
 
-    def __init__(self, min_n: int = 2, max_n: int = 4):
+    def __init__(self, min_n: int = 2, max_n: int = 4, start: int = SPAN_START):
         if not 1 <= min_n <= max_n:
             raise UsageProblem(f"prompt lookup needs 1 <= min n-gram <= max n-gram, got {min_n} and {max_n}")
-        self.min_n, self.max_n = min_n, max_n
+        self.min_n, self.max_n, self.start = min_n, max_n, start
+        self.span: dict[int, int] = {}  # per row: the most it guesses next
+        self.guessed: dict[int, int] = {}  # per row: how many its last proposal guessed
+
+    def begin(self, row, prompt, sampling):
+        self.span[row], self.guessed[row] = self.start, 0
 
     def propose(self, rows, texts, ks):
-        return [Proposal(self.lookup(np.asarray(t, dtype=np.int64), k)) for t, k in zip(texts, ks)]
+        out = []
+        for row, text, k in zip(rows, texts, ks):
+            self.span[row] = min(self.span.get(row, self.start), k)
+            out.append(Proposal(self.lookup(np.asarray(text, dtype=np.int64), self.span[row])))
+            self.guessed[row] = len(out[-1].tokens)
+        return out
+
+    def accept(self, row, kept):
+        if self.guessed.get(row):
+            self.span[row] = self.span[row] + 2 if kept >= self.guessed[row] else max(1, self.span[row] - 1)
 
     def lookup(self, text: np.ndarray, k: int) -> list[int]:
         L = len(text)

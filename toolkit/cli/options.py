@@ -159,7 +159,8 @@ def speculation_options(f):
     f = click.option("--lookup-min", "lookup_min", default=2, show_default=True, type=click.IntRange(min=1),
                      help="Prompt lookup: the shortest n-gram matched.", **into)(f)
     f = click.option("--speculate", "k", type=click.IntRange(min=1),
-                     help="Guesses a step (default 8 with --lookup, 4 with --draft).", **into)(f)
+                     help="The most guesses a step (default 16 with --lookup: a row starts at 8 and grows while its "
+                          "guesses are kept; 4 with --draft).", **into)(f)
     f = click.option("--draft", type=click.Path(path_type=Path),
                      help="Speculate with this draft artifact (same tokenizer; a static cache that takes runs).",
                      **into)(f)

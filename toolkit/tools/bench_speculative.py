@@ -117,7 +117,7 @@ def _workload(rt, name: str, prompt: list[int], modes: dict, new_tokens: int, re
 
 def format_speculative(report: dict) -> str:
     lines = [f"{report['artifact']} on {report['backend']}: {report['new_tokens']} new tokens, greedy, "
-             f"median of {report['repeats']} (guesses a step: "
+             f"median of {report['repeats']} (the most guesses a step: "
              + ", ".join(f"{m} {k}" for m, k in report["k"].items()) + ")",
              f"{'workload':10} {'mode':7} {'ms/token':>9} {'speed-up':>9} {'tokens/step':>12} {'accepted':>9}  same tokens"]
     for name, w in report["workloads"].items():
