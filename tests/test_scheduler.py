@@ -4,12 +4,14 @@ part is played by hand: `advance` each planned chunk, `finish` a request that en
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tk.runtimes.serving.prefix_cache import PrefixCache
 from tk.runtimes.base import InputError
 from tk.runtimes.serving.scheduler import STALL, BatcherLimits, QueueFull, Scheduler, Seq, State
-from tk.runtimes.serving.run_cost import CostFit, Costs, RunCost
+from tk.runtimes.serving.run_cost import PRIOR, WINDOW, CostFit, Costs, RunCost
 from tk.runtimes.serving.spec_rule import SpeculationRule
 
 
@@ -375,7 +377,7 @@ def test_a_prompt_beside_streams_takes_a_run_that_costs_stall_times_the_steps_ru
 def test_the_cost_fit_recovers_what_runs_cost_and_keeps_its_priors_shape_until_it_has_two_sizes():
     fit = CostFit(RunCost(1.0, 1.0))
     fit.add(4, 0.5)  # the first run pays what a process pays once: not counted
-    assert fit.cost == RunCost(1.0, 1.0)
+    assert fit.cost == RunCost(1.0, 1.0, widest=0)
     for _ in range(3):
         fit.add(4, 0.028)
     # one size: no slope to fit; the prior's shape at what they cost (1 + 4 tokens' 1 a token: 0.028)
@@ -388,6 +390,38 @@ def test_the_cost_fit_recovers_what_runs_cost_and_keeps_its_priors_shape_until_i
     for tokens in (1, 2, 9, 16, 64, 3, 9):
         fit.add(tokens, 0.020 + 0.002 * tokens)
     assert fit.cost.fixed == pytest.approx(0.020) and fit.cost.per_token == pytest.approx(0.002)
+
+
+def test_a_verify_run_wider_than_the_fit_measured_is_tried_once_and_then_judged_by_its_cost():
+    """A fit of decode steps alone (1 and 8 rows: 75 ms + 9.5 ms a token) overprices a verify run of
+    72 tokens, which costs 98 ms + 4.7 a token measured (the real 0.5B, `--for serve`): fresh requests
+    (half their guesses assumed kept) would never guess, so their verify run would never be measured.
+    Wider than its widest run of late, the fit is not trusted: the step verifies, once."""
+    steps = CostFit(PRIOR)
+    for rows in [1] * 4 + [8] * 12:
+        steps.add(rows, 0.075 + 0.0095 * rows)
+    assert steps.cost.widest == 8 and steps.cost.per_token == pytest.approx(0.0095)
+    for batched, trying in ((True, 8), (False, 1)):  # runs of their own: one row's run measures them
+        rule = SpeculationRule(steps.cost, batched=batched)
+        sched = Scheduler(_limits(slots=16, max_queue=0), speculation=rule)
+        seqs = _decoding(sched, 8, room=8)
+        assert len(sched.schedule().verify) == trying
+        rule.cost = dataclasses.replace(steps.cost, widest=None)  # (measured at any size: the line decides)
+        assert sched.schedule().verify == []
+        for seq in seqs[2:]:
+            seq.planned = 8  # six missed every guess: only two are worth trying
+        rule.cost = steps.cost
+        assert len(sched.schedule().verify) == min(trying, 2)
+    for _ in range(3):
+        steps.add(72, 0.098 + 0.0047 * 72)  # measured: the line bends, and guessing pays
+    rule = SpeculationRule(steps.cost, batched=True)
+    assert steps.cost.widest == 72 and steps.cost.per_token < 0.0075
+    sched = Scheduler(_limits(slots=16, max_queue=0), speculation=rule)
+    _decoding(sched, 8, room=8)
+    assert len(sched.schedule().verify) == 8
+    for _ in range(WINDOW):
+        steps.add(8, 0.151)  # forgotten after WINDOW runs that were narrower
+    assert steps.cost.widest == 8
 
 
 def test_a_request_that_has_not_guessed_yet_tries_whatever_the_others_missed():

@@ -9,16 +9,25 @@ before it) and by which the scheduler sizes a step's chunks (runtimes/serving/sc
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
+
+WINDOW = 64  # a fit knows how wide a run it measured over its last this many runs (RunCost.widest)
 
 
 @dataclass(frozen=True)
 class RunCost:
-    """A run's seconds: fixed + per_token * tokens; `draft` a draft model's batched step (0: none)."""
+    """A run's seconds: fixed + per_token * tokens; `draft` a draft model's batched step (0: none);
+    `widest` the most tokens of a run among the fit's last WINDOW (None: measured at every size). Past
+    it the line is a guess: a decode step's rows and a verify run's tokens cost differently (a row
+    reads a cache of its own), so a fit of decode steps alone overprices a wide verify run (the real
+    0.5B on `--for serve`: 75 ms + 9.5 ms a token from steps of 1 and 8 rows, 98 + 4.7 once runs of 72
+    tokens were measured)."""
 
     fixed: float
     per_token: float
     draft: float = 0.0
+    widest: int | None = None
 
     def run(self, tokens: int) -> float:
         return self.fixed + self.per_token * tokens if tokens > 0 else 0.0
@@ -36,12 +45,14 @@ class CostFit:
         self.prior, self.decay = prior, decay
         self.n = self.t = self.s = self.tt = self.ts = 0.0  # decayed sums: weight, tokens, seconds, t^2, t*s
         self.draft, self.first = prior.draft, True
+        self.recent: deque[int] = deque(maxlen=WINDOW)  # the tokens of the last runs counted
 
     def add(self, tokens: int, seconds: float) -> None:
         if self.first:
             self.first = False
             return
         d = self.decay
+        self.recent.append(tokens)
         self.n, self.t, self.s = d * self.n + 1, d * self.t + tokens, d * self.s + seconds
         self.tt, self.ts = d * self.tt + tokens * tokens, d * self.ts + tokens * seconds
 
@@ -54,10 +65,10 @@ class CostFit:
         var = self.n * self.tt - self.t * self.t
         if var <= 1e-9 * max(self.n * self.tt, 1.0):  # (two runs weigh 1.99: the decay)
             k = self.s / self.n / self.prior.run(self.t / self.n) if self.n and self.t else 1.0
-            return RunCost(k * self.prior.fixed, k * self.prior.per_token, self.draft)
+            return RunCost(k * self.prior.fixed, k * self.prior.per_token, self.draft, max(self.recent, default=0))
         per_token = max((self.n * self.ts - self.t * self.s) / var, 0.0)
         fixed = max((self.s - per_token * self.t) / self.n, 0.0)
-        return RunCost(fixed, per_token, self.draft)
+        return RunCost(fixed, per_token, self.draft, max(self.recent))
 
 
 # before the loop has timed runs of two sizes: a run's fixed cost as 8 tokens' compute (a 135M model's

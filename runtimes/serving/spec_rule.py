@@ -13,7 +13,10 @@ charged. The rule takes the set of guessing requests (the best first) whose step
 yields the most tokens per second, R + sum(a_i k_i) over the step's cost, and none where none beats
 plain decoding: with few rows the weights read dominates and a verify run is almost free, with many
 (or with requests whose guesses miss) the extra runs cost more than they save, and the step does not
-guess.
+guess. Where the step's verify run would be wider than any the fit measured lately (RunCost.widest),
+the fit's line is a guess there, so the step verifies the guesses of the requests that keep at least
+half of theirs (one of them where each verifies in a run of its own): that run is measured, and the
+fit decides from then on.
 """
 
 from __future__ import annotations
@@ -79,4 +82,9 @@ class SpeculationRule:
             rate = (R + gain) / self.seconds(R, ks)
             if rate > best_rate:
                 best, best_rate = len(chosen), rate
+        if not best and self.cost.widest is not None:  # a run wider than the fit measured lately: measure one
+            sure = [i for i, seq in enumerate(chosen) if self.acceptance(seq) >= EXPLORE]
+            sure = sure if self.batched else sure[:1]  # (runs of their own: one row's measures what a row's costs)
+            if sum(ks[i] + 1 for i in sure) > self.cost.widest:
+                return [Guess(chosen[i], ks[i]) for i in sure]
         return [Guess(seq, seq.room) for seq in chosen[:best]]
