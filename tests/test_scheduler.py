@@ -12,7 +12,7 @@ from tk.runtimes.serving.prefix_cache import PrefixCache
 from tk.runtimes.base import InputError
 from tk.runtimes.serving.scheduler import STALL, BatcherLimits, QueueFull, Scheduler, Seq, State
 from tk.runtimes.serving.run_cost import PRIOR, WINDOW, CostFit, Costs, RunCost
-from tk.runtimes.serving.spec_rule import SpeculationRule
+from tk.runtimes.serving.spec_rule import BATCH_GUESSES, SpeculationRule
 
 
 def _limits(**limits) -> BatcherLimits:
@@ -390,6 +390,23 @@ def test_the_cost_fit_recovers_what_runs_cost_and_keeps_its_priors_shape_until_i
     for tokens in (1, 2, 9, 16, 64, 3, 9):
         fit.add(tokens, 0.020 + 0.002 * tokens)
     assert fit.cost.fixed == pytest.approx(0.020) and fit.cost.per_token == pytest.approx(0.002)
+
+
+def test_rows_verified_in_one_run_guess_at_most_batch_guesses_each_and_a_lone_row_its_whole_room():
+    """A lone row's verify run reads the weights for its guesses (a long copy pays); rows verified
+    together pay each guess's compute, so each verifies at most BATCH_GUESSES (and is charged that)."""
+    batched = SpeculationRule(CPU, batched=True)
+    sched = Scheduler(_limits(slots=16, max_queue=0), speculation=batched)
+    seqs = _decoding(sched, 4, room=16, accepted=95, planned=100)
+    plan = sched.schedule()
+    assert [g.k for g in plan.verify] == [BATCH_GUESSES] * 4 and plan.tokens == 4 * (BATCH_GUESSES + 1)
+    for seq in seqs[1:]:
+        seq.room = 0  # the others have no guesses: the one that has verifies them all
+    assert [(g.seq, g.k) for g in sched.schedule().verify] == [(seqs[0], 16)]
+    alone = SpeculationRule(CPU)  # each row's run its own (the fused graph): no cap
+    sched = Scheduler(_limits(slots=16, max_queue=0), speculation=alone)
+    _decoding(sched, 2, room=16, accepted=95, planned=100)
+    assert [g.k for g in sched.schedule().verify] == [16, 16]
 
 
 def test_a_verify_run_wider_than_the_fit_measured_is_tried_once_and_then_judged_by_its_cost():

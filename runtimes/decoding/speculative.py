@@ -35,6 +35,12 @@ class Proposal:
     tokens: list[int]  # the guesses, in order
     probs: np.ndarray | None = None  # (len(tokens), V): the distribution each was drawn from; None: deterministic
 
+    def first(self, k: int) -> "Proposal":
+        """The first k guesses (all where there are no more)."""
+        if k >= len(self.tokens):
+            return self
+        return Proposal(self.tokens[:k], None if self.probs is None else self.probs[:k])
+
 
 class Proposer(ABC):
     """Guesses the next tokens of the rows a target runs, each row by its index."""

@@ -146,8 +146,8 @@ class Steps(Prefilling):
         if not verify:
             return {}
         slots = [g.seq.slot for g in verify]
-        if self.spec.cheap:  # made after the last step (_rooms)
-            proposals = [self.running[s].proposal for s in slots]
+        if self.spec.cheap:  # made after the last step (_rooms), and as many as the plan verifies
+            proposals = [self.running[g.seq.slot].proposal.first(g.k) for g in verify]
         else:
             texts = [[*self.running[s].row.prompt, *self.running[s].row.tokens] for s in slots]
             try:
