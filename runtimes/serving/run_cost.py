@@ -62,13 +62,13 @@ class CostFit:
 
     @property
     def cost(self) -> RunCost:
-        var = self.n * self.tt - self.t * self.t
+        var, widest = self.n * self.tt - self.t * self.t, max(self.recent, default=0)
         if var <= 1e-9 * max(self.n * self.tt, 1.0):  # (two runs weigh 1.99: the decay)
             k = self.s / self.n / self.prior.run(self.t / self.n) if self.n and self.t else 1.0
-            return RunCost(k * self.prior.fixed, k * self.prior.per_token, self.draft, max(self.recent, default=0))
+            return RunCost(k * self.prior.fixed, k * self.prior.per_token, self.draft, widest)
         per_token = max((self.n * self.ts - self.t * self.s) / var, 0.0)
         fixed = max((self.s - per_token * self.t) / self.n, 0.0)
-        return RunCost(fixed, per_token, self.draft, max(self.recent))
+        return RunCost(fixed, per_token, self.draft, widest)
 
 
 # before the loop has timed runs of two sizes: a run's fixed cost as 8 tokens' compute (a 135M model's
