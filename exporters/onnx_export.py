@@ -21,16 +21,16 @@ from tk.models.spec import contract
 from tk.models.spec.variant import CacheLayout, PrefillLogits, Target, Variant
 from tk.models.reference.decoder import Decoder
 from tk.models.spec.errors import TkError
+from tk.exporters.onnx_util import MS_DOMAIN
 from tk.exporters.quantize_graph import dequantize_matmuls
 from tk.exporters import trace_cache
 from tk.exporters.replicate import TRACED_LAYERS, grow, order_io
 from tk.exporters.weights import attach_external, export_view
 
-MS_DOMAIN = "com.microsoft"
 CONTRIB_OPS = {Target.PORTABLE: frozenset(),  # what each target may use outside the default domain
                Target.ORT: frozenset({(MS_DOMAIN, "SkipSimplifiedLayerNormalization"),
                                       (MS_DOMAIN, "GroupQueryAttention"), (MS_DOMAIN, "CausalConvWithState"),
-                                      (MS_DOMAIN, "LinearAttention")})}
+                                      (MS_DOMAIN, "LinearAttention"), (MS_DOMAIN, "MatMulIntegerToFloat")})}
 
 
 class ExportError(TkError, RuntimeError):

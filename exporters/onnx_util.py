@@ -6,6 +6,7 @@ fields; imports nothing.
 from __future__ import annotations
 
 DEFAULT_DOMAINS = ("", "ai.onnx")  # ONNX spells its own domain either way
+MS_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops
 # No tk graph has control flow: the decoders are straight-line, and TensorRT fails on control flow in
 # decoders (NVIDIA/TensorRT #4032, #4739).
 CONTROL_FLOW = ("If", "Loop", "Scan")

@@ -10,7 +10,9 @@
   scales and zero points, dequantized for those columns only: ONNX's Gather takes no 4-bit type,
   so a 4-bit table is gathered as its bytes (`.bytes`: uint8 [K, V/2], two columns a byte) and
   the id's nibble shifted out; scales and 8-bit tables through `.bytes` too, another name (and shape,
-  [rows, V, 1]) for the same data (ONNX Runtime fuses a DequantizeLinear only when it alone reads its inputs). A block of rows shares a scale: `Gather(scales, k // B)` repeats it.
+  [rows, V, 1]) for the same data (ONNX Runtime fuses a DequantizeLinear only when it alone reads its inputs). A block of rows shares a scale: `Gather(scales, k // B)` repeats it;
+- a W8A8 weight's MatMul (`--mixed-precision lm-head-w8a8`, ONNX Runtime targets only) becomes its
+  input rounded to int8 a row at a time and ONNX Runtime's MatMulIntegerToFloat (`_integer_matmul`).
 
 Runs on the traced graph before the exporter's optimizer, which keeps these nodes as they are.
 """
@@ -21,8 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
-from tk.exporters.onnx_util import DEFAULT_DOMAINS, is_default_domain
+from tk.exporters.onnx_util import DEFAULT_DOMAINS, MS_DOMAIN, is_default_domain
 from tk.exporters.weights import BYTES, PREFIX, QUANT, SCALE, ZERO, external_tensor
+from tk.models.quant.quantize import ROW_SCALE_FLOOR
 
 QDQ_OPSET = 21  # blocked DequantizeLinear, INT4
 EMBED = PREFIX + "embed.weight"
@@ -50,6 +53,10 @@ def dequantize_matmuls(ir_model, table: dict[str, tuple], schemes: dict, base_di
         w = node.inputs[1]
         if w is None or w.name + QUANT not in table or not w.is_initializer():
             continue
+        if schemes[w.name].int8_inputs:
+            _integer_matmul(graph, node, w, table, base_dir)
+            count += 1
+            continue
         inputs = [_initializer(graph, w.name + s, table, base_dir) for s in (QUANT, SCALE, ZERO) if w.name + s in table]
         block = ir.AttrInt64("block_size", schemes[w.name].block)
         dq = ir.Node("", "DequantizeLinear", inputs, [ir.AttrInt64("axis", 0), block],
@@ -65,6 +72,49 @@ def dequantize_matmuls(ir_model, table: dict[str, tuple], schemes: dict, base_di
         if opset in ir_model.opset_imports and ir_model.opset_imports[opset] < QDQ_OPSET:
             raise AssertionError(f"quantized graphs need opset >= {QDQ_OPSET}")
     return count
+
+
+def _integer_matmul(graph, matmul, w, table: dict[str, tuple], base_dir: Path) -> None:
+    """Replace `matmul` (x @ W, W a W8A8 weight: int8 [K, N], a float scale a column) with ONNX
+    Runtime's integer GEMM: x rounded to int8 a row at a time (models/quant/quantize.py `quantize_rows`,
+    op for op), stored as uint8 around a zero point of 128, and MatMulIntegerToFloat's int32 sums
+    scaled by the row's and the column's scales. Integer sums are exact, so a row's logits do not
+    depend on the rows run beside it; MLAS's integer GEMM (AMX or VNNI where the CPU has them) runs
+    a batch of rows about twice as fast as MatMulNBits (README, "Serving")."""
+    import onnx_ir as ir
+
+    x = matmul.inputs[0]
+    nodes = []
+
+    def op(op_type, inputs, domain="", **attrs):
+        node = ir.Node(domain, op_type, inputs, [_attr(k_, v) for k_, v in attrs.items()],
+                       name=f"{matmul.name}_w8a8_{op_type.lower()}_{len(nodes)}")
+        nodes.append(node)
+        return node.outputs[0]
+
+    def const(name, array):
+        value = ir.Value(name=f"{matmul.name}_{name}", const_value=ir.tensor(array, name=f"{matmul.name}_{name}"))
+        graph.register_initializer(value)
+        return value
+
+    peak = op("ReduceMax", [op("Abs", [x]), const("last_axis", np.array([-1], np.int64))], keepdims=1)
+    scale = op("Div", [op("Max", [peak, const("floor", np.array(ROW_SCALE_FLOOR, np.float32))]),
+                       const("qmax", np.array(127, np.float32))])
+    rounded = op("Add", [op("Round", [op("Div", [x, scale])]), const("zero_point_f", np.array(128, np.float32))])
+    quant = op("Cast", [rounded], to=ir.DataType.UINT8)  # in [1, 255]: no clip needed
+    y = op("MatMulIntegerToFloat", [quant, _initializer(graph, w.name + QUANT, table, base_dir), scale,
+                                    _initializer(graph, w.name + SCALE, table, base_dir),  # [1, N]: a column's
+                                    const("zero_point", np.array(128, np.uint8))], domain=MS_DOMAIN)
+    for node in nodes:
+        graph.insert_before(matmul, node)
+    out = matmul.outputs[0]
+    name, y.type, y.shape = out.name, out.type, out.shape
+    out.replace_all_uses_with(y, replace_graph_outputs=True)  # the LM head's output is the graph's logits
+    graph.remove(matmul, safe=True)
+    y.name = name
+    if not w.uses():
+        graph.initializers.pop(w.name)
+    graph.opset_imports.setdefault(MS_DOMAIN, 1)
 
 
 def _gather_dequantized(graph, gather, source: str, table: dict[str, tuple], block: int, base_dir: Path) -> None:

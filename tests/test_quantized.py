@@ -203,6 +203,9 @@ def test_eval_on_int4_shows_the_baseline(quantized, tmp_path):
     (["--weights", "int4", "--quant-method", "hqq"], "Invalid value for '--quant-method'"),
     (["--mixed-precision", "sensitive"], "--mixed-precision is about quantized weights; add --weights"),
     (["--weights", "int4", "--mixed-precision", "lm-head", "--no-quantize-lm-head"], "keeps the LM head in int8"),
+    (["--weights", "int4", "--mixed-precision", "lm-head-w8a8"], "runs on ONNX Runtime's integer GEMM"),
+    (["--weights", "int4", "--mixed-precision", "lm-head-w8a8", "--for", "ort-cpu", "--lm-head-block-size", "16"],
+     "one scale a column; drop --lm-head-block-size"),
     (["--block-size", "32"], "add --weights int4 or int8"),
     (["--weights", "int4", "--dtype", "bf16"], "no ONNX Runtime CPU kernel"),
     (["--weights", "int8", "--opset", "20"], "needs --opset 21"),
@@ -288,6 +291,43 @@ def test_mixed_precision_and_the_tied_table(checkpoints, tmp_path):
     assert any(n.op_type == "Gather" and n.input[0] == "model.lm_head.weight_t.quant.bytes" for n in graph.graph.node)
     by_dtype = weight_bytes_by_dtype(art, m)
     assert set(by_dtype) >= {"uint4", "uint8", "float32"} and sum(by_dtype.values()) <= (art / "weights.onnx.data").stat().st_size
+
+
+def test_a_w8a8_lm_head_runs_on_the_integer_gemm_and_a_row_does_not_depend_on_its_batch(checkpoints, tmp_path):
+    """--mixed-precision lm-head-w8a8 on a tied model, --for ort-cpu: the LM head's table in int8 with a
+    scale a column (the embedding gathered from it), its MatMul ONNX Runtime's MatMulIntegerToFloat over
+    the input rounded to int8 a row at a time, every other quantized MatMul fused into MatMulNBits, the
+    graphs equal to the quantized reference (which rounds the head's input as the graph does), and a
+    row's logits bit for bit the same alone and beside other rows."""
+    from tk.models.spec.manifest import Manifest
+    from tk.runtimes.backends.ort import OrtRuntime
+    from tk.toolkit.pipeline.export import export_artifact
+    from tk.toolkit.verify.metrics import run_trace
+
+    art = tmp_path / "art"
+    export_artifact(checkpoints("qwen2"), art, profile="ort-cpu", max_seq_len=64, weights="int4",
+                    mixed_precision="lm-head-w8a8")
+    m = Manifest.read(art)
+    assert m.precision.mixed == "lm-head-w8a8" and m.precision.quantized_embedding and m.validation.passed
+    layers, hidden, vocab = m.config.num_layers, m.config.hidden_size, m.config.vocab_size
+    assert m.validation.fused_matmulnbits == {"prefill": 4 * layers, "decode": 4 * layers}
+    head = {n: e for n, e in m.weights.items() if n.startswith("model.lm_head.weight_t.")}
+    assert head["model.lm_head.weight_t.quant"][2] == "int8" and list(head["model.lm_head.weight_t.scale"][3]) == [1, vocab]
+    assert "model.lm_head.weight_t.zero" not in head and "model.embed.weight" not in m.weights
+    graph = onnx.load(str(art / "decode.onnx"), load_external_data=False).graph
+    integer = [n for n in graph.node if n.op_type == "MatMulIntegerToFloat"]
+    assert len(integer) == 1 and integer[0].input[1] == "model.lm_head.weight_t.quant"
+    assert {o.domain for o in onnx.load(str(art / "decode.onnx"), load_external_data=False).opset_import} >= {"com.microsoft"}
+    rng = np.random.default_rng(3)
+    ids = rng.integers(3, vocab, (3, 7))
+    mask = np.ones_like(ids)
+    with OrtRuntime(art) as ort:
+        batch = run_trace(ort, ids, mask, 4, keep_present=False)
+        for r in range(3):
+            alone = run_trace(ort, ids[r:r + 1], mask[r:r + 1], 4, keep_present=False)
+            assert all(np.array_equal(b[r], a[0]) for b, a in zip(batch.logits, alone.logits))
+    assert np.ptp(batch.logits[-1][:, -1], axis=-1).min() > 1.0  # not flat: the rows' argmaxes mean something
+    assert hidden == m.weights["model.lm_head.weight_t.quant"][3][0]
 
 
 def test_calibration_weights_the_search_and_rebuilds_its_reference(trained, tmp_path):

@@ -31,7 +31,7 @@ from tk.models.spec.errors import CheckpointError, read_json  # CheckpointError:
 from tk.models.reference.decoder import Decoder
 from tk.models.reference.positions import rope_inv_freq
 from tk.models.quant.plan import quant_plan, quantized_layers
-from tk.models.quant.quantize import QTensor, dequantize, quantize
+from tk.models.quant.quantize import QTensor, dequantize, quantize, quantize_rows
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -308,7 +308,8 @@ def quantize_weights_(model: Decoder, precision, calibration=None) -> Decoder:
     by its dequantized value (models/quant/quantize.py, after the same `calibration`'s channel scales and
     weighted by its importance, models/quant/calibration.py; scales rounded to the activations' dtype as
     the artifact stores them), so that eager PyTorch computes what the graphs compute. A quantized
-    embedding is its own table's, or when tied the LM head's, dequantized."""
+    embedding is its own table's, or when tied the LM head's, dequantized. A W8A8 weight's input is
+    rounded to int8 a row at a time too (`quantize_rows`)."""
     if precision.method in PREQUANTIZED:
         return model  # loaded from its integers, dequantized (CheckpointReader.tensor)
     scale_dtype = torch_dtype(precision.activations)
@@ -326,6 +327,8 @@ def quantize_weights_(model: Decoder, precision, calibration=None) -> Decoder:
             torch.empty(weight.shape, dtype=torch.float32)
         dequantize(qt, scheme.block, out=w.numpy().T)
         module.weight = torch.nn.Parameter(w.to(weight.dtype), requires_grad=False)
+        if scheme.int8_inputs:  # W8A8: its input rounded to int8 a row at a time, as the graph does
+            module.register_forward_pre_hook(lambda _, args: (quantize_rows(args[0]),))
     if precision.quantized_embedding and model.config.tie_embeddings:
         model.embed.weight = model.lm_head.weight  # the one table, tied again
     return model

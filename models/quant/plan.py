@@ -41,7 +41,9 @@ def quant_plan(cfg, precision) -> dict[str, Scheme]:
     embedding, stored transposed like a linear layer's weight: a tied one is read from the LM
     head's table), with its scheme: the precision's, or int8 where `mixed` keeps it (the LM head
     and embedding for `lm-head`; also the fused QKV and down projections of `sensitive_layers`), the
-    LM head and embedding in blocks of `head_block` when given."""
+    LM head and embedding in blocks of `head_block` when given. `lm-head-w8a8` keeps the LM head (and
+    its table, a tied embedding) in int8 with a scale a column, rounded to nearest (all K rows one
+    block, symmetric), for ONNX Runtime's integer GEMM over inputs rounded to int8 a row at a time."""
     base = Scheme(precision.weights, precision.block_size, precision.method, precision.zero_points)
     int8 = Scheme("int8", base.block, base.method, base.zero_points)
     names = quantized_layers(cfg, precision.quantized_lm_head)
@@ -52,11 +54,13 @@ def quant_plan(cfg, precision) -> dict[str, Scheme]:
     # llama.cpp's Q4_0 and Q4_K_M keep token_embd at 4 bits and raise only the output matrix (a row a token,
     # read once, costs little when rounded; README "Quantized weights" has the measurement)
     upgrade = {"lm_head.weight"} if precision.mixed in ("lm-head", "sensitive") else set()
+    if precision.mixed == "lm-head-w8a8" and "lm_head.weight" in plan:
+        plan["lm_head.weight"] = Scheme("int8", cfg.hidden_size, "rtn", False, int8_inputs=True)
     if precision.mixed == "sensitive":
         upgrade |= {f"layers.{i}.{w}" for i in sensitive_layers(cfg.num_layers)
                     for w in ("attn.wqkv.weight", "ffn.w_down.weight")}
     plan = {name: int8 if name in upgrade else s for name, s in plan.items()}
     for name in ("lm_head.weight", "embed.weight"):
-        if name in plan and precision.head_block:
+        if name in plan and precision.head_block and not plan[name].int8_inputs:
             plan[name] = Scheme(plan[name].bits, precision.head_block, base.method, base.zero_points)
     return plan

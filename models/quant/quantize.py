@@ -8,7 +8,9 @@ gets a scale `s` and, with zero points, an integer zero point `z`; its values ar
 - asymmetric (zero points): q and z in [0, 2^b - 1], w ~= (q - z) * s (both ONNX's
   DequantizeLinear and ORT's MatMulNBits take uint4/uint8 zero points).
 What `DequantizeLinear(q, s[, z], axis=0, block_size=block)` computes, and what ONNX Runtime fuses
-with the MatMul into MatMulNBits.
+with the MatMul into MatMulNBits. A W8A8 weight (`int8_inputs`: `--mixed-precision lm-head-w8a8`) is
+int8 with one scale a column (a block of all K rows), and its input is rounded to int8 too, with one
+scale a row (`quantize_rows`): ONNX Runtime multiplies it in integers (MatMulIntegerToFloat).
 
 How s and z are chosen (`--quant-method`):
 - `rtn`: round to nearest from the block's range (max |w|, or min and max with zero points).
@@ -55,12 +57,14 @@ SEARCH_DENS = {t: np.array([np.float32((LEVELS[bits] if zp else QMAX[bits] + 1) 
 
 @dataclass(frozen=True)
 class Scheme:
-    """How one weight is stored: its integer type, block, method and whether it has zero points."""
+    """How one weight is stored: its integer type, block, method and whether it has zero points;
+    `int8_inputs`: its input is quantized to int8 a row at a time (W8A8, `quantize_rows`)."""
 
     bits: str = "int4"
     block: int = 32
     method: str = "rtn"
     zero_points: bool = False
+    int8_inputs: bool = False
 
     @property
     def onnx_type(self) -> str:
@@ -91,8 +95,10 @@ def quantize(w_t: np.ndarray, scheme: Scheme, importance: np.ndarray | None = No
     (`quant_threads()` by default; the kernel releases the GIL)."""
     from tk.models.quant.kernel import quantize_tile  # numba compiles it on first use (cached on disk)
 
-    if not 1 <= scheme.block <= MAX_BLOCK:
-        raise ValueError(f"block {scheme.block}: the quantizer takes blocks of 1 to {MAX_BLOCK} rows")
+    if scheme.block < 1 or (scheme.block > MAX_BLOCK and scheme.method == "search"):
+        # the search sums a block in numpy's pairwise order, which the kernel writes out up to MAX_BLOCK rows
+        raise ValueError(f"block {scheme.block}: the quantizer takes blocks of 1 to {MAX_BLOCK} rows "
+                         "(round to nearest: any)")
     w_t = np.asarray(w_t, dtype=np.float32)  # any layout: the kernel copies each block into its own buffer
     k, n = w_t.shape
     nb, b = blocks_of(k, scheme.block), scheme.block
@@ -187,6 +193,18 @@ def dequantize(t: QTensor, block: int, out: np.ndarray | None = None) -> np.ndar
 
 
 DEQUANT_COLUMNS = 256  # a piece of dequantize's work: K x 256 float32 temporaries
+ROW_SCALE_FLOOR = 1e-30  # an all-zero row's scale (any positive one rounds it to zeros)
+
+
+def quantize_rows(x):
+    """A W8A8 weight's input (a torch tensor [..., K]) as its int8 rounding gives it back: one scale a
+    row, max |x| / 127 (at least ROW_SCALE_FLOOR), x rounded to integers in [-127, 127] (half to even)
+    times that scale. What the ONNX graph computes before MatMulIntegerToFloat (exporters/quantize_graph.py),
+    op for op in float32, so the quantized reference rounds every row as the artifact does."""
+    import torch
+
+    scale = torch.clamp(x.abs().amax(-1, keepdim=True), min=ROW_SCALE_FLOOR) / 127
+    return torch.round(x / scale) * scale
 
 
 def pack_int4(q: np.ndarray) -> np.ndarray:

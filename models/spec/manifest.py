@@ -33,7 +33,7 @@ class ArtifactError(TkError):
 QUANTIZED = ("int4", "int8")  # weight-only, blockwise (models/quant/quantize.py)
 BLOCK_SIZES = (16, 32, 64, 128, 256)  # what ONNX Runtime's MatMulNBits takes
 METHODS = ("rtn", "search")  # how scales are chosen (models/quant/quantize.py)
-MIXED = ("none", "lm-head", "sensitive")  # --mixed-precision: which weights are kept in int8
+MIXED = ("none", "lm-head", "lm-head-w8a8", "sensitive")  # --mixed-precision: which weights are kept in int8
 DEFAULT_METHOD = "search"  # models/quant/quantize.py; README "Quantized weights" has the measurements
 DEFAULT_BLOCK = 32  # onnxruntime-genai's int4 CPU default; TensorRT takes 64 or 128 (tk build-engine says so)
 

@@ -120,6 +120,8 @@ class ExportOptions:
             target, kv_cache, prefill_logits = prof.flags().values()
             dtype = dtype or prof.dtype
         target, kv_cache, prefill_logits = target or "portable", kv_cache or "dynamic", prefill_logits or "all"
+        if mixed_precision == "lm-head-w8a8":
+            cls._check_w8a8(target, dtype, lm_head_block_size)
         if kv_cache == "static" and (2 if prof and max_seq_len is None else max_seq_len or 0) < 2:
             raise UsageProblem("--kv-cache static needs --max-seq-len N (N >= 2): the capacity of the cache")
         if kv_cache == "dynamic" and max_seq_len is not None and given["kv-cache"] is not None:
@@ -170,6 +172,18 @@ class ExportOptions:
         if mixed != "none" and not lm_head:
             raise UsageProblem(f"--mixed-precision {mixed} keeps the LM head in int8; drop --no-quantize-lm-head")
         return {"method": method, "zero_points": zero_points, "mixed": mixed, "quantized_embedding": embedding}
+
+    @staticmethod
+    def _check_w8a8(target: str, dtype: str | None, head_block: int | None) -> None:
+        """--mixed-precision lm-head-w8a8: ONNX Runtime's integer GEMM, on float32 activations, one scale a column."""
+        flag = "--mixed-precision lm-head-w8a8"
+        if target != Target.ORT.value:
+            raise UsageProblem(f"{flag} runs on ONNX Runtime's integer GEMM (MatMulIntegerToFloat); export with "
+                               "--for ort-cpu (or --target ort), or use --mixed-precision lm-head")
+        if dtype is not None and canonical_dtype(dtype) != "float32":
+            raise UsageProblem(f"{flag} takes float32 activations, not {dtype}; drop --dtype {dtype}")
+        if head_block is not None:
+            raise UsageProblem(f"{flag} gives the LM head one scale a column; drop --lm-head-block-size")
 
     @staticmethod
     def _check_profile(name: str, prof: Profile, given: dict, debug_outputs: bool) -> None:
