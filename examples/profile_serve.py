@@ -19,6 +19,7 @@ import http.client
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -38,15 +39,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+WAITS = re.compile(r"(select \(selectors\.py|wait \(threading\.py|get \(queue\.py)[^;]*$")  # a blocked leaf frame
+
+
 def classify(stack: str) -> tuple[str, str]:
-    """A collapsed py-spy stack -> (thread kind, what it does)."""
-    idle = "(idle)" in stack.split(";")[0] or stack.rstrip().endswith("(idle)")
+    """A collapsed py-spy stack -> (thread kind, what it does). A thread blocked in a select or a
+    wait is idle: the HTTP front end's worker threads spend their life in their queue's wait."""
+    idle = "(idle)" in stack.split(";")[0] or stack.rstrip().endswith("(idle)") or bool(WAITS.search(stack))
     if "tk-batcher" in stack or re.search(r"_loop \([^)]*serving/batching\.py", stack):
         if re.search(r"run_with_iobinding|InferenceSession\.run|\brun \(onnxruntime", stack):
             return "batcher", "onnxruntime"
-        return "batcher", "idle" if idle or "wait (threading.py" in stack else "python"
-    if "uvicorn" in stack or "asyncio" in stack or "starlette" in stack or "serving/openai/process.py" in stack:
-        return "event loop", "idle" if idle or "select (selectors.py" in stack else "busy"
+        return "batcher", "idle" if idle else "python"
+    if "MainThread" in stack.split(";")[0] and ("uvicorn" in stack or "asyncio" in stack):
+        return "event loop", "idle" if idle else "busy"
     return "other", "idle" if idle else "busy"
 
 
@@ -58,6 +63,8 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--serve-args", default="")
     args = ap.parse_args()
+    if shutil.which("py-spy") is None:
+        ap.error("py-spy is not on PATH: pip install py-spy (and run from the environment that has it)")
     from tk.models.spec.manifest import Manifest
 
     vocab = Manifest.read(args.artifact).dims.vocab_size
@@ -65,41 +72,43 @@ def main() -> int:
     tk = str(Path(sys.executable).parent / "tk")
     proc = subprocess.Popen([tk, "serve", str(args.artifact), "--port", str(port), "--slots", str(args.clients),
                              *args.serve_args.split()], stderr=subprocess.DEVNULL)
-    while True:
-        try:
-            if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).status == 200:
-                break
-        except OSError:
-            if proc.poll() is not None:
-                sys.exit("tk serve exited")
-            time.sleep(0.5)
-    stop, tokens = threading.Event(), Counter()
+    try:  # the server goes whatever happens (an interrupted profile left one running)
+        while True:
+            try:
+                if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).status == 200:
+                    break
+            except OSError:
+                if proc.poll() is not None:
+                    sys.exit("tk serve exited")
+                time.sleep(0.5)
+        stop, tokens = threading.Event(), Counter()
 
-    def client(i: int) -> None:
-        rng = np.random.default_rng(i)
-        while not stop.is_set():
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-            body = {"prompt": rng.integers(3, vocab, 32).tolist(), "max_tokens": args.tokens, "temperature": 0,
-                    "stream": True, "ignore_eos": True}
-            conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-            for line in conn.getresponse():
-                if line.startswith(b"data: {"):
-                    tokens["n"] += 1
-            conn.close()
+        def client(i: int) -> None:
+            rng = np.random.default_rng(i)
+            while not stop.is_set():
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+                body = {"prompt": rng.integers(3, vocab, 32).tolist(), "max_tokens": args.tokens, "temperature": 0,
+                        "stream": True, "ignore_eos": True}
+                conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+                for line in conn.getresponse():
+                    if line.startswith(b"data: {"):
+                        tokens["n"] += 1
+                conn.close()
 
-    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(args.clients)]
-    for t in threads:
-        t.start()
-    time.sleep(5)  # past the first prefills
-    raw = Path(tempfile.mkdtemp()) / "profile.txt"
-    before, tick = tokens["n"], time.monotonic()
-    subprocess.run(["py-spy", "record", "--threads", "--idle", "--format", "raw", "--rate", "200", "--duration",
-                    str(int(args.seconds)), "--pid", str(proc.pid), "--output", str(raw), "--nonblocking"],
-                   check=True, capture_output=True)
-    rate = (tokens["n"] - before) / (time.monotonic() - tick)
-    stop.set()
-    proc.terminate()
-    proc.wait(60)
+        threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(args.clients)]
+        for t in threads:
+            t.start()
+        time.sleep(5)  # past the first prefills
+        raw = Path(tempfile.mkdtemp()) / "profile.txt"
+        before, tick = tokens["n"], time.monotonic()
+        subprocess.run(["py-spy", "record", "--threads", "--idle", "--format", "raw", "--rate", "200", "--duration",
+                        str(int(args.seconds)), "--pid", str(proc.pid), "--output", str(raw), "--nonblocking"],
+                       check=True, capture_output=True)
+        rate = (tokens["n"] - before) / (time.monotonic() - tick)
+        stop.set()
+    finally:
+        proc.terminate()
+        proc.wait(60)
     kinds: Counter = Counter()
     for line in raw.read_text().splitlines():
         stack, _, count = line.rpartition(" ")

@@ -80,3 +80,24 @@ def test_anchor_script_runs_transformers_on_the_same_tokens(tiny, tiny_artifact,
     ratio = r["ratios"]["transformers / tk portable dynamic"]
     assert ratio["decode"] > 0 and ratio["ttft"] > 0
     assert r["read_bandwidth_gbs"] > 0 and 0 < r["stacks"]["tk portable dynamic"]["fraction_of_decode_bound"]
+
+
+def test_profile_serve_counts_threads_blocked_in_a_wait_as_idle():
+    """examples/profile_serve.py: the HTTP front end's worker threads wait in their queue all their
+    life; counted busy, they made the event loop look 90% busy (it is 2%)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("profile_serve", Path(__file__).parent.parent / "examples" / "profile_serve.py")
+    ps = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ps)
+    worker = ("thread (11): AnyIO worker thread;_bootstrap (threading.py:1002);WorkerThread.run (anyio/_backends/"
+              "_asyncio.py:1113);Queue.get (queue.py:171);Condition.wait (threading.py:327)")
+    loop_idle = "thread (1): MainThread;BaseEventLoop.run_forever (asyncio/base_events.py:607);EpollSelector.select (selectors.py:468)"
+    loop_busy = ("thread (1): MainThread;BaseEventLoop.run_forever (asyncio/base_events.py:607);RequestResponseCycle.send "
+                 "(uvicorn/protocols/http/h11_impl.py:500);_SelectorSocketTransport.write (asyncio/selector_events.py:1071)")
+    ort = ("thread (2): tk-batcher;OrtRuntime.run (runtimes/backends/ort.py:240);Session.run_with_iobinding "
+           "(onnxruntime/capi/onnxruntime_inference_collection.py:400)")
+    assert ps.classify(worker) == ("other", "idle")
+    assert ps.classify(loop_idle) == ("event loop", "idle") and ps.classify(loop_busy) == ("event loop", "busy")
+    assert ps.classify(ort) == ("batcher", "onnxruntime")
