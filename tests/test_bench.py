@@ -101,3 +101,20 @@ def test_profile_serve_counts_threads_blocked_in_a_wait_as_idle():
     assert ps.classify(worker) == ("other", "idle")
     assert ps.classify(loop_idle) == ("event loop", "idle") and ps.classify(loop_busy) == ("event loop", "busy")
     assert ps.classify(ort) == ("batcher", "onnxruntime")
+
+
+def test_run_drift_script_measures_a_run_against_steps(tiny_artifact):
+    """examples/run_drift.py: a float32 export's run of tokens computes its steps' logits to the kernels'
+    rounding; a bad prefix length is a usage error."""
+    import re
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "examples/run_drift.py", str(tiny_artifact), "--tokens", "6", "--at", "2,5"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    drift = [float(x) for x in re.findall(r"\d: ([0-9.e+-]+)", out.stdout)]
+    assert len(drift) == 2 and all(0 <= d < 1e-3 for d in drift), out.stdout
+    bad = subprocess.run([sys.executable, "examples/run_drift.py", str(tiny_artifact), "--tokens", "6", "--at", "6"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "--at takes prefix lengths" in bad.stderr
