@@ -84,19 +84,8 @@ def _integer_matmul(graph, matmul, w, table: dict[str, tuple], base_dir: Path) -
     import onnx_ir as ir
 
     x = matmul.inputs[0]
-    nodes = []
-
-    def op(op_type, inputs, domain="", **attrs):
-        node = ir.Node(domain, op_type, inputs, [_attr(k_, v) for k_, v in attrs.items()],
-                       name=f"{matmul.name}_w8a8_{op_type.lower()}_{len(nodes)}")
-        nodes.append(node)
-        return node.outputs[0]
-
-    def const(name, array):
-        value = ir.Value(name=f"{matmul.name}_{name}", const_value=ir.tensor(array, name=f"{matmul.name}_{name}"))
-        graph.register_initializer(value)
-        return value
-
+    new = _Nodes(graph, f"{matmul.name}_w8a8")
+    op, const = new.op, new.const
     peak = op("ReduceMax", [op("Abs", [x]), const("last_axis", np.array([-1], np.int64))], keepdims=1)
     scale = op("Div", [op("Max", [peak, const("floor", np.array(ROW_SCALE_FLOOR, np.float32))]),
                        const("qmax", np.array(127, np.float32))])
@@ -105,8 +94,7 @@ def _integer_matmul(graph, matmul, w, table: dict[str, tuple], base_dir: Path) -
     y = op("MatMulIntegerToFloat", [quant, _initializer(graph, w.name + QUANT, table, base_dir), scale,
                                     _initializer(graph, w.name + SCALE, table, base_dir),  # [1, N]: a column's
                                     const("zero_point", np.array(128, np.uint8))], domain=MS_DOMAIN)
-    for node in nodes:
-        graph.insert_before(matmul, node)
+    new.insert_before(matmul)
     out = matmul.outputs[0]
     name, y.type, y.shape = out.name, out.type, out.shape
     out.replace_all_uses_with(y, replace_graph_outputs=True)  # the LM head's output is the graph's logits
@@ -125,19 +113,8 @@ def _gather_dequantized(graph, gather, source: str, table: dict[str, tuple], blo
     ids = gather.inputs[1]
     k, kind = table[source + QUANT][3][0], table[source + QUANT][2]
     four = kind in ("int4", "uint4")
-    nodes = []
-
-    def op(op_type, inputs, **attrs):
-        node = ir.Node("", op_type, inputs, [_attr(k_, v) for k_, v in attrs.items()],
-                       name=f"{gather.name}_{op_type.lower()}_{len(nodes)}")
-        nodes.append(node)
-        return node.outputs[0]
-
-    def const(name, array):
-        value = ir.Value(name=f"{gather.name}_{name}", const_value=ir.tensor(array, name=f"{gather.name}_{name}"))
-        graph.register_initializer(value)
-        return value
-
+    new = _Nodes(graph, gather.name)
+    op, const = new.op, new.const
     if four:
         half, odd = op("Div", [ids, const("two", np.array(2, np.int64))]), op("Mod", [ids, const("two_", np.array(2, np.int64))])
         shift = op("Mul", [op("Cast", [odd], to=ir.DataType.UINT8), const("four", np.array(4, np.uint8))])
@@ -165,13 +142,39 @@ def _gather_dequantized(graph, gather, source: str, table: dict[str, tuple], blo
         values = op("Sub", [values, const("bias", np.array(8, _np(table[source + SCALE][2])))])
     scales = op("Gather", [gathered(SCALE), rows], axis=0)
     out = op("Transpose", [op("Mul", [values, scales])], perm=[1, 2, 0])  # [K, B, S] -> [B, S, K]
-    for node in nodes:
-        graph.insert_before(gather, node)
+    new.insert_before(gather)
     gather.outputs[0].replace_all_uses_with(out)
     out.name, out.type, out.shape = gather.outputs[0].name, gather.outputs[0].type, gather.outputs[0].shape
     graph.remove(gather, safe=True)  # detaches its inputs too
     if not embed.uses() and embed.name in graph.initializers:
         graph.initializers.pop(embed.name)
+
+
+class _Nodes:
+    """The nodes a rewrite builds (named `prefix`_op_n), inserted together before the node they
+    replace, and its constants (initializers named `prefix`_name)."""
+
+    def __init__(self, graph, prefix: str):
+        self.graph, self.prefix, self.nodes = graph, prefix, []
+
+    def op(self, op_type, inputs, domain="", **attrs):
+        import onnx_ir as ir
+
+        node = ir.Node(domain, op_type, inputs, [_attr(k_, v) for k_, v in attrs.items()],
+                       name=f"{self.prefix}_{op_type.lower()}_{len(self.nodes)}")
+        self.nodes.append(node)
+        return node.outputs[0]
+
+    def const(self, name, array):
+        import onnx_ir as ir
+
+        value = ir.Value(name=f"{self.prefix}_{name}", const_value=ir.tensor(array, name=f"{self.prefix}_{name}"))
+        self.graph.register_initializer(value)
+        return value
+
+    def insert_before(self, node) -> None:
+        for new in self.nodes:
+            self.graph.insert_before(node, new)
 
 
 def _np(dtype):
