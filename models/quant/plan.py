@@ -61,6 +61,6 @@ def quant_plan(cfg, precision) -> dict[str, Scheme]:
                     for w in ("attn.wqkv.weight", "ffn.w_down.weight")}
     plan = {name: int8 if name in upgrade else s for name, s in plan.items()}
     for name in ("lm_head.weight", "embed.weight"):
-        if name in plan and precision.head_block and not plan[name].int8_inputs:
+        if name in plan and precision.head_block:  # (never with lm-head-w8a8: options refuse the pair)
             plan[name] = Scheme(plan[name].bits, precision.head_block, base.method, base.zero_points)
     return plan

@@ -121,7 +121,7 @@ class ExportOptions:
             dtype = dtype or prof.dtype
         target, kv_cache, prefill_logits = target or "portable", kv_cache or "dynamic", prefill_logits or "all"
         if mixed_precision == "lm-head-w8a8":
-            cls._check_w8a8(target, dtype, lm_head_block_size)
+            _check_w8a8(target, dtype, lm_head_block_size)
         if kv_cache == "static" and (2 if prof and max_seq_len is None else max_seq_len or 0) < 2:
             raise UsageProblem("--kv-cache static needs --max-seq-len N (N >= 2): the capacity of the cache")
         if kv_cache == "dynamic" and max_seq_len is not None and given["kv-cache"] is not None:
@@ -144,46 +144,11 @@ class ExportOptions:
         if weights is not None:
             precision = dataclasses.replace(precision, weights=weights, block_size=block_size,
                                             quantized_lm_head=quantize_lm_head, head_block=lm_head_block_size,
-                                            **cls._quant_choices(prof, quantize_lm_head, quant_method, zero_points,
-                                                                 mixed_precision, quantize_embedding,
-                                                                 lm_head_block_size))
+                                            **_quant_choices(prof, quantize_lm_head, quant_method, zero_points,
+                                                             mixed_precision, quantize_embedding, lm_head_block_size))
         return cls(precision=precision, variant=variant, validate=validate, force=force, profile=profile,
                    calibration=None if calibration is None else Path(calibration),
                    cache_given=prof is not None or given["kv-cache"] is not None)
-
-    @staticmethod
-    def _quant_choices(prof: Profile | None, lm_head: bool, method: str | None, zero_points: bool | None,
-                       mixed: str | None, embedding: bool | None, head: int | None) -> dict:
-        """The quantization flags with their defaults (a profile's symmetric blocks, else zero
-        points; the search; the embedding quantized with the LM head: for_model),
-        checked together."""
-        
-        method, mixed = method or DEFAULT_METHOD, mixed or "none"
-        if method not in METHODS:
-            raise UsageProblem(f"unknown --quant-method {method!r}; use one of {', '.join(METHODS)}")
-        if mixed not in MIXED:
-            raise UsageProblem(f"unknown --mixed-precision {mixed!r}; use one of {', '.join(MIXED)}")
-        symmetric = prof is not None and prof.symmetric
-        zero_points = (not symmetric) if zero_points is None else zero_points
-        if symmetric and embedding is None:
-            embedding = False  # else for_model decides: a tied table is quantized with the LM head
-        if not lm_head and head is not None:
-            raise UsageProblem("--lm-head-block-size sets the quantized LM head's block; drop --no-quantize-lm-head")
-        if mixed != "none" and not lm_head:
-            raise UsageProblem(f"--mixed-precision {mixed} keeps the LM head in int8; drop --no-quantize-lm-head")
-        return {"method": method, "zero_points": zero_points, "mixed": mixed, "quantized_embedding": embedding}
-
-    @staticmethod
-    def _check_w8a8(target: str, dtype: str | None, head_block: int | None) -> None:
-        """--mixed-precision lm-head-w8a8: ONNX Runtime's integer GEMM, on float32 activations, one scale a column."""
-        flag = "--mixed-precision lm-head-w8a8"
-        if target != Target.ORT.value:
-            raise UsageProblem(f"{flag} runs on ONNX Runtime's integer GEMM (MatMulIntegerToFloat); export with "
-                               "--for ort-cpu (or --target ort), or use --mixed-precision lm-head")
-        if dtype is not None and canonical_dtype(dtype) != "float32":
-            raise UsageProblem(f"{flag} takes float32 activations, not {dtype}; drop --dtype {dtype}")
-        if head_block is not None:
-            raise UsageProblem(f"{flag} gives the LM head one scale a column; drop --lm-head-block-size")
 
     @staticmethod
     def _check_profile(name: str, prof: Profile, given: dict, debug_outputs: bool) -> None:
@@ -293,3 +258,37 @@ class ExportOptions:
         if self.validate and self.precision.activations == "bfloat16" and not has_cuda_provider():
             raise UsageProblem("bf16 graphs cannot be validated here: ONNX Runtime's CPU provider has no bf16 "
                                "MatMul; export with --no-validate and check on a GPU (tk parity), or use --dtype fp16")
+
+
+# the quantization flags' checks (ExportOptions.from_flags)
+def _quant_choices(prof: Profile | None, lm_head: bool, method: str | None, zero_points: bool | None,
+                   mixed: str | None, embedding: bool | None, head: int | None) -> dict:
+    """The quantization flags with their defaults (a profile's symmetric blocks, else zero
+    points; the search; the embedding quantized with the LM head: for_model),
+    checked together."""
+    method, mixed = method or DEFAULT_METHOD, mixed or "none"
+    if method not in METHODS:
+        raise UsageProblem(f"unknown --quant-method {method!r}; use one of {', '.join(METHODS)}")
+    if mixed not in MIXED:
+        raise UsageProblem(f"unknown --mixed-precision {mixed!r}; use one of {', '.join(MIXED)}")
+    symmetric = prof is not None and prof.symmetric
+    zero_points = (not symmetric) if zero_points is None else zero_points
+    if symmetric and embedding is None:
+        embedding = False  # else for_model decides: a tied table is quantized with the LM head
+    if not lm_head and head is not None:
+        raise UsageProblem("--lm-head-block-size sets the quantized LM head's block; drop --no-quantize-lm-head")
+    if mixed != "none" and not lm_head:
+        raise UsageProblem(f"--mixed-precision {mixed} keeps the LM head in int8; drop --no-quantize-lm-head")
+    return {"method": method, "zero_points": zero_points, "mixed": mixed, "quantized_embedding": embedding}
+
+
+def _check_w8a8(target: str, dtype: str | None, head_block: int | None) -> None:
+    """--mixed-precision lm-head-w8a8: ONNX Runtime's integer GEMM, on float32 activations, one scale a column."""
+    flag = "--mixed-precision lm-head-w8a8"
+    if target != Target.ORT.value:
+        raise UsageProblem(f"{flag} runs on ONNX Runtime's integer GEMM (MatMulIntegerToFloat); export with "
+                           "--for ort-cpu (or --target ort), or use --mixed-precision lm-head")
+    if dtype is not None and canonical_dtype(dtype) != "float32":
+        raise UsageProblem(f"{flag} takes float32 activations, not {dtype}; drop --dtype {dtype}")
+    if head_block is not None:
+        raise UsageProblem(f"{flag} gives the LM head one scale a column; drop --lm-head-block-size")

@@ -79,15 +79,15 @@ class SpeculationRule:
             return []
         guessing = [s for s in decoding if s.room > 0]
         cap = BATCH_GUESSES if self.batched and len(guessing) > 1 else None
-        room = {id(s): min(s.room, cap) if cap else s.room for s in guessing}
-        ranked = sorted(guessing, key=lambda s: -self.acceptance(s) * room[id(s)])
+        rooms = [(s, min(s.room, cap or s.room)) for s in guessing]  # (each row's guesses this step)
+        ranked = sorted(rooms, key=lambda p: -self.acceptance(p[0]) * p[1])
         best, best_rate, chosen, gain, ks = 0, R / self.seconds(R, []), [], 0.0, []
-        for seq in ranked:
-            if spare is not None and sum(ks) + room[id(seq)] > spare:
+        for seq, k in ranked:
+            if spare is not None and sum(ks) + k > spare:
                 continue
             chosen.append(seq)
-            ks.append(room[id(seq)])
-            gain += self.acceptance(seq) * ks[-1]
+            ks.append(k)
+            gain += self.acceptance(seq) * k
             rate = (R + gain) / self.seconds(R, ks)
             if rate > best_rate:
                 best, best_rate = len(chosen), rate

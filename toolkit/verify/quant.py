@@ -56,9 +56,9 @@ def fused_matmuls(artifact: Path, manifest) -> dict[str, tuple[int, list[str]]]:
 
 
 def expected_quantized(manifest) -> int:
+    """The quantized MatMuls ONNX Runtime fuses into MatMulNBits: all but a W8A8 one (MatMulIntegerToFloat)."""
     from tk.models.quant.plan import quant_plan
 
-    """The quantized MatMuls ONNX Runtime fuses into MatMulNBits: all but a W8A8 one (MatMulIntegerToFloat)."""
     return sum(name != "embed.weight" and not scheme.int8_inputs
                for name, scheme in quant_plan(manifest.config, manifest.precision).items())
 
