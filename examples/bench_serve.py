@@ -31,7 +31,8 @@ its own (the same lengths), so no server's prompt cache serves one run from anot
 
 A server that returns each token's id (tk's `return_token_ids`) has its tokens checked against
 `tk generate` of each prompt alone (ONNX Runtime in this process, on the artifact its `tk serve`
-command names, else on ARTIFACT): a request lost or mixed up fails the run (exit 1). Other servers' tokens are counted, one per streamed chunk.
+command names, else on ARTIFACT, computing as its `--quant-compute` says): a request lost or mixed up fails
+the run (exit 1). Other servers' tokens are counted, one per streamed chunk.
 Reports requests/s, tokens/s, time to first token and inter-token latency p50/p99.
 """
 
@@ -182,13 +183,13 @@ def run_long(url: str, model: str | None, requests) -> tuple[dict, list[dict]]:
     return out, results
 
 
-def solo_tokens(artifact: Path, requests) -> list[list[int]]:
+def solo_tokens(artifact: Path, requests, compute: str = "int8") -> list[list[int]]:
     from tk.models.spec.manifest import Manifest
     from tk.runtimes.decoding.generate import generate
     from tk.toolkit.backends import BackendOptions, open_runtime
 
     manifest = Manifest.read(artifact)
-    with open_runtime(artifact, "ort", BackendOptions(static_cache=True)) as rt:
+    with open_runtime(artifact, "ort", BackendOptions(static_cache=True, quant_compute=compute)) as rt:
         return [generate(rt, [p], n, eos_ids=manifest.eos_token_ids, ignore_eos=True).rows[0].tokens
                 for p, n in requests]
 
@@ -203,7 +204,7 @@ class Server:
     """A server to benchmark: a URL, or a command started here on a free loopback port."""
 
     def __init__(self, name: str, spec: str):
-        self.name, self.proc, self.model, self.artifact = name, None, None, None
+        self.name, self.proc, self.model, self.artifact, self.compute = name, None, None, None, "int8"
         if re.match(r"https?://", spec):
             self.url = spec.rstrip("/")
             return
@@ -212,6 +213,9 @@ class Server:
         if argv[0] == "tk":  # this environment's tk
             argv[0] = str(Path(sys.executable).parent / "tk")
             self.artifact = Path(argv[2]) if argv[1:2] == ["serve"] else None
+            flag = [a.split("=", 1)[1] if "=" in a else b for a, b in zip(argv, argv[1:] + [""])
+                    if a.split("=", 1)[0] == "--quant-compute"]
+            self.compute = flag[-1] if flag else "int8"  # the solo check computes as the server does
         self.url = f"http://127.0.0.1:{port}"
         self.log = open(f"/tmp/bench_serve_{name}.log", "w")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
@@ -282,7 +286,7 @@ def main() -> None:
         levels = levels[-1:] if args.workload == "shared-prefix" else [STREAMS + 1]
     rounds = [{c: workload(args.workload, args.artifact, vocab, args.requests, 1000 * r + c) for c in levels}
               for r in range(args.rounds)]
-    solo: dict[tuple[Path, int], list[list[int]]] = {}
+    solo: dict[tuple, list[list[int]]] = {}
     servers: list[Server] = []
     runs: dict[tuple[str, int], list[dict]] = {}
     bad = 0
@@ -292,8 +296,8 @@ def main() -> None:
         for s in servers if not args.no_check else []:  # each server's artifact, alone, every run's requests
             for r, by_level in enumerate(rounds):
                 for c, reqs in by_level.items():
-                    if (key := (s.artifact or args.artifact, r, c)) not in solo:
-                        solo[key] = solo_tokens(key[0], reqs)
+                    if (key := (s.artifact or args.artifact, s.compute, r, c)) not in solo:
+                        solo[key] = solo_tokens(key[0], reqs, s.compute)
         for s in servers:
             one(s.url, s.model, [5, 6, 7, 8], 4)  # warm up
         for r, by_level in enumerate(rounds):
@@ -307,7 +311,7 @@ def main() -> None:
                     after = (s.metric("tk_prefix_cache_hits_total"), s.metric("tk_prefix_cache_queries_total"))
                     if None not in before + after and after[1] > before[1]:
                         run["prefix_hit_rate"] = (after[0] - before[0]) / (after[1] - before[1])
-                    want = solo.get((s.artifact or args.artifact, r, c))
+                    want = solo.get((s.artifact or args.artifact, s.compute, r, c))
                     checked = want is not None and all(None not in res["tokens"] for res in results)
                     wrong = [i for i, (res, w) in enumerate(zip(results, want or [])) if checked and res["tokens"] != w]
                     lost = [i for i, (res, (_, n)) in enumerate(zip(results, requests)) if len(res["tokens"]) != n]

@@ -88,6 +88,33 @@ def test_quantized_reference_is_what_the_graphs_compute(quantized, checkpoints):
     assert 1e-6 < np.abs(fast - q_ref).max() < np.abs(q_ref - full).max() * 4
 
 
+def test_quant_compute_reaches_the_sessions_of_the_commands(quantized, monkeypatch):
+    """--quant-compute (tk generate, bench, serve, eval: the backend options): int8 by default, float where
+    asked, which the sessions take as MatMulNBits' accuracy level (the logits above); a bad value is a
+    usage error."""
+    from clitools import run
+    from tk.runtimes.backends.ort import OrtRuntime
+
+    seen = []
+    init = OrtRuntime.__init__
+
+    def record(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        seen.append(self.quant_compute)
+
+    monkeypatch.setattr(OrtRuntime, "__init__", record)
+    art = quantized("llama", "int4")
+    base = ["generate", art, "--prompt-ids", "3,17,42,99", "--max-new-tokens", "4", "--json"]
+    for extra, want in [([], "int8"), (["--quant-compute", "float"], "float")]:
+        seen.clear()
+        result = run(*base, *extra)
+        assert result.exit_code == 0, result.output
+        assert seen == [want], extra
+        assert len(json.loads(result.stdout)["rows"][0]["tokens"]) == 4
+    bad = run(*base, "--quant-compute", "int4")
+    assert bad.exit_code == 2 and "int8" in bad.output and "float" in bad.output
+
+
 def test_int4_weights_file_is_an_eighth(quantized, artifacts):
     from tk.models.spec.manifest import Manifest
     from tk.toolkit.tools.describe import weight_bytes_by_dtype
