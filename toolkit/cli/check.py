@@ -29,7 +29,7 @@ from tk.toolkit.cli.options import BackendName, backend_options, backends_option
 @click.option("--atol", type=float, help="Override the absolute floor of every bound.")
 @click.option("--rtol", type=float, help="Override the relative error allowed per layer of depth.")
 @click.option("--min-top1", type=float, help="Override the top-1 agreement tolerance.")
-@backend_options
+@backend_options(quant_compute=False)
 def parity(artifact: Path, backends: list[str], steps: int, seed: int, prompts_file: Path | None, report: Path | None,
            plot: Path | None, required: tuple[str, ...], junit: Path | None, atol: float | None, rtol: float | None,
            min_top1: float | None, options: BackendOptions) -> None:

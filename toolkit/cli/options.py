@@ -112,11 +112,12 @@ def _set_option(ctx: click.Context, param: click.Parameter, value):
     return value
 
 
-def backend_options(f=None, *, prepack: bool | None = False):
-    """--threads, --device, --provider, --prepack, --quant-compute: how a backend runs, passed to the command as one
-    `options` (BackendOptions). Serving prepacks by default; `prepack=None` (the commands that
-    speculate) leaves it to the command, which prepacks where it speculates (BackendOptions.for_runs):
-    MatMuls of several rows on unpacked weights repack them every run."""
+def backend_options(f=None, *, prepack: bool | None = False, quant_compute: bool = True):
+    """--threads, --device, --provider, --prepack, --quant-compute (not on tk parity, which judges a quantized
+    export in float always): how a backend runs, passed to the command as one `options` (BackendOptions).
+    Serving prepacks by default; `prepack=None` (the commands that speculate) leaves it to the command,
+    which prepacks where it speculates (BackendOptions.for_runs): MatMuls of several rows on unpacked
+    weights repack them every run."""
     def add(f):
         into_options = dict(expose_value=False, callback=_set_option)
         default = ("on when speculating (--lookup, --draft, --workloads), else off" if prepack is None
@@ -125,12 +126,14 @@ def backend_options(f=None, *, prepack: bool | None = False):
                          help="ONNX Runtime: repack the weights for the CPU's kernels in each session (faster decode, "
                               "much faster batched and speculative decode; a private copy of the weights per session; "
                               f"without it: one memory-mapped copy) [default: {default}].", **into_options)(f)
-        f = click.option("--quant-compute", default="int8", show_default=True, type=click.Choice(["int8", "float"]),
-                         help="ONNX Runtime, int4/int8 exports: int8 rounds each block of activations to int8 (the fast "
-                              "path); float multiplies in float32, as the quantized reference and tk parity do. Only "
-                              "float keeps a request's greedy tokens independent of the runs it shares (batching, "
-                              "prompt chunks, speculation's verify runs) beyond float32's last bits.",
-                         **into_options)(f)
+        if quant_compute:
+            f = click.option("--quant-compute", default="int8", show_default=True,
+                             type=click.Choice(["int8", "float"]),
+                             help="ONNX Runtime, int4/int8 exports: int8 rounds each block of activations to int8 "
+                                  "(the fast path); float multiplies in float32, as the quantized reference and tk "
+                                  "parity do. Only float keeps a request's greedy tokens independent of the runs it "
+                                  "shares (batching, prompt chunks, speculation's verify runs) beyond float32's last "
+                                  "bits.", **into_options)(f)
         f = click.option("--provider", default="auto", show_default=True, type=click.Choice(PROVIDERS),
                          help="ONNX Runtime execution provider (auto: CUDA when onnxruntime-gpu sees a GPU).",
                          **into_options)(f)
