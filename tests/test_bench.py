@@ -118,3 +118,50 @@ def test_run_drift_script_measures_a_run_against_steps(tiny_artifact):
     bad = subprocess.run([sys.executable, "examples/run_drift.py", str(tiny_artifact), "--tokens", "6", "--at", "6"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "--at takes prefix lengths" in bad.stderr
+
+
+def test_serve_timeline_records_each_step_and_sums_its_runs(serve_artifact, tmp_path, monkeypatch):
+    """examples/serve_timeline.py: each batcher step of a lookup-speculating batcher is one line with its
+    plan and runs (prompt chunks, plain decodes, verify runs), and the summary's sums are the lines'."""
+    import importlib.util
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tk.runtimes.decoding.speculative import PromptLookup, Speculation
+    from tk.runtimes.serving import stepping
+    from tk.runtimes.serving.batching import Batcher, BatcherLimits, Request, wait_all
+    from tk.runtimes.serving.spec_rule import Guess
+    from tk.toolkit.backends import BackendOptions, open_runtime
+
+    script = Path(__file__).parent.parent / "examples" / "serve_timeline.py"
+    spec = importlib.util.spec_from_file_location("serve_timeline", script)
+    st = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(st)
+    monkeypatch.setattr(stepping.Steps, "run", stepping.Steps.run)  # put back after the test
+    timeline = tmp_path / "steps.jsonl"
+    st.install(timeline)
+    runtime = open_runtime(serve_artifact, "ort", BackendOptions(static_cache=True, prepack=True))
+    with Batcher(runtime, limits=BatcherLimits(slots=2, max_queue=4),
+                 speculation=Speculation(PromptLookup(1, 3), 4)) as batcher:
+        # every request with guesses verifies them (whether guessing pays is the rule's: tests/test_scheduler.py)
+        batcher.speculating.rule.plan = lambda decoding, spare=None: [Guess(s, s.room) for s in decoding if s.room]
+        copying = [5, 6, 7, 8, 9] * 6
+        requests = [batcher.submit(Request(p, 24, ignore_eos=True)) for p in (copying, [11, 12, 13, 14])]
+        assert wait_all(requests, timeout=120)
+    assert all(len(r.tokens) == 24 for r in requests)
+    steps = [json.loads(line) for line in timeline.read_text().splitlines()]
+    kinds = {r[2] for s in steps for r in s["runs"]}
+    assert kinds == {"p", "d", "v"} and all(r[0] > 0 and r[1] >= 0 for s in steps for r in s["runs"])
+    assert sum(r[0] for s in steps for r in s["runs"] if r[2] == "p") == len(copying) + 4  # every prompt token once
+    assert all(s["dt"] >= sum(r[1] for r in s["runs"]) for s in steps)
+    total = st.summary(timeline)
+    assert total["steps"] == len(steps) and total["outside_runs_s"] >= 0
+    assert total["prompt chunks"]["tokens"] == len(copying) + 4
+    assert total["verify"]["runs"] == sum(1 for s in steps for r in s["runs"] if r[2] == "v")
+    out = subprocess.run([sys.executable, str(script), "summary", str(timeline)], capture_output=True, text=True)
+    assert out.returncode == 0 and json.loads(out.stdout) == total
+    bad = subprocess.run([sys.executable, str(script), "record", str(tmp_path / "x.jsonl")], capture_output=True,
+                         text=True)
+    assert bad.returncode == 2 and "after --" in bad.stderr
