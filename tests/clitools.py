@@ -14,6 +14,21 @@ def run(*args):
     return CliRunner().invoke(main, [str(a) for a in args])
 
 
+def ort_options_seen(monkeypatch, option: str) -> list:
+    """From now on (until the test ends), each OrtRuntime built appends its `option` attribute to the list
+    returned: what a command's flags reached ONNX Runtime as."""
+    from tk.runtimes.backends.ort import OrtRuntime
+
+    seen, init = [], OrtRuntime.__init__
+
+    def record(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        seen.append(getattr(self, option))
+
+    monkeypatch.setattr(OrtRuntime, "__init__", record)
+    return seen
+
+
 def error_line(result) -> str:
     lines = [ln for ln in result.stderr.splitlines() if ln.startswith("Error:")]
     assert len(lines) == 1, result.output

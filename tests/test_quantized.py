@@ -92,17 +92,9 @@ def test_quant_compute_reaches_the_sessions_of_the_commands(quantized, monkeypat
     """--quant-compute (tk generate, bench, serve, eval: the backend options): int8 by default, float where
     asked, which the sessions take as MatMulNBits' accuracy level (the logits above); a bad value is a
     usage error."""
-    from clitools import run
-    from tk.runtimes.backends.ort import OrtRuntime
+    from clitools import ort_options_seen, run
 
-    seen = []
-    init = OrtRuntime.__init__
-
-    def record(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        seen.append(self.quant_compute)
-
-    monkeypatch.setattr(OrtRuntime, "__init__", record)
+    seen = ort_options_seen(monkeypatch, "quant_compute")
     art = quantized("llama", "int4")
     base = ["generate", art, "--prompt-ids", "3,17,42,99", "--max-new-tokens", "4", "--json"]
     for extra, want in [([], "int8"), (["--quant-compute", "float"], "float")]:

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from clitools import error_line, run
+from clitools import error_line, ort_options_seen, run
 from conftest import assert_close
 from hf_models import make_checkpoint
 from tk.runtimes.backends.ort import OrtRuntime
@@ -162,14 +162,7 @@ def test_speculation_prepacks_the_weights_unless_declined(models, monkeypatch):
     by packing them again every run: tk generate --lookup / --draft and tk bench --workloads prepack
     the target's and the draft's weights unless told --no-prepack; plain generation keeps the one
     memory-mapped copy."""
-    seen = []
-    init = OrtRuntime.__init__
-
-    def record(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        seen.append(self.prepack)
-
-    monkeypatch.setattr(OrtRuntime, "__init__", record)
+    seen = ort_options_seen(monkeypatch, "prepack")
     ids = ",".join(map(str, _prompts()[0]))
     base = ["generate", models["fused"], "--prompt-ids", ids, "--max-new-tokens", "4", "--json"]
     for extra, expected in [([], [False]), (["--lookup"], [True]), (["--draft", models["small"]], [True, True]),
