@@ -28,7 +28,7 @@ from tk.toolkit.verify.compare import BackendReport, CaseReport, ParityReport, c
 from tk.toolkit.verify.metrics import (Comparison, Divergence, StepMetrics, StepResult, Trace, compare_traces,
                                        measure_traces, random_cases)
 from tk.toolkit.verify.probes import PROBES, ProbeResult
-from tk.toolkit.verify.report import SCHEMA_PATH, to_dict, verdict
+from tk.toolkit.verify.report import SCHEMA_PATH, format_table, to_dict, verdict
 from tk.toolkit.verify.tolerance import tolerance_for
 
 PROBE_NAMES = [p.__name__ for p in PROBES]
@@ -332,3 +332,78 @@ def test_measure_traces_gives_the_gates_metrics_without_the_gate():
     for j, m in zip(judged.steps, measured):
         assert j.metrics == m
         assert m.top1 <= j.top1  # the gate counts the reference's near-ties as agreeing; a measurement does not
+
+
+def _w8a8_head(rng, k: int, vocab: int):
+    """A W8A8 head as the graph holds it (int8 [K, V], a jittered scale a column) and its logits of a
+    head input rounded to int8 a row at a time (quantize_rows, as the graph and the reference do)."""
+    from tk.models.quant.quantize import quantize_rows
+
+    q = rng.integers(-127, 128, (k, vocab)).astype(np.int8)
+    scale = (0.004 * (1 + 0.3 * rng.random(vocab))).astype(np.float32)
+    w = torch.from_numpy(q.astype(np.float32) * scale)
+    return (q, scale), lambda x: (quantize_rows(torch.from_numpy(x)) @ w).numpy()
+
+
+def _on_boundary(x: np.ndarray, i: int, above: bool) -> np.ndarray:
+    """`x` (K,) with element i a ten-thousandth of a quantum above (or below) a rounding boundary (within
+    the float bound of the input, well over float32's resolution)."""
+    s = np.float32(np.abs(x).max()) / np.float32(127)
+    x = x.copy()
+    x[i] = (np.floor(x[i] / s) + 0.5 + (1e-4 if above else -1e-4)) * s
+    return x
+
+
+def test_a_w8a8_heads_input_roundings_that_go_the_other_way_are_explained_and_nothing_else_is():
+    """A W8A8 head rounds its input to int8: an element the reference leaves within float noise of a
+    boundary can round the other way in the backend and move the position's logits past the float
+    bound. Parity takes such flips out (from the reference's recorded head inputs and the head's
+    int8 rows) and judges the rest; it counts them, keeps the measured metrics, and still fails a
+    wrong column scale or an input off by a whole quantum."""
+    from tk.models.quant.quantize import quantize_rows
+    from tk.toolkit.verify.head_rounding import HeadRounding
+
+    rng = np.random.default_rng(5)
+    k, vocab = SMALL.hidden_size, SMALL.vocab_size
+    weights, head = _w8a8_head(rng, k, vocab)
+    mask = np.array([[0, 1, 1], [1, 1, 1]])
+    x = [(rng.normal(size=(2, 3, k)) * np.linspace(1, 6, k)).astype(np.float32),  # prefill, then one step
+         (rng.normal(size=(2, 1, k)) * np.linspace(1, 6, k)).astype(np.float32)]
+    x[0][1, 2] = _on_boundary(x[0][1, 2], 5, above=True)
+    x[1][0, 0] = _on_boundary(_on_boundary(x[1][0, 0], 7, above=False), 11, above=True)
+    ref = Trace("torch", np.zeros((2, 1), np.int64), [head(a) for a in x], head_inputs=x)
+    assert min(np.ptp(a, axis=-1).min() for a in ref.logits) > 5.0  # not flat
+    tol = tolerance_for("float32", SMALL)
+
+    def backend(inputs, wrong_scale=False):  # what a backend computes from its own head inputs, and float noise
+        scale = weights[1] * np.where(np.arange(vocab) == 3, np.float32(1.02), np.float32(1)) if wrong_scale else weights[1]
+        w = torch.from_numpy(weights[0].astype(np.float32) * scale)
+        logits = [(quantize_rows(torch.from_numpy(a)) @ w).numpy() for a in inputs]
+        return Trace("ort", ref.tokens, [a + rng.normal(scale=1e-6, size=a.shape).astype(np.float32) for a in logits])
+
+    flipped = [a.copy() for a in x]  # the backend's inputs: the three boundary elements round the other way
+    flipped[0][1, 2] = _on_boundary(x[0][1, 2], 5, above=False)
+    flipped[1][0, 0] = _on_boundary(_on_boundary(x[1][0, 0], 7, above=True), 11, above=False)
+    test = backend(flipped)
+    rounding = HeadRounding(None, weights=weights)
+
+    plain = compare_traces(ref, test, mask, tol, "c")
+    assert not plain.passed and plain.first_divergence.where == "logits"
+    judged = compare_traces(ref, test, mask, tol, "c", rounding)
+    assert judged.passed and judged.first_divergence is None
+    assert [s.head_flips for s in judged.steps] == [1, 2]
+    assert [s.metrics for s in judged.steps] == [s.metrics for s in plain.steps]  # measured as it was
+    assert all(s.error_ratio < 0.1 for s in judged.steps) and min(s.metrics.max_abs for s in judged.steps) > 0.01
+    assert "ok (3 head-input rounding flips)" in format_table([judged])
+    report = ParityReport(BackendReport("torch", "float32"), {"ort": BackendReport("ort", "float32", [CaseReport(judged)])},
+                          tol, 1, 0, "art", "float32")
+    d = to_dict(report)
+    jsonschema.validate(d, json.loads(SCHEMA_PATH.read_text()))
+    assert [s["head_flips"] for s in d["backends"]["ort"]["cases"][0]["steps"]] == [1, 2]
+
+    assert not compare_traces(ref, backend(x, wrong_scale=True), mask, tol, "c", rounding).passed  # a wrong scale
+    far = [a.copy() for a in x]  # an element off by a whole quantum, far from its boundary
+    s = np.abs(far[1][1, 0]).max() / 127
+    far[1][1, 0, 20] += s * (1 if far[1][1, 0, 20] < 0 else -1)
+    assert not compare_traces(ref, backend(far), mask, tol, "c", rounding).passed
+    assert compare_traces(ref, backend(x), mask, tol, "c", rounding).steps[1].head_flips == 0  # nothing to explain

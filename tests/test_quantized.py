@@ -347,6 +347,22 @@ def test_a_w8a8_lm_head_runs_on_the_integer_gemm_and_a_row_does_not_depend_on_it
             assert all(np.array_equal(b[r], a[0]) for b, a in zip(batch.logits, alone.logits))
     assert np.ptp(batch.logits[-1][:, -1], axis=-1).min() > 1.0  # not flat: the rows' argmaxes mean something
     assert hidden == m.weights["model.lm_head.weight_t.quant"][3][0]
+    # parity's view of the head (toolkit/verify/head_rounding.py): the reference records what its head
+    # took in before rounding, and the artifact's int8 rows and column scales give its logits back
+    import torch
+
+    from tk.models.quant.quantize import quantize_rows
+    from tk.toolkit.backends import reference_runtime
+    from tk.toolkit.verify.head_rounding import HeadRounding, record_head_inputs
+
+    with reference_runtime(art, m) as ref, record_head_inputs(ref) as seen:
+        trace = run_trace(ref, ids, mask, 2, keep_present=False)
+    assert [a.shape for a in seen] == [(3, 7, hidden), (3, 1, hidden), (3, 1, hidden)]
+    q, scale = HeadRounding.of(art, m).weights()
+    assert q.dtype == np.int8 and q.shape == (hidden, vocab) and scale.shape == (vocab,)
+    for x, logits in zip(seen, trace.logits):
+        again = quantize_rows(torch.from_numpy(x)).numpy() @ (q.astype(np.float32) * scale)
+        np.testing.assert_allclose(again, logits, rtol=1e-5, atol=1e-4)
 
 
 def test_calibration_weights_the_search_and_rebuilds_its_reference(trained, tmp_path):

@@ -329,6 +329,7 @@ def quantize_weights_(model: Decoder, precision, calibration=None) -> Decoder:
         module.weight = torch.nn.Parameter(w.to(weight.dtype), requires_grad=False)
         if scheme.int8_inputs:  # W8A8: its input rounded to int8 a row at a time, as the graph does
             module.register_forward_pre_hook(lambda _, args: (quantize_rows(args[0]),))
+            module.int8_inputs = True  # (parity records what it took in: toolkit/verify/head_rounding.py)
     if precision.quantized_embedding and model.config.tie_embeddings:
         model.embed.weight = model.lm_head.weight  # the one table, tied again
     return model

@@ -22,6 +22,7 @@ from tk.toolkit.backends import reference_runtime, torch_reference
 from tk.toolkit.pipeline.background import Background
 from tk.toolkit.progress import Progress
 from tk.toolkit.verify.compare import ParityReport, ReferenceRun, compare_backends, run_reference
+from tk.toolkit.verify.head_rounding import HeadRounding
 from tk.toolkit.verify.metrics import random_cases
 from tk.toolkit.verify.tolerance import tolerance_for
 from tk.toolkit.verify.report import case_dict, describe_divergence, divergence_dict, format_table
@@ -54,10 +55,11 @@ def validate(artifact: Path, manifest: Manifest, steps: int = VALIDATION_STEPS,
     # (a hybrid has one graph, decode.onnx, which prefills every prompt: one way)
     runs = {"ort": None, **(dict([other]) if manifest.variant.decode_prefills and not manifest.dims.stateful else {})}
     reports: list[ParityReport] = []
+    head = HeadRounding.of(artifact, manifest)
     for label, prefill_via in runs.items():  # one runtime, so one mapping of the weights, at a time
         with OrtRuntime(artifact, swap_sessions=True, quant_compute="float", prefill_via=prefill_via) as ort:
             reports.append(compare_backends(graphs_ref, {label: ort}, cases, tol, steps, probes=False,
-                                            free_running=False))
+                                            free_running=False, head=head))
     passed = all(r.passed for r in reports)
     judged = [b for r in reports for b in r.backends.values()]
     failing = next((b for b in judged if b.first_divergence is not None), None)

@@ -23,6 +23,7 @@ from tk.runtimes.backends.torch import resolve_device
 from tk.runtimes.base import BackendUnavailable, InputError, Runtime
 from tk.runtimes.decoding.generate import left_pad
 from tk.toolkit.backends import BackendOptions, open_runtime, reference_runtime
+from tk.toolkit.verify.head_rounding import HeadRounding, record_head_inputs
 from tk.toolkit.verify.metrics import Comparison, Divergence, Trace, compare_traces, random_cases, run_trace
 from tk.toolkit.verify.probes import ProbeResult, run_probes
 from tk.toolkit.verify.tolerance import Tolerance, tolerance_for
@@ -101,16 +102,23 @@ class ReferenceRun:
 
 def run_reference(reference: Runtime, cases: dict, steps: int, tol: Tolerance, seed: int = 0,
                   probes: bool = True) -> ReferenceRun:
-    return ReferenceRun(reference.name, reference.dims.kv_dtype,
-                        {case: run_trace(reference, ids, mask, steps) for case, (ids, mask) in cases.items()},
+    """The reference's greedy trace of each case (with what a W8A8 head took in before rounding it:
+    toolkit/verify/head_rounding.py) and its probes."""
+    traces = {}
+    for case, (ids, mask) in cases.items():
+        with record_head_inputs(reference) as seen:
+            traces[case] = run_trace(reference, ids, mask, steps)
+        traces[case].head_inputs = seen
+    return ReferenceRun(reference.name, reference.dims.kv_dtype, traces,
                         run_probes(reference, tol, seed) if probes else [])
 
 
 def compare_backends(reference: Runtime | ReferenceRun, backends: dict[str, Runtime | str], cases: dict,
                      tol: Tolerance, steps: int, seed: int = 0, probes: bool = True,
-                     free_running: bool = True) -> ParityReport:
+                     free_running: bool = True, head: HeadRounding | None = None) -> ParityReport:
     """Run, then compare. `backends` maps a label to a runtime, or to the reason it was skipped; the
     label names the backend in the report (export validation runs ORT twice: "ort" and "ort/pre").
+    `head`: the artifact's W8A8 head, whose input's roundings may go either way at a boundary.
 
     The one parity engine: `tk parity` runs it whole; export validation runs it without the
     probes and the free-running pass (probes=False, free_running=False), and from a `ReferenceRun`
@@ -130,7 +138,7 @@ def compare_backends(reference: Runtime | ReferenceRun, backends: dict[str, Runt
             match = None
             if free_running:
                 match = greedy_match(ref.tokens, run_trace(rt, ids, mask, steps, keep_present=False).tokens)
-            entry.cases.append(CaseReport(compare_traces(ref, forced, mask, tol, case), match))
+            entry.cases.append(CaseReport(compare_traces(ref, forced, mask, tol, case, head), match))
         entry.probes = run_probes(rt, tol, seed, reference.probes) if probes else []
         report.backends[label] = entry
     return report
@@ -178,7 +186,7 @@ def parity(artifact: Path, backends: list[str], *, steps: int = 16, seed: int = 
             except BackendUnavailable as e:  # not installed here, or (trt) no engines built yet
                 runtimes[name] = str(e)
         cases = artifact_cases(artifact, prompts_file, ref.dims.vocab_size, seed)
-        report = compare_backends(ref, runtimes, cases, tol, steps, seed)
+        report = compare_backends(ref, runtimes, cases, tol, steps, seed, head=HeadRounding.of(artifact, manifest))
     return dataclasses.replace(report, artifact=artifact, dtype=manifest.dtype)
 
 

@@ -30,6 +30,8 @@ class Trace:
     present: list[list[np.ndarray]] = field(default_factory=list)  # per step, per tensor: what the step wrote
     hidden: list[list[np.ndarray]] = field(default_factory=list)  # per step, per layer (B, S, C); debug backends
     held: list[np.ndarray | None] = field(default_factory=list)  # prefill, per tensor: positions a ring holds (None: all)
+    # per step (B, S, K): a W8A8 head's input before its int8 rounding (a reference: head_rounding.py)
+    head_inputs: list[np.ndarray] = field(default_factory=list)
     # per present tensor, its name and (layer, kind: KV, or a recurrent state's: compared whole every step)
     names: list[str] = field(default_factory=list)
     kinds: list[tuple[int, str]] = field(default_factory=list)
@@ -62,6 +64,7 @@ class StepResult:
     present_max_abs: list[float]  # per present tensor, contract order
     present_ratio: float  # largest |cache difference| / its layer's bound
     passed: bool  # the step's gate: logits and cache within their bounds, top-1, top-5 and KL too
+    head_flips: int = 0  # roundings of a W8A8 head's input that went the other way, taken out before the gate
 
 
 @dataclass
@@ -182,21 +185,31 @@ class LogitDiff:
 
 
 def compare_logits(ref: np.ndarray, test: np.ndarray, keep: np.ndarray, tol: Tolerance, step: int,
-                   present: tuple[list[float], float] = ([], 0.0)) -> LogitDiff:
+                   present: tuple[list[float], float] = ([], 0.0), head=None,
+                   head_input: np.ndarray | None = None) -> LogitDiff:
     """Metrics over the positions where `keep` (B, S) is true, judged by `tol`; `present` is (per
-    tensor max |difference|, worst ratio to its bound) of the step's cache."""
-    m = measure_logits(ref, test, keep)
+    tensor max |difference|, worst ratio to its bound) of the step's cache. With a W8A8 `head`
+    (toolkit/verify/head_rounding.py) and the reference's `head_input` (B, S, K), a position over its
+    bound is judged with the flips of the head's input rounding that explain it taken out; the
+    metrics stay what was measured."""
+    m = judged = measure_logits(ref, test, keep)
     bound = tol.bound(m.scale)
-    top2 = -np.partition(-m.ref, 1, axis=-1)[:, :2]  # (N, 2): best and second-best reference logits
+    flips = 0
+    if head is not None and head_input is not None and (over := m.abs_diff > bound).any():
+        x = head_input[keep]
+        fixed, flips = head.explain(m.ref, m.test, x, over, tol.bound(np.abs(x).max(-1)))
+        if flips:
+            judged = measure_logits(m.ref[None], fixed[None], np.ones((1, len(fixed)), dtype=bool))
+    top2 = -np.partition(-judged.ref, 1, axis=-1)[:, :2]  # (N, 2): best and second-best reference logits
     decided = (top2[:, 0] - top2[:, 1]) >= tol.tie * bound
-    top1 = float((m.agree | ~decided).mean())  # near-ties may go either way
-    ratio = float((m.abs_diff / bound).max())
-    kl_ratio = float((m.kl / tol.max_kl(bound)).max())
+    top1 = float((judged.agree | ~decided).mean())  # near-ties may go either way
+    ratio = float((judged.abs_diff / bound).max())
+    kl_ratio = float((judged.kl / tol.max_kl(bound)).max())
     pmax, pratio = present
-    logits_passed = bool(ratio <= 1.0 and kl_ratio <= 1.0 and top1 >= tol.min_top1 and m.top5 >= tol.min_top5)
+    logits_passed = bool(ratio <= 1.0 and kl_ratio <= 1.0 and top1 >= tol.min_top1 and judged.top5 >= tol.min_top5)
     result = StepResult(metrics=m.at(step), error_ratio=ratio, top1=top1, kl_ratio=kl_ratio, present_max_abs=pmax,
-                        present_ratio=pratio, passed=bool(logits_passed and pratio <= 1.0))
-    return LogitDiff(m.abs_diff, bound, logits_passed, result)
+                        present_ratio=pratio, passed=bool(logits_passed and pratio <= 1.0), head_flips=flips)
+    return LogitDiff(judged.abs_diff, bound, logits_passed, result)
 
 
 @dataclass
@@ -264,9 +277,10 @@ def _step_keep(mask: np.ndarray, step: int) -> np.ndarray:
     return mask.astype(bool) if step == 0 else np.ones((mask.shape[0], 1), dtype=bool)
 
 
-def compare_traces(ref: Trace, test: Trace, mask: np.ndarray, tol: Tolerance, case: str) -> Comparison:
+def compare_traces(ref: Trace, test: Trace, mask: np.ndarray, tol: Tolerance, case: str, head=None) -> Comparison:
     """Every step of `test` judged against `ref`, and, from the same diffs, the first (step,
-    position, layer) where `test` leaves its tolerance.
+    position, layer) where `test` leaves its tolerance. `head`: the artifact's W8A8 head
+    (toolkit/verify/head_rounding.py), whose input roundings `ref.head_inputs` lets it explain.
 
     Within a step, tensors are checked in the order the model computes them: for each layer its
     cache (present.{i}: K/V of the layer's input), then its output (hidden.{i}, when both
@@ -282,8 +296,10 @@ def compare_traces(ref: Trace, test: Trace, mask: np.ndarray, tol: Tolerance, ca
         checks = tensor_checks(ref, test, step, keep, tol, num_layers)
         kv = [c for c in checks if c.where.startswith("present")]
         present = ([float(c.diff.max()) for c in kv], max((c.ratio for c in kv), default=0.0))
+        x = ref.head_inputs[step] if len(ref.head_inputs) == len(ref.logits) else None
+        x = None if x is None else x[:, x.shape[1] - min(r.shape[1], t.shape[1]):]  # as the logits are cut
         r, t, logits_keep, first_kept = _common_positions(r, t, keep)
-        logits = compare_logits(r, t, logits_keep, tol, step, present)
+        logits = compare_logits(r, t, logits_keep, tol, step, present, head, x)
         results.append(logits.result)
         if first is None:
             offset = 0 if step == 0 else mask.shape[1] + step - 1  # cache index of the step's position

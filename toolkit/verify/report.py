@@ -54,7 +54,7 @@ def step_dict(s: StepResult) -> dict:
     return {"step": m.step, "max_abs": m.max_abs, "mean_abs": m.mean_abs, "max_rel": m.max_rel,
             "error_ratio": s.error_ratio, "cosine_min": m.cosine_min, "top1": s.top1, "top5": m.top5,
             "kl_max": m.kl_max, "kl_ratio": s.kl_ratio, "present_max_abs": list(s.present_max_abs),
-            "present_ratio": s.present_ratio, "passed": s.passed}
+            "present_ratio": s.present_ratio, "passed": s.passed, "head_flips": s.head_flips}
 
 
 def divergence_dict(d: Divergence | None) -> dict | None:
@@ -63,7 +63,9 @@ def divergence_dict(d: Divergence | None) -> dict | None:
 
 def format_table(results: list[Comparison]) -> str:
     """One row per backend and case: the worst of each metric over its steps, and which steps failed.
-    err/bound and kv/bound are the largest logit and cache differences over their bounds (<= 1 passes)."""
+    err/bound and kv/bound are the largest logit and cache differences over their bounds (<= 1 passes);
+    a W8A8 head's input roundings that went the other way are counted in the result, and err/bound is
+    what is left without them."""
     lines = [f"{'backend':8} {'case':20} {'steps':>5} {'max_abs':>9} {'mean_abs':>9} {'max_rel':>9} {'err/bound':>9} "
              f"{'cos_min':>9} {'top1':>5} {'top5':>5} {'kl_max':>8} {'kv_abs':>9} {'kv/bound':>8}  result"]
     for c in results:
@@ -72,6 +74,8 @@ def format_table(results: list[Comparison]) -> str:
         failed = [x.metrics.step for x in s if not x.passed]
         verdict = "ok" if not failed else "FAIL at step " + ",".join(map(str, failed[:8])) + (
             "..." if len(failed) > 8 else "")
+        if flips := sum(x.head_flips for x in s):
+            verdict += f" ({flips} head-input rounding flip{'s' if flips > 1 else ''})"
         lines.append(f"{c.backend:8} {c.case:20} {len(s):>5} {max(x.max_abs for x in m):9.3g} "
                      f"{max(x.mean_abs for x in m):9.3g} {max(x.max_rel for x in m):9.3g} "
                      f"{max(x.error_ratio for x in s):9.3g} {min(x.cosine_min for x in m):9.6f} "
