@@ -38,17 +38,36 @@ def _write(artifact, out, *flags):
     return out
 
 
-def test_every_config_is_valid_for_triton_and_limits_are_recorded(serve_artifact, tmp_path):
+def _options_of(params: dict, model_dir: Path, monkeypatch) -> BackendOptions:
+    """The BackendOptions the repository's python model opens its runtime with, from its parameters."""
+    from tk.toolkit.serving.triton import backend
+
+    class Opened(Exception):
+        pass
+
+    def opened(artifact, name, options):
+        raise Opened(options)
+
+    monkeypatch.setattr(backend, "open_runtime", opened)
+    with pytest.raises(Opened) as e:
+        backend.TkModel(None, params, str(model_dir))
+    return e.value.args[0]
+
+
+def test_every_config_is_valid_for_triton_and_limits_are_recorded(serve_artifact, tmp_path, monkeypatch):
     text_format = pytest.importorskip("google.protobuf.text_format", reason="protobuf (a tritonclient dependency)")
     pb = pytest.importorskip("tritonclient.grpc.model_config_pb2", reason="tritonclient: pip install -e '.[triton]'")
     repo = _write(serve_artifact, tmp_path / "repo", "--model-name", "tiny", "--slots", "3", "--native",
-                  "--copy-artifact")
+                  "--copy-artifact", "--quant-compute", "float")
     configs = {p.parent.name: text_format.Parse(p.read_text(), pb.ModelConfig()) for p in repo.glob("*/config.pbtxt")}
     assert sorted(configs) == ["tiny", "tiny_decode", "tiny_prefill"]
     tiny = configs["tiny"]
     assert tiny.backend == "python" and tiny.model_transaction_policy.decoupled
     params = {k: v.string_value for k, v in tiny.parameters.items()}
     assert params["slots"] == "3" and params["max_context"] == "128" and params["artifact"] == "artifact"
+    assert params["quant_compute"] == "float" and params["prepack"] == "1"
+    assert _options_of(params, repo / "tiny" / "1", monkeypatch) == BackendOptions(
+        prepack=True, static_cache=True, quant_compute="float")  # what the model's batcher runs with
     assert Manifest.read(repo / "tiny" / "1" / "artifact").dims.kv_capacity == 128
     assert configs["tiny_prefill"].platform == "onnxruntime_onnx"
     assert (repo / "tiny_decode" / "1" / "model.onnx").is_file() and (repo / "tiny_decode" / "1" / "weights.onnx.data").is_file()

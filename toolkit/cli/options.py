@@ -112,6 +112,16 @@ def _set_option(ctx: click.Context, param: click.Parameter, value):
     return value
 
 
+def quant_compute_option(**kwargs):
+    """--quant-compute int8|float: how ONNX Runtime multiplies a quantized export (BackendOptions.quant_compute)."""
+    return click.option("--quant-compute", default="int8", show_default=True, type=click.Choice(["int8", "float"]),
+                        help="ONNX Runtime, int4/int8 exports: int8 rounds each block of activations to int8 "
+                             "(the fast path); float multiplies in float32, as the quantized reference and tk "
+                             "parity do. Only float keeps a request's greedy tokens independent of the runs it "
+                             "shares (batching, prompt chunks, speculation's verify runs) beyond float32's last "
+                             "bits.", **kwargs)
+
+
 def backend_options(f=None, *, prepack: bool | None = False, quant_compute: bool = True):
     """--threads, --device, --provider, --prepack, --quant-compute (not on tk parity, which judges a quantized
     export in float always): how a backend runs, passed to the command as one `options` (BackendOptions).
@@ -127,13 +137,7 @@ def backend_options(f=None, *, prepack: bool | None = False, quant_compute: bool
                               "much faster batched and speculative decode; a private copy of the weights per session; "
                               f"without it: one memory-mapped copy) [default: {default}].", **into_options)(f)
         if quant_compute:
-            f = click.option("--quant-compute", default="int8", show_default=True,
-                             type=click.Choice(["int8", "float"]),
-                             help="ONNX Runtime, int4/int8 exports: int8 rounds each block of activations to int8 "
-                                  "(the fast path); float multiplies in float32, as the quantized reference and tk "
-                                  "parity do. Only float keeps a request's greedy tokens independent of the runs it "
-                                  "shares (batching, prompt chunks, speculation's verify runs) beyond float32's last "
-                                  "bits.", **into_options)(f)
+            f = quant_compute_option(**into_options)(f)
         f = click.option("--provider", default="auto", show_default=True, type=click.Choice(PROVIDERS),
                          help="ONNX Runtime execution provider (auto: CUDA when onnxruntime-gpu sees a GPU).",
                          **into_options)(f)

@@ -8,7 +8,8 @@ from pathlib import Path
 import click
 
 from tk.toolkit.backends import BackendOptions
-from tk.toolkit.cli.options import BackendName, backend_options, progress, speculation_from, speculation_options
+from tk.toolkit.cli.options import (BackendName, backend_options, progress, quant_compute_option, speculation_from,
+                                   speculation_options)
 from tk.toolkit.serving.openai.reasoning import PARSERS as REASONING
 from tk.toolkit.serving.openai.tool_formats import PARSERS
 
@@ -125,6 +126,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 @click.option("--threads", type=click.IntRange(min=1), help="ONNX Runtime intra-op threads.")
 @click.option("--prepack/--no-prepack", default=True, show_default=True,
               help="ONNX Runtime: repack the weights in each session (batched decode needs it to be fast).")
+@quant_compute_option()
 @click.option("--copy-artifact", is_flag=True, help="Copy the artifact into the repository (self-contained, "
                                                     "for a container); default: point at ARTIFACT where it is.")
 @click.option("--native", is_flag=True, help="Also add the raw prefill/decode graphs (and TensorRT plans, where "
@@ -133,12 +135,13 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
               help="Record where tk is installed here, for Triton's python stub (which ignores PYTHONPATH).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 def triton(artifact: Path, out: Path, model_name: str | None, backend: str, slots: int, max_queue: int,
-           threads: int | None, prepack: bool, copy_artifact: bool, native: bool, sys_path: bool, force: bool) -> None:
+           threads: int | None, prepack: bool, quant_compute: str, copy_artifact: bool, native: bool, sys_path: bool,
+           force: bool) -> None:
     """Write a Triton model repository that serves ARTIFACT (static cache) with tk's batcher."""
     from tk.runtimes.serving.scheduler import BatcherLimits
     from tk.toolkit.serving.triton.repo import write_repository
 
     click.echo(str(write_repository(artifact, out, name=model_name, backend=backend,
                                     limits=BatcherLimits(slots=slots, max_queue=max_queue), threads=threads,
-                                    prepack=prepack, copy_artifact=copy_artifact, native=native, sys_path=sys_path,
+                                    prepack=prepack, quant_compute=quant_compute, copy_artifact=copy_artifact, native=native, sys_path=sys_path,
                                     force=force, progress=progress)))

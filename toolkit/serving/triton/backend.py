@@ -49,7 +49,8 @@ class TkModel:
         manifest = Manifest.read(artifact)
         self.tokenizer = Tokenizer.find(artifact)
         threads = int(params["threads"]) if params.get("threads") else None
-        options = BackendOptions(threads=threads, prepack=params.get("prepack", "1") == "1", static_cache=True)
+        options = BackendOptions(threads=threads, prepack=params.get("prepack", "1") == "1", static_cache=True,
+                                 quant_compute=params.get("quant_compute", "int8"))
         runtime = open_runtime(artifact, params.get("backend", "ort"), options)
         limits = BatcherLimits(slots=int(params["slots"]), max_queue=int(params["max_queue"]))
         self.batcher = Batcher(runtime, limits=limits, eos_ids=manifest.eos_token_ids).start()

@@ -82,7 +82,7 @@ def tk_sys_path() -> list[str]:
 
 def write_repository(artifact: Path, out: Path, *, name: str | None = None, backend: str = "ort",
                      limits: BatcherLimits = BatcherLimits(), threads: int | None = None, prepack: bool = True,
-                     copy_artifact: bool = False, native: bool = False, sys_path: bool = True,
+                     quant_compute: str = "int8", copy_artifact: bool = False, native: bool = False, sys_path: bool = True,
                      force: bool = False, progress: Callable[[str], None] = lambda m: None) -> Path:
     """The repository at `out` -> `out`. Its config records the limits' slots and max_queue (the
     model's batcher takes the other limits' defaults). With `native` and built engines, `progress`
@@ -106,7 +106,7 @@ def write_repository(artifact: Path, out: Path, *, name: str | None = None, back
             shutil.copytree(artifact, version / "artifact", ignore=shutil.ignore_patterns("*.engine", "engine.json"))
         params = {"artifact": "artifact" if copy_artifact else str(artifact), "backend": backend,
                   "slots": str(limits.slots), "max_queue": str(limits.max_queue), "threads": str(threads or ""),
-                  "prepack": "1" if prepack else "0",
+                  "prepack": "1" if prepack else "0", "quant_compute": quant_compute,
                   "max_context": str(min(manifest.max_context, manifest.dims.kv_capacity)),
                   "tk_sys_path": json.dumps(tk_sys_path() if sys_path else [])}
         (tmp / name / "config.pbtxt").write_text(python_config(name, params))
