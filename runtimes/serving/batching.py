@@ -24,7 +24,6 @@ text: its `stop(tokens)` is asked after each token. Limits: `slots` requests run
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import logging
 import threading
@@ -39,6 +38,7 @@ from tk.runtimes.decoding.logits import Processor, TokenLogprob
 from tk.runtimes.decoding.rows import FinishReason, RowPolicy, TokenEvent
 from tk.runtimes.decoding.sampling import SamplingConfig
 from tk.runtimes.decoding.speculative import Speculation
+from tk.runtimes.serving.heap import TRIM_EVERY_S, fix_mmap_threshold, trim_heap
 from tk.runtimes.serving.prefix_cache import PrefixCache
 from tk.runtimes.serving.prefix_store import PrefixStore
 from tk.runtimes.serving.run_cost import Costs
@@ -133,6 +133,7 @@ class Batcher:
     def start(self) -> "Batcher":
         if self._steps is not None or self._closing:
             raise RuntimeError("a batcher starts once")
+        fix_mmap_threshold()  # its runs' large tensors mapped and unmapped whole (runtimes/serving/heap.py)
         self.runtime.activate()
         slots = None
         try:
@@ -317,30 +318,6 @@ class Arrivals:
                 self._cv.wait(min(quiet, left))
             else:
                 return
-
-
-TRIM_EVERY_S = 10.0  # while busy, the batcher gives the C heap's freed memory back this often (and whenever idle)
-
-
-def trim_heap() -> None:
-    """Give the C heap's freed pages back to the system (glibc's malloc_trim; elsewhere nothing). A
-    server's runs allocate and free their intermediate tensors at every shape its requests bring;
-    glibc keeps what was freed, so the process's RSS would follow the largest mix it has seen, not
-    what it holds (examples/soak_serve.py). Trimming costs about a millisecond."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-@functools.lru_cache(maxsize=1)
-def _malloc_trim():
-    import ctypes
-    import ctypes.util
-
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return None
 
 
 def wait_all(requests: Sequence[Request], timeout: float | None = None) -> bool:
