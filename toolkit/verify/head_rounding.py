@@ -9,8 +9,9 @@ Judging that fairly needs what the reference's rounding saw: the reference recor
 whether flips of the elements that sat within the input's own float bound of a boundary explain the
 difference: a least-squares fit over those candidates' rows of the head (the nearest `MAX_CANDIDATES`),
 rounded to whole flips, taken out of the backend's logits. The position is judged on what is left,
-by the same bound and gates; a difference no flips explain (a wrong scale, a wrong rounding mode, a
-wrong weight) still fails. The head's int8 weights and column scales are read from the artifact, and
+by the same bound and gates; a difference no flips explain (a wrong scale, a wrong weight, an input
+a whole quantum off) still fails. (A rounding mode that differs only at exact halves, such elements
+being on a boundary, would pass as flips.) The head's int8 weights and column scales are read from the artifact, and
 only when some position needs them.
 """
 
