@@ -303,7 +303,7 @@ libc.free(block)
 """
 
 
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc (its mmap threshold and mallinfo2)")
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="needs glibc's malloc (its mmap threshold, mallinfo2); this C library is not glibc")
 def test_a_servers_large_blocks_stay_mapped_on_their_own_after_a_larger_one_was_freed(serve_artifact, monkeypatch):
     """runtimes/serving/heap.py: after a large block is freed, glibc puts the next megabyte on the heap (its
     mmap threshold rises to the freed block's size), where a live neighbour keeps its pages after it is

@@ -296,9 +296,8 @@ def compare_traces(ref: Trace, test: Trace, mask: np.ndarray, tol: Tolerance, ca
         checks = tensor_checks(ref, test, step, keep, tol, num_layers)
         kv = [c for c in checks if c.where.startswith("present")]
         present = ([float(c.diff.max()) for c in kv], max((c.ratio for c in kv), default=0.0))
-        x = ref.head_inputs[step] if len(ref.head_inputs) == len(ref.logits) else None
-        x = None if x is None else x[:, x.shape[1] - min(r.shape[1], t.shape[1]):]  # as the logits are cut
         r, t, logits_keep, first_kept = _common_positions(r, t, keep)
+        x = ref.head_inputs[step][:, first_kept:] if len(ref.head_inputs) == len(ref.logits) else None
         logits = compare_logits(r, t, logits_keep, tol, step, present, head, x)
         results.append(logits.result)
         if first is None:
