@@ -19,6 +19,7 @@ from torch.export import Dim
 
 from tk.models.spec import contract
 from tk.models.spec.variant import CacheLayout, PrefillLogits, Target, Variant
+from tk.models.reference.attention import padded_queries
 from tk.models.reference.decoder import Decoder
 from tk.models.spec.errors import TkError
 from tk.exporters.onnx_util import MS_DOMAIN
@@ -323,7 +324,7 @@ def _trace(model: Decoder, graph: str, dims: contract.GraphDims):
     out_names = [s.name for s in dims.outputs(graph)]
     # "torchvision is not installed. Skipping torchvision::nms" and kin: not the user's business
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
-    with warnings.catch_warnings(), torch.no_grad():
+    with warnings.catch_warnings(), torch.no_grad(), padded_queries(model, dims.variant.pad_queries):
         warnings.simplefilter("ignore")  # the exporter's deprecation chatter is not the user's business
         try:
             program = torch.onnx.export(

@@ -86,20 +86,20 @@ class Runs(Layout):
     def first_groups(self, rt, slots: list[int], ends: list[int]) -> list[list[int]]:
         """Which of these rows' prompts' first runs (positions 0 .. ends[i] - 1) go in one run, in groups
         of two or more (`prefill_first`; the others go alone, `prefill_row` or the prefill graph): through
-        the prefill graph any rows, left-padded; through the fused decode graph (rt.prefill_via "decode":
-        GroupQueryAttention's first prompt takes a batch, a mask as wide as the run) adjacent rows, one
-        view of the buffers. None of a hybrid's (padding would reach its recurrent state) or of a cache
+        the prefill graph any rows, left-padded; through the decode graph (rt.prefill_via "decode": the
+        fused one's GroupQueryAttention takes a first prompt's batch, a mask as wide as the run) adjacent rows,
+        one view of the buffers. None of a hybrid's (padding would reach its recurrent state) or of a cache
         with rings; a group pads at most a quarter of its tokens and runs at most GROUP_TOKENS."""
-        fused = rt.prefill_via == "decode"
+        via_decode = rt.prefill_via == "decode"
         if len(slots) < 2 or not all(self.kv) or not self.ring_free or (
-                fused and not (self.fused and self.narrow and rt.row_slices)):
+                via_decode and not (self.narrow and rt.row_slices)):
             return []
         groups: list[list[tuple[int, int]]] = []
         for slot, end in sorted(zip(slots, ends)):
             g = groups[-1] if groups else []
             joined = g + [(slot, end)]
             longest = max(e for _, e in joined)
-            if g and (not fused or (slot == g[-1][0] + 1 and (self.keeps or end == g[0][1])
+            if g and (not via_decode or (slot == g[-1][0] + 1 and (self.keeps or end == g[0][1])
                                     and (self.max_run is None or longest <= self.max_run))) \
                     and len(joined) * longest <= min(1.25 * sum(e for _, e in joined), GROUP_TOKENS):
                 g.append((slot, end))
@@ -109,7 +109,7 @@ class Runs(Layout):
 
     def prefill_first(self, s: Session, slots: list[int], ids: list[np.ndarray]) -> np.ndarray:
         """A group of `first_groups`: row slots[i] takes the tokens ids[i] (1-D) from cache index 0, in
-        one run -> each row's last token's logits (len(slots), V), a copy. Through the fused decode graph
+        one run -> each row's last token's logits (len(slots), V), a copy. Through the decode graph
         each row's tokens then padding, which it writes past its tokens (causal: they never see it),
         where its next run writes again; through the prefill graph left-padded, each row's present moved
         to the front of its row."""

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from tk.models.spec.manifest import Manifest
+from tk.runtimes.backends.ort import OrtRuntime
 from tk.runtimes.base import InputError
 from tk.runtimes.cache_runs import GROUP_TOKENS
 from tk.runtimes.serving.batching import Batcher, BatcherClosed, BatcherLimits, QueueFull, Request, wait_all
@@ -233,8 +234,8 @@ def test_log_probabilities_of_prompt_and_tokens_equal_the_reference(serve_artifa
 
 def test_a_step_attends_over_what_the_rows_hold_not_the_whole_cache(serve_artifact):
     """A portable static export's decode graph takes a narrow mask (contract.inputs' narrow_mask):
-    the step feeds the positions the rows hold, rounded up to 64, and computes what the full width
-    computes (the dynamic cache's step of the same tokens)."""
+    the prompt's run and each step feed the positions the rows hold, rounded up to 64, and compute what
+    the full width computes (the dynamic cache's step of the same tokens)."""
     prompt = np.random.default_rng(2).integers(3, 300, size=20).tolist()
     widths = []
     with open_runtime(serve_artifact, "ort", SLOTS) as rt, Slots(rt, 2) as slots:
@@ -244,7 +245,7 @@ def test_a_step_attends_over_what_the_rows_hold_not_the_whole_cache(serve_artifa
                                                  run(graph, feeds, *a, **k))[1]
         slots.admit(1, prompt)
         narrow = [slots.step(np.array([0, t]), [1]).logits[1] for t in (7, 8)]
-    assert widths == [("prefill", (1, 20)), ("decode", (2, 64)), ("decode", (2, 64))]
+    assert widths == [("decode", (1, 64)), ("decode", (2, 64)), ("decode", (2, 64))]  # (prompts too: pad_queries)
     with open_runtime(serve_artifact, "torch") as ref:
         ids = np.array([prompt])
         _, session = ref.start(ids, np.ones_like(ids))
@@ -252,23 +253,26 @@ def test_a_step_attends_over_what_the_rows_hold_not_the_whole_cache(serve_artifa
     np.testing.assert_allclose(np.concatenate(narrow), np.concatenate(full), atol=1e-4)
 
 
-@pytest.mark.parametrize("variant", ["portable", "fast"])
+@pytest.mark.parametrize("variant", ["portable", "prefill-graph", "fast"])
 def test_prompts_first_chunks_in_one_run_compute_what_each_alone_does(serve_artifact, variant, request):
-    """Several prompts' first chunks go in one run (StaticLayout.first_groups, prefill_first): left-padded
-    through the prefill graph (any slots), or through the fused decode graph's GroupQueryAttention as its
-    first prompt (adjacent slots, right-padded: a mask as wide as the run). Each slot's logits, and the
-    decode step after, are what its prompt alone gives."""
+    """Several prompts' first chunks go in one run (StaticLayout.first_groups, prefill_first): through the
+    decode graph (adjacent slots, right-padded: a mask as wide as the run; the fused one's GroupQueryAttention
+    takes them as its first prompt), or left-padded through the prefill graph (any slots: a runtime told to
+    prefill there, or an export before pad_queries). Each slot's logits, and the decode step after, are what
+    its prompt alone gives; through the portable decode graph, bit for bit (Variant.pad_queries)."""
     artifact = request.getfixturevalue("fast_artifact") if variant == "fast" else serve_artifact
     rng = np.random.default_rng(7)
     vocab = Manifest.read(artifact).dims.vocab_size
     prompts = [rng.integers(3, vocab, size=n).tolist() for n in (7, 9, 9, 8)]
-    with open_runtime(artifact, "ort", SLOTS) as rt:
+    opened = OrtRuntime(artifact, prefill_via="prefill") if variant == "prefill-graph" else \
+        open_runtime(artifact, "ort", SLOTS.for_runs("ort"))  # (prepacked, as a server's runs are)
+    with opened as rt:
         layout = rt.layout
         assert layout.first_groups(rt, [0, 1, 2, 3], [7, 9, 9, 8]) == [[0, 1, 2, 3]]
         assert layout.first_groups(rt, [0, 1, 2, 3], [2, 9, 9, 9]) == [[1, 2, 3]]  # (a quarter padded at most)
         n = GROUP_TOKENS // 3  # (GROUP_TOKENS a run at most)
         assert layout.first_groups(rt, [0, 1, 2, 3, 4], [n] * 5) == [[0, 1, 2], [3, 4]]
-        assert layout.first_groups(rt, [0, 2], [9, 9]) == ([] if variant == "fast" else [[0, 2]])  # (one view)
+        assert layout.first_groups(rt, [0, 2], [9, 9]) == ([[0, 2]] if variant == "prefill-graph" else [])  # (one view)
         with Slots(rt, 4) as alone:
             solo = np.stack([alone.admit(i, p).logits[0, -1] for i, p in enumerate(prompts)])
             after = alone.step(np.array([5, 6, 7, 8]), [0, 1, 2, 3]).logits[:, -1]
@@ -282,6 +286,8 @@ def test_prompts_first_chunks_in_one_run_compute_what_each_alone_does(serve_arti
     np.testing.assert_allclose(together, solo, atol=1e-4 * scale, rtol=0)
     np.testing.assert_allclose(then, after, atol=1e-4 * scale, rtol=0)
     assert (together.argmax(-1) == solo.argmax(-1)).all()
+    if variant == "portable":
+        assert np.array_equal(together, solo) and np.array_equal(then, after)
 
 
 HEAP_PROBE = """

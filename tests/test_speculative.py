@@ -6,6 +6,7 @@ plain greedy output token for token, on ONNX Runtime (fused and portable graphs)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -18,9 +19,11 @@ from safetensors.torch import load_file, save_file
 from clitools import error_line, ort_options_seen, run
 from conftest import assert_close
 from hf_models import make_checkpoint
+from tk.models.spec.manifest import Manifest
 from tk.runtimes.backends.ort import OrtRuntime
 from tk.runtimes.decoding.generate import generate
 from tk.runtimes.decoding.speculative import DraftModel, PromptLookup, Speculation
+from tk.runtimes.slots import Slots
 from tk.toolkit.backends import BackendOptions, open_runtime
 from tk.toolkit.pipeline.export import export_artifact
 
@@ -81,6 +84,66 @@ def test_a_verify_run_is_the_plain_steps_and_a_rewound_row_forgets(models, graph
     rt.rewind(spec, [len(prompt) + 2])
     assert int(spec.static.write[0]) == len(prompt) + 2
     assert_close(rt.step(spec, [other]).logits[0, -1], after, 1e-4, "the step after a rewind")
+
+
+@pytest.fixture(scope="module")
+def exact(models, tmp_path_factory):
+    """The target --for serve (fp32) and --for serve --weights int4 (int8 compute), each as tk exports it
+    (pad_queries) and as it would be without padding its queries (the control)."""
+    from tk.models.spec.options import ExportOptions
+
+    root, target = tmp_path_factory.mktemp("exact"), models["portable"].parent / "target"
+    out = {}
+    for weights in ("fp32", "int4"):
+        options = ExportOptions.from_flags(profile="serve", max_seq_len=CAPACITY, validate=False,
+                                           weights=None if weights == "fp32" else weights)
+        assert options.variant.pad_queries and not ExportOptions.from_flags(profile="ort-cpu").variant.pad_queries
+        bare = dataclasses.replace(options, variant=dataclasses.replace(options.variant, pad_queries=False))
+        for name, o in ((weights, options), (f"{weights}-bare", bare)):
+            out[name] = root / name
+            export_artifact(target, out[name], o)
+    return out
+
+
+def _ways_of_one_row(art: Path, prompt: list[int], other: list[int], n: int = 6) -> dict[str, float]:
+    """A row's logits computed each way a server or `tk generate` computes them, against the row prefilled alone
+    in one run and decoded a token a step: the largest |difference| of its prompt's last logits grouped with a
+    longer prompt (one run, right-padded) and in two chunks, and of its steps' logits in one verify run."""
+    with OrtRuntime(art, prefill_via="decode", prepack=True) as rt, Slots(rt, 3) as slots:  # (as runs are: for_runs)
+        alone = np.array(slots.admit(0, prompt).logits[0, -1])
+        steps, token = [], int(alone.argmax())
+        feed = [token]
+        for _ in range(n):
+            steps.append(np.array(slots.step(np.array([token]), [0]).logits[0, -1]))
+            token = int(steps[-1].argmax())
+            feed.append(token)
+        ids = [np.array([slots.begin(1, prompt)[0]]), np.array([slots.begin(2, other)[0]])]
+        grouped = slots.prefill_first([1, 2], ids, [len(prompt), len(other)])[0]
+        run = slots.verify(1, feed[:n])
+        slots.free(2)
+        whole = slots.begin(2, prompt)
+        slots.prefill(2, whole, 0, 7)
+        chunks = np.array(slots.prefill(2, whole, 7, len(prompt)).logits[0, -1])
+    assert np.abs(alone).max() > 1.0
+    return {"grouped": float(np.abs(grouped - alone).max()), "chunks": float(np.abs(chunks - alone).max()),
+            "verify": float(np.abs(run - np.stack(steps)).max())}
+
+
+@pytest.mark.parametrize("weights", ["fp32", "int4"])
+def test_padded_queries_compute_a_row_bit_for_bit_alike_alone_grouped_chunked_and_verified(exact, weights):
+    """ONNX Runtime's CPU GEMM sums a lone row in a kernel of its own, so a one-token step's attention and a
+    verify run's differ in the last bits, which int8 compute rounds into logits far apart (README "Speculative
+    decoding"). The standard graphs give each attention a query more (Variant.pad_queries) and take prompts
+    through the decode graph: a row's logits are then the same bits however its prompt came in and whether its
+    tokens were verified or stepped, so speculation and batching change no greedy token, even at a near-tie."""
+    prompt, other = _prompts()[0], _prompts()[1] + _prompts()[0][:9]
+    padded = Manifest.read(exact[weights]).variant
+    assert padded.pad_queries and not Manifest.read(exact[f"{weights}-bare"]).variant.pad_queries
+    with OrtRuntime(exact[weights]) as rt:
+        assert rt.prefill_via == "decode" and set(rt.sessions) == {"decode"}  # one session holds the weights
+    assert _ways_of_one_row(exact[weights], prompt, other) == {"grouped": 0.0, "chunks": 0.0, "verify": 0.0}
+    bare = _ways_of_one_row(exact[f"{weights}-bare"], prompt, other)
+    assert bare["verify"] > 0.0  # the control: a one-row attention GEMM is what padding takes away
 
 
 @pytest.mark.parametrize("graphs,proposer", [("fused", "lookup"), ("fused", "self"), ("fused", "perturbed"),

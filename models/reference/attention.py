@@ -6,6 +6,7 @@ write) is positions.py; the layers that hold it, decoder.py.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -87,6 +88,7 @@ class Attention(nn.Module):
         self.rope = kind.rope is not None  # False: a NoPE layer (SmolLM3)
         self.scale = cfg.attention_scale  # None: SDPA's 1/sqrt(D)
         self.softcap = cfg.attn_softcap
+        self.pad_queries = False  # set while an export with Variant.pad_queries traces the model (padded_queries)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Packed q, k, v (B, S, (H + 2 Hkv) D) with the q/k norms applied: over the whole projections
@@ -161,6 +163,24 @@ class Attention(nn.Module):
         if width is not None and not (isinstance(width, int) and width == k.shape[2]):
             # a narrow mask (contract.inputs' narrow_mask): attend over the positions it covers alone
             k, v = k[:, :, :width], v[:, :, :width]
-        y = attend(q, k, v, inputs.mask, self.scale, self.softcap, self.sinks)  # (B, H, S, D)
+        mask = inputs.mask
+        if self.pad_queries:  # the run's queries and a copy of the last: no attention GEMM of one row (Variant.pad_queries)
+            q, mask = torch.cat([q, q[:, :, -1:]], dim=2), torch.cat([mask, mask[:, :, -1:]], dim=2)
+        y = attend(q, k, v, mask, self.scale, self.softcap, self.sinks)  # (B, H, S, D)
+        y = y[:, :, :S] if self.pad_queries else y
         y = (y if single else y.transpose(1, 2)).reshape(B, S, self.n_heads * self.head_dim)  # (B, S, H*D)
         return self.output(y, gate), present
+
+
+@contextmanager
+def padded_queries(model: nn.Module, on: bool):
+    """While it lasts, the model's attention takes one query more than each run has (Variant.pad_queries):
+    what the exporter traces; the reference computes without it."""
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    for m in layers:
+        m.pad_queries = on
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.pad_queries = False

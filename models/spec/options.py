@@ -139,7 +139,7 @@ class ExportOptions:
         narrow = kv_cache == "static"  # (the fused graph's batched first runs need it: Runs.prefill_first)
         variant = Variant(target=target, cache=kv_cache, capacity=max_seq_len, prefill_logits=prefill_logits,
                           debug_outputs=debug_outputs, opset=opset, decode_prefills=prefills, narrow_mask=narrow,
-                          verify_logits=prefills)
+                          verify_logits=prefills, pad_queries=prefills and target == Target.PORTABLE.value)
         precision = Precision.of(dtype or "fp32")
         if weights is not None:
             precision = dataclasses.replace(precision, weights=weights, block_size=block_size,
@@ -181,7 +181,7 @@ class ExportOptions:
         if v.decode_prefills and v.target is Target.PORTABLE and contract.ring_sizes(config.windows, v.capacity, 1):
             # a ring written by runs of tokens wraps around (a circular TensorScatter), which TensorRT's
             # KV-cache update cannot do: a portable ring takes one token a step (linear, at index mod slots)
-            v = dataclasses.replace(v, decode_prefills=False, verify_logits=False)
+            v = dataclasses.replace(v, decode_prefills=False, verify_logits=False, pad_queries=False)
         if p.quantized and p.quantized_embedding is None:
             # the embedding goes with the LM head: a tied one is its table, an untied one is stored in the same
             # scheme (tk's own quantization: a GPTQ/AWQ checkpoint's float embedding is kept). Measured on a real
@@ -215,7 +215,7 @@ class ExportOptions:
                                "layers are exported with a static one; drop --debug-outputs")
         narrow = v.target is Target.PORTABLE
         return dataclasses.replace(v, cache=CacheLayout.STATIC, prefill_logits=PrefillLogits.LAST, decode_prefills=True,
-                                   verify_logits=True, narrow_mask=narrow)
+                                   verify_logits=True, narrow_mask=narrow, pad_queries=narrow)
 
     def prequantized(self, pq, source: str) -> "ExportOptions":
         """These options for a GPTQ/AWQ checkpoint (models/checkpoint/prequantized.py `PreQuant`): its integers

@@ -49,6 +49,13 @@ class Variant:
     # positions whose logits it returns, so one run verifies k speculated tokens (k + 1 rows of logits)
     # while a prompt's run still returns one row; set wherever decode_prefills is (artifacts before it: off)
     verify_logits: bool = False
+    # each attention takes its run's queries and a copy of the last one (whose output it drops), so no
+    # attention GEMM has one row: ONNX Runtime's CPU GEMM (MLAS) sums a lone row in a kernel of its own, whose
+    # last bits differ from its several-row kernel's, and int8 compute then rounds the difference into logits
+    # 0.2 apart; with it a row's logits are bit for bit alike in a one-token step and in a verify run (README
+    # "Speculative decoding"). Set with verify_logits on the standard graphs (the fused ones attend in
+    # GroupQueryAttention, which takes a run over a past one row a batch: no room for a query more)
+    pad_queries: bool = False
 
     def __post_init__(self):  # accept the plain strings of the CLI and of manifest.json
         object.__setattr__(self, "target", Target(self.target))

@@ -157,13 +157,15 @@ class OrtRuntime(ArtifactRuntime):
     def prefill_via(self) -> PrefillVia:
         """"decode" (each row through the decode graph, into its row of the cache: needs row views)
         where the export and the provider allow it and it was not declined, by default for the fused
-        graphs only (one session; a portable decode graph attends over the whole cache, its prefill
-        graph over the prompt); else "prefill". A hybrid's only graph is decode.onnx: "decode"."""
+        graphs (one session) and for standard graphs that pad their queries (Variant.pad_queries: a row's
+        prompt then computes alike alone, in any group and in any chunks, as its steps and verify runs
+        do, and one session holds the weights); else "prefill". A hybrid's only graph is decode.onnx."""
         if self.dims.stateful:
             return "decode"
         if not (self.dims.variant.decode_prefills and self.row_views) or self._prefill_via == "prefill":
             return "prefill"
-        return "decode" if self._prefill_via == "decode" or self.manifest.variant.target is Target.ORT else "prefill"
+        v = self.manifest.variant
+        return "decode" if self._prefill_via == "decode" or v.target is Target.ORT or v.pad_queries else "prefill"
 
     def _load(self) -> None:
         try:
