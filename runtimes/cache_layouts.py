@@ -127,9 +127,16 @@ class StaticLayout(Runs):
                 copy(buf, src, first, row, src_row, length - first, 0)
 
     def _prefill_batch(self, s: Session, ids: np.ndarray, mask: np.ndarray, pads: list[int]) -> StepOutput:
-        if s.runtime.prefill_via == "decode":  # each row's tokens alone, through the decode graph
-            return StepOutput(np.concatenate([self.prefill_row(s, b, ids[b:b + 1, p:]).logits
-                                              for b, p in enumerate(pads)]))
+        if s.runtime.prefill_via == "decode":  # through the decode graph: first_groups' rows in a run each, the rest alone
+            rows = [ids[b, p:] for b, p in enumerate(pads)]
+            logits: list = [None] * len(rows)
+            for group in self.first_groups(s.runtime, list(range(len(rows))), [len(r) for r in rows]):
+                for b, row in zip(group, self.prefill_first(s, group, [rows[b] for b in group])):
+                    logits[b] = row[None, None]
+            for b, row in enumerate(rows):
+                if logits[b] is None:  # (a copy: a backend may write the next run's logits where these are)
+                    logits[b] = np.array(self.prefill_row(s, b, row[None]).logits[:, -1:], dtype=np.float32)
+            return StepOutput(np.concatenate(logits))
         T = ids.shape[1]
         out, present = prefill(s.runtime, ids, mask)
         try:

@@ -34,6 +34,7 @@ def test_each_profile_is_its_row(name, target, dtype):
     assert v.capacity == 1024 and options.precision.activations == dtype and options.profile == name
     assert v.decode_prefills  # a run of tokens per row: one ORT session on the CPU, serving's chunks everywhere
     assert v.narrow_mask  # attention as wide as the rows need; the fused graph's first runs batched (Slots.prefill_first)
+    assert v.pad_queries == (name == "serve")  # a query more where ONNX Runtime's CPU kernels verify standard graphs
 
 
 def test_capacity_is_the_context_capped_and_overridable():
@@ -114,6 +115,11 @@ def test_an_explicit_variant_names_the_profiles_it_equals():
     assert matching_profiles(ort.variant, ort.precision) == ["ort-cpu"]  # fp32: not what ort-cuda runs
     static = ExportOptions.from_flags(kv_cache="static", max_seq_len=64, prefill_logits="last", weights="int8")
     assert matching_profiles(static.variant, static.precision) == ["serve"]  # TensorRT has no int8 path
+    int4 = ExportOptions.from_flags(kv_cache="static", max_seq_len=64, prefill_logits="last", weights="int4",
+                                    block_size=128, zero_points=False)
+    trt = ExportOptions.from_flags(profile="trt", weights="int4", block_size=128)
+    assert matching_profiles(int4.variant, int4.precision) == ["serve"]  # its queries padded, TensorRT's not
+    assert matching_profiles(trt.variant, trt.precision) == ["trt"]
     assert describe_profile(None, ["trt", "serve"]) == "none (explicit flags; the same graphs as --for trt or --for serve)"
     assert describe_profile(None, []) == "none (explicit flags)"
     assert describe_profile("trt", []) == "trt (tk export --for trt)"

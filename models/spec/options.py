@@ -34,6 +34,9 @@ class Profile:
     block_sizes: tuple[int, ...] = ()  # the quantization blocks it takes, preferred first (empty: any, default 32)
     note: str = ""  # why dtypes, weights or block sizes are limited
     symmetric: bool = False  # quantized blocks without zero points, and a float embedding
+    # the standard graphs' attention takes a query more, so a row computes alike stepped and verified on ONNX
+    # Runtime's CPU kernels (Variant.pad_queries); TensorRT picks its kernels by shape, where it would buy nothing
+    pad_queries: bool = True
 
     def flags(self) -> dict[str, str]:
         return {"target": self.target.value, "kv-cache": self.cache.value, "prefill-logits": self.prefill_logits.value}
@@ -57,7 +60,7 @@ PROFILES: dict[str, Profile] = {
     # the static cache maps to TensorRT's in-place KV-cache update layer and fixes every decode shape
     # but the batch (opset 23's RMSNormalization needs TensorRT 10.15 with either cache)
     "trt": Profile(*PORTABLE_STATIC, "TensorRT: standard ONNX, in-place cache", weights=("int4",),
-                   block_sizes=(128, 64), symmetric=True,
+                   block_sizes=(128, 64), symmetric=True, pad_queries=False,
                    note="TensorRT documents int4 weight-only quantization (symmetric blocks of 64 or 128, no zero "
                         "points) and no int8 weight-only path"),
     # the static cache's rows are the slots; standard ONNX serves on every backend (ort, trt, torch) and
@@ -139,7 +142,7 @@ class ExportOptions:
         narrow = kv_cache == "static"  # (the fused graph's batched first runs need it: Runs.prefill_first)
         variant = Variant(target=target, cache=kv_cache, capacity=max_seq_len, prefill_logits=prefill_logits,
                           debug_outputs=debug_outputs, opset=opset, decode_prefills=prefills, narrow_mask=narrow,
-                          verify_logits=prefills, pad_queries=prefills and target == Target.PORTABLE.value)
+                          verify_logits=prefills, pad_queries=prefills and pads_queries(target, prof))
         precision = Precision.of(dtype or "fp32")
         if weights is not None:
             precision = dataclasses.replace(precision, weights=weights, block_size=block_size,
@@ -215,7 +218,8 @@ class ExportOptions:
                                "layers are exported with a static one; drop --debug-outputs")
         narrow = v.target is Target.PORTABLE
         return dataclasses.replace(v, cache=CacheLayout.STATIC, prefill_logits=PrefillLogits.LAST, decode_prefills=True,
-                                   verify_logits=True, narrow_mask=narrow, pad_queries=narrow)
+                                   verify_logits=True, narrow_mask=narrow,
+                                   pad_queries=pads_queries(v.target.value, PROFILES.get(self.profile)))
 
     def prequantized(self, pq, source: str) -> "ExportOptions":
         """These options for a GPTQ/AWQ checkpoint (models/checkpoint/prequantized.py `PreQuant`): its integers
@@ -280,6 +284,12 @@ def _quant_choices(prof: Profile | None, lm_head: bool, method: str | None, zero
     if mixed != "none" and not lm_head:
         raise UsageProblem(f"--mixed-precision {mixed} keeps the LM head in int8; drop --no-quantize-lm-head")
     return {"method": method, "zero_points": zero_points, "mixed": mixed, "quantized_embedding": embedding}
+
+
+def pads_queries(target: str, prof: Profile | None) -> bool:
+    """Whether the graphs of a decode graph that verifies runs pad their queries (Variant.pad_queries): the
+    standard ones, but TensorRT's (--for trt)."""
+    return target == Target.PORTABLE.value and (prof is None or prof.pad_queries)
 
 
 def _check_w8a8(target: str, dtype: str | None, head_block: int | None) -> None:

@@ -53,8 +53,8 @@ class Variant:
     # attention GEMM has one row: ONNX Runtime's CPU GEMM (MLAS) sums a lone row in a kernel of its own, whose
     # last bits differ from its several-row kernel's, and int8 compute then rounds the difference into logits
     # 0.2 apart; with it a row's logits are bit for bit alike in a one-token step and in a verify run (README
-    # "Speculative decoding"). Set with verify_logits on the standard graphs (the fused ones attend in
-    # GroupQueryAttention, which takes a run over a past one row a batch: no room for a query more)
+    # "Speculative decoding"). Set with verify_logits on the standard graphs, but TensorRT's (--for trt; the
+    # fused ones attend in GroupQueryAttention, which takes a run over a past one row a batch: no query more)
     pad_queries: bool = False
 
     def __post_init__(self):  # accept the plain strings of the CLI and of manifest.json

@@ -9,7 +9,7 @@ from pathlib import Path
 from tk.models.spec import contract
 from tk.models.spec.manifest import Manifest, Precision
 from tk.models.spec.variant import Variant
-from tk.models.spec.options import PROFILES
+from tk.models.spec.options import PROFILES, pads_queries
 from tk.models.spec.config import DecoderConfig
 from tk.models.spec.dtypes import DTYPES
 from tk.models.checkpoint.loading import read_config
@@ -103,6 +103,7 @@ def matching_profiles(variant: Variant, precision: Precision) -> list[str]:
     return [name for name, p in PROFILES.items()
             if (p.target, p.cache, p.prefill_logits) == (variant.target, variant.cache, variant.prefill_logits)
             and not variant.debug_outputs and (not p.dtypes or precision.activations in p.dtypes)
+            and variant.pad_queries == (variant.verify_logits and pads_queries(p.target.value, p))
             and (not precision.quantized or precision.weights in p.weights
                  and (not p.block_sizes or precision.block_size in p.block_sizes))]
 
@@ -151,7 +152,8 @@ def inspect_path(path: str | Path, batch: int = 1, seq_len: int | None = None) -
                 "profile": manifest.profile, "same_graphs_as": matching_profiles(v, precision),
                 "target": v.target.value, "kv_cache": v.cache.value,
                 "capacity": v.capacity, "prefill_logits": v.prefill_logits.value,
-                "decode_prefills": v.decode_prefills, "verify_logits": v.verify_logits, "trt_lint": manifest.trt_lint,
+                "decode_prefills": v.decode_prefills, "verify_logits": v.verify_logits, "pad_queries": v.pad_queries,
+                "trt_lint": manifest.trt_lint,
                 "validation": validation_summary(manifest)}
     else:
         cfg = read_config(path)
@@ -239,7 +241,8 @@ def format_info(info: dict) -> str:
         lines.append(f"target {info['target']}  kv cache {cache}  prefill logits {info['prefill_logits']}"
                      + ("  decode graph also prefills (ONNX Runtime on the CPU runs one session)"
                         if info.get("decode_prefills") else "")
-                     + ("; it verifies speculated tokens in one run" if info.get("verify_logits") else ""))
+                     + ("; it verifies speculated tokens in one run" if info.get("verify_logits") else "")
+                     + (", bit for bit as its steps (each attention takes a query more)" if info.get("pad_queries") else ""))
         lines.append(f"precision: {info['precision']}; weights by dtype: " +
                      ", ".join(f"{k} {_mib(v)}" for k, v in info["weights_by_dtype"].items()))
     for graph, g in info.get("graphs", {}).items():
