@@ -72,6 +72,11 @@ def test_static_cache_is_updated_in_place_and_guards_capacity(static_llama):
 def test_static_parity_passes(static_llama):
     report = parity(static_llama, ["ort"], steps=12)
     assert report.passed, report.backends["ort"].first_divergence
+    # ORT prefills its padded queries' decode graph (Variant.pad_queries); export validation judged prefill.onnx
+    # too, which TensorRT and ORT on CUDA run
+    manifest = Manifest.read(static_llama)
+    assert manifest.variant.pad_queries and OrtRuntime(static_llama).prefill_via == "decode"
+    assert {c["backend"] for c in manifest.validation.comparisons} == {"ort", "ort/pre"}
 
 
 @pytest.mark.parametrize("args, message", [

@@ -47,11 +47,12 @@ def validate(artifact: Path, manifest: Manifest, steps: int = VALIDATION_STEPS,
             artifact, manifest, debug=manifest.variant.debug_outputs, quantized=quantized), manifest.precision,
             cases, steps, tol)
     graphs_ref, full_ref = reference
-    # Where the decode graph also prefills, prompts may run through either graph: the fused export's
-    # ORT runs them through decode.onnx, TensorRT and prefill_via="prefill" through prefill.onnx
-    # ("ort/pre" in the table); a portable export's ORT runs prefill.onnx, and serving continues
-    # prompts through decode.onnx ("ort/dec"). Both ways are judged.
-    other = {Target.ORT: ("ort/pre", "prefill"), Target.PORTABLE: ("ort/dec", "decode")}[manifest.variant.target]
+    # Where the decode graph also prefills, prompts may run through either graph: ORT runs them through
+    # decode.onnx for the fused export and for standard graphs that pad their queries, TensorRT and
+    # prefill_via="prefill" through prefill.onnx ("ort/pre" in the table); another portable export's ORT
+    # runs prefill.onnx, and serving continues prompts through decode.onnx ("ort/dec"). Both ways are judged.
+    v = manifest.variant
+    other = ("ort/pre", "prefill") if v.target is Target.ORT or v.pad_queries else ("ort/dec", "decode")
     # (a hybrid has one graph, decode.onnx, which prefills every prompt: one way)
     runs = {"ort": None, **(dict([other]) if manifest.variant.decode_prefills and not manifest.dims.stateful else {})}
     reports: list[ParityReport] = []
