@@ -11,8 +11,9 @@ import numpy as np
 
 def planted_server(artifact, plant, *, slots: int = 4, **options):
     """A `Server` of `artifact` on ONNX Runtime whose graphs' logits (B, S, V) become
-    `plant(graph, input_ids (B, S), logits)` ("prefill" or "decode"); no prefix cache, so that each
-    prompt is prefilled whole. `options`: the Server's (reasoning_parser, ...)."""
+    `plant(graph, input_ids, logits)` ("prefill" for a prompt's run, through either graph, with all its
+    ids, or "decode" with as many as there are logits); no prefix cache, so that each prompt is prefilled
+    whole. `options`: the Server's (reasoning_parser, ...)."""
     from tk.models.spec.manifest import Manifest
     from tk.runtimes.serving.batching import Batcher
     from tk.runtimes.serving.scheduler import BatcherLimits
@@ -26,7 +27,11 @@ def planted_server(artifact, plant, *, slots: int = 4, **options):
     def planted(graph, feeds, past, session, in_place=False):
         out, present = run(graph, feeds, past, session, in_place)
         b, s = out.logits.shape[:2]
-        return dataclasses.replace(out, logits=plant(graph, feeds["input_ids"][:b, -s:], out.logits)), present
+        # a prompt's first run is "prefill" to the plant, through either graph (the decode graph's writes from 0),
+        # with all its ids (a run returns its last position's logits, or each one's)
+        first = graph == "prefill" or ("write_indices" in feeds and not np.asarray(feeds["write_indices"]).any())
+        ids = feeds["input_ids"][:b] if first else feeds["input_ids"][:b, -s:]
+        return dataclasses.replace(out, logits=plant("prefill" if first else graph, ids, out.logits)), present
     runtime.run = planted
     # a prompt in one prefill run (no prefix cache; an idle step's budget over any context): a Script
     # reads each prefill run as a new request
@@ -43,7 +48,7 @@ def bigram(table: dict[int, int], vocab: int = 512, margin: float = 30.0):
         added[a, b] = margin
 
     def plant(graph, ids, logits):
-        return logits + added[ids]
+        return logits + added[ids[:, -logits.shape[1]:]]
     return plant
 
 
