@@ -107,8 +107,9 @@ def exact(models, tmp_path_factory):
 
 def _ways_of_one_row(art: Path, prompt: list[int], other: list[int], n: int = 6) -> dict[str, float]:
     """A row's logits computed each way a server or `tk generate` computes them, against the row prefilled alone
-    in one run and decoded a token a step: the largest |difference| of its prompt's last logits grouped with a
-    longer prompt (one run, right-padded) and in two chunks, and of its steps' logits in one verify run."""
+    in one run and decoded a token a step: the largest |difference| of its prompt's last logits grouped with
+    another prompt (a server's first chunks in one run, right-padded), in two chunks and in `tk generate`'s
+    left-padded batch, and of its steps' logits in one verify run."""
     with OrtRuntime(art, prefill_via="decode", prepack=True) as rt, Slots(rt, 3) as slots:  # (as runs are: for_runs)
         alone = np.array(slots.admit(0, prompt).logits[0, -1])
         steps, token = [], int(alone.argmax())
