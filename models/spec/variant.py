@@ -62,6 +62,13 @@ class Variant:
         object.__setattr__(self, "cache", CacheLayout(self.cache))
         object.__setattr__(self, "prefill_logits", PrefillLogits(self.prefill_logits))
 
+    @property
+    def prefills_through_decode(self) -> bool:
+        """ONNX Runtime on the CPU prefills through the decode graph by default (OrtRuntime.prefill_via): the
+        fused graphs (one session) and the standard graphs that pad their queries (a row's prompt then computes
+        alike alone, grouped and in chunks); other exports prefill through prefill.onnx."""
+        return self.decode_prefills and (self.target is Target.ORT or self.pad_queries)
+
     def decode_opset(self, rings: bool) -> int:
         """The opset the decode graph is written in: a static cache is written with TensorScatter
         (STATIC_OPSET) unless ONNX Runtime's fused attention writes it, which it does for caches

@@ -23,7 +23,6 @@ import numpy as np
 
 from tk.models.spec import contract
 from tk.models.spec.manifest import Manifest
-from tk.models.spec.variant import Target
 from tk.runtimes.backends import hugepages
 from tk.runtimes.backends.ort_bindings import StaticBindings
 from tk.runtimes.backends.ort_weights import shared_initializers
@@ -164,8 +163,7 @@ class OrtRuntime(ArtifactRuntime):
             return "decode"
         if not (self.dims.variant.decode_prefills and self.row_views) or self._prefill_via == "prefill":
             return "prefill"
-        v = self.manifest.variant
-        return "decode" if self._prefill_via == "decode" or v.target is Target.ORT or v.pad_queries else "prefill"
+        return "decode" if self._prefill_via == "decode" or self.manifest.variant.prefills_through_decode else "prefill"
 
     def _load(self) -> None:
         try:

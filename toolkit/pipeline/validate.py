@@ -14,7 +14,6 @@ from typing import Callable
 
 from tk.models.spec.contract import GraphDims
 from tk.models.spec.manifest import Manifest, ValidationRecord
-from tk.models.spec.variant import Target
 
 from tk.models.spec.options import ExportOptions
 from tk.models.spec.errors import CheckFailed
@@ -51,8 +50,7 @@ def validate(artifact: Path, manifest: Manifest, steps: int = VALIDATION_STEPS,
     # decode.onnx for the fused export and for standard graphs that pad their queries, TensorRT and
     # prefill_via="prefill" through prefill.onnx ("ort/pre" in the table); another portable export's ORT
     # runs prefill.onnx, and serving continues prompts through decode.onnx ("ort/dec"). Both ways are judged.
-    v = manifest.variant
-    other = ("ort/pre", "prefill") if v.target is Target.ORT or v.pad_queries else ("ort/dec", "decode")
+    other = ("ort/pre", "prefill") if manifest.variant.prefills_through_decode else ("ort/dec", "decode")
     # (a hybrid has one graph, decode.onnx, which prefills every prompt: one way)
     runs = {"ort": None, **(dict([other]) if manifest.variant.decode_prefills and not manifest.dims.stateful else {})}
     reports: list[ParityReport] = []
