@@ -127,7 +127,7 @@ class Runs(Layout):
             rows = [b[slots[0]:slots[0] + m] for b in s.cache]
             out, _ = rt.run(contract.DECODE, feeds, rows, None, in_place=True)
             at = [keep.index(n - 1) for n in ends] if self.keeps else -1
-            return np.array(out.logits[np.arange(m), at], np.float32)
+            return np.asarray(out.logits[np.arange(m), at], np.float32)
         mask = np.zeros((m, S), dtype=np.int64)
         for i, t in enumerate(ids):
             batch[i, S - len(t):], mask[i, S - len(t):] = t, 1
@@ -196,7 +196,7 @@ class Runs(Layout):
                  **({"logits_to_keep": np.arange(n)} if self.keeps else {})}
         cache = s.cache if m == s.batch else [self.buffers.leading(b, m) for b in s.cache]
         out, _ = s.runtime.run(contract.DECODE, feeds, cache, None, in_place=True)
-        return np.array(out.logits[rows], dtype=np.float32)
+        return np.asarray(out.logits[rows], dtype=np.float32)  # (the row pick copies once: no second copy)
 
     def rewind(self, s: Session, lengths, rows=None) -> None:
         """Each row (of `rows`, default all) keeps the first `lengths[i]` positions of its cache (at
