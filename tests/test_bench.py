@@ -165,3 +165,23 @@ def test_serve_timeline_records_each_step_and_sums_its_runs(serve_artifact, tmp_
     bad = subprocess.run([sys.executable, str(script), "record", str(tmp_path / "x.jsonl")], capture_output=True,
                          text=True)
     assert bad.returncode == 2 and "after --" in bad.stderr
+
+
+def test_run_peaks_script_measures_what_each_run_holds(serve_artifact):
+    """examples/run_peaks.py: a line per kind of run a server makes, each its base RSS and VmHWM's rise
+    over it; a verify run of every row holds at least its logits (rows x 9 x V float32) while it runs."""
+    import json
+    import re
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "examples/run_peaks.py", str(serve_artifact), "--slots", "8",
+                          "--prompt", "64"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    peaks = dict(re.findall(r"^(.+?)\s+base\s+[0-9.]+ MiB, peak \+([0-9.]+) MiB$", out.stdout, re.M))
+    assert len(peaks) + out.stdout.count("(no group)") == 5, out.stdout
+    vocab = json.loads((serve_artifact / "manifest.json").read_text())["config"]["vocab_size"]
+    assert float(peaks["verify run, 8 rows x 9"]) >= 8 * 9 * vocab * 4 / 2 ** 20 - 0.1, out.stdout
+    bad = subprocess.run([sys.executable, "examples/run_peaks.py", str(serve_artifact), "--slots", "4"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "--slots must be at least 8" in bad.stderr
