@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -320,6 +321,10 @@ def test_a_w8a8_lm_head_runs_on_the_integer_gemm_and_a_row_does_not_depend_on_it
     row's logits bit for bit the same alone and beside other rows."""
     from tk.models.spec.manifest import Manifest
     from tk.runtimes.backends.ort import OrtRuntime
+    from tk.runtimes.backends.ort_probes import integer_gemm_saturates
+
+    if integer_gemm_saturates():  # (test_a_w8a8_head_is_refused_where_the_integer_gemm_saturates covers this CPU)
+        pytest.skip("needs a CPU with VNNI or AMX: without them ONNX Runtime's integer GEMM saturates its 16-bit sums")
     from tk.toolkit.pipeline.export import export_artifact
     from tk.toolkit.verify.metrics import run_trace
 
@@ -363,6 +368,44 @@ def test_a_w8a8_lm_head_runs_on_the_integer_gemm_and_a_row_does_not_depend_on_it
     for x, logits in zip(seen, trace.logits):
         again = quantize_rows(torch.from_numpy(x)).numpy() @ (q.astype(np.float32) * scale)
         np.testing.assert_allclose(again, logits, rtol=1e-5, atol=1e-4)
+
+
+def test_the_integer_gemm_probe_agrees_with_the_cpus_instructions():
+    """runtimes/backends/ort_probes.py asks ONNX Runtime whether its u8s8 GEMM saturates here: on x86,
+    exactly where the CPU has no 8-bit dot product into 32 bits (AVX-512 VNNI, AVX-VNNI, AMX)."""
+    import platform
+
+    from tk.runtimes.backends.ort_probes import integer_gemm_saturates
+
+    cpuinfo = Path("/proc/cpuinfo")
+    if platform.machine() not in ("x86_64", "AMD64") or not cpuinfo.is_file():
+        pytest.skip("reads an x86 Linux CPU's flags from /proc/cpuinfo")
+    flags = set(next(line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")).split())
+    assert integer_gemm_saturates() == (not flags & {"avx512_vnni", "avx_vnni", "amx_int8"})
+
+
+def test_a_w8a8_head_is_refused_where_the_integer_gemm_saturates(checkpoints, tmp_path, monkeypatch):
+    """Where the probe says the integer GEMM saturates (an AVX2 CPU), a W8A8 export is refused before any work,
+    since its validation cannot pass there (--no-validate exports it), and ONNX Runtime refuses to load it: one
+    line each, saying what to do."""
+    from tk.runtimes.backends import ort, ort_probes
+    from tk.runtimes.errors import BackendUnavailable
+    from tk.toolkit.pipeline.export import export_artifact
+
+    monkeypatch.setattr(ort_probes, "integer_gemm_saturates", lambda: True)
+    monkeypatch.setattr(ort, "integer_gemm_saturates", lambda: True)
+    art, flags = tmp_path / "art", dict(profile="ort-cpu", max_seq_len=64, weights="int4", mixed_precision="lm-head-w8a8")
+    with pytest.raises(BackendUnavailable, match="no VNNI or AMX") as refused:
+        export_artifact(checkpoints("qwen2"), art, **flags)
+    assert "--no-validate" in str(refused.value) and "\n" not in str(refused.value) and not art.exists()
+    m = export_artifact(checkpoints("qwen2"), art, validate=False, **flags)
+    assert m.precision.mixed == "lm-head-w8a8" and m.validation is None
+    with pytest.raises(BackendUnavailable, match="re-export with --mixed-precision lm-head"):
+        with ort.OrtRuntime(art):
+            pass
+    monkeypatch.setattr(ort, "integer_gemm_saturates", lambda: False)  # a CPU where it runs: the same file loads
+    with ort.OrtRuntime(art) as rt:
+        assert rt.sessions
 
 
 def test_calibration_weights_the_search_and_rebuilds_its_reference(trained, tmp_path):

@@ -285,6 +285,10 @@ def test_missing_tensorrt_messages(tiny_artifact):
     doctor = json.loads(run("doctor", "--json").stdout)
     assert doctor["tensorrt"]["available"] is False and "pip install 'tk[gpu]'" in doctor["tensorrt"]["reason"]
     assert "CPUExecutionProvider" in doctor["onnxruntime"]["providers"]
+    from tk.runtimes.backends.ort_probes import integer_gemm_saturates, one_row_apart
+
+    assert doctor["onnxruntime"]["w8a8_head"].startswith("wrong" if integer_gemm_saturates() else "exact")
+    assert doctor["onnxruntime"]["int8_compute_rows"].startswith("a lone row" if one_row_apart() else "bit for bit")
 
 
 # --- tk build-engine against a fake TensorRT of each major -----------------------------------------
