@@ -187,7 +187,7 @@ class OrtRuntime(ArtifactRuntime):
         if self._prefill_via == "decode" and self.prefill_via != "decode":
             raise BackendUnavailable("prompts run through the decode graph only where it also prefills (tk export "
                                      "--target ort --kv-cache static --prefill-logits last) on the CPU provider")
-        if self.manifest.precision.mixed == "lm-head-w8a8" and integer_gemm_saturates():  # (a CPU kernel anywhere)
+        if self.manifest.precision.mixed == "lm-head-w8a8" and integer_gemm_saturates():  # (the op runs on the CPU whatever the provider)
             raise BackendUnavailable(f"{W8A8_SATURATES}; run it on a CPU with AVX-512 VNNI, AVX-VNNI or AMX, or "
                                      "re-export with --mixed-precision lm-head")
         self._ort = ort

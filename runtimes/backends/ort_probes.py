@@ -8,7 +8,7 @@ change what tk can promise.
   products in 16 bits (vpmaddubsw), which saturate: on a 2-vCPU AMD EPYC (Zen 3, AVX2) random
   full-range rows came out up to 763 apart from the exact sums, and a W8A8 head's logits 0.93 apart
   from the reference. Signed activations (int8 x int8) would be exact there, but take MLAS's
-  portable kernel: 12x slower (the real 0.5B's head, 16 rows: 227 against 21 ms).
+  portable kernel: 12x slower (at the real 0.5B head's shape, 16 rows: 227 against 21 ms).
 - `one_row_apart`: MatMulNBits with int8 compute (tk's quantized exports) sums one row in a
   kernel of its own on such a CPU (2e-6 from the same row among others; on AVX-512 VNNI and AMX
   CPUs they agree), so there a lone one-token step, a prompt's last position through the LM head
