@@ -25,7 +25,7 @@ from tk.models.spec import contract
 from tk.models.spec.manifest import Manifest
 from tk.runtimes.backends import hugepages
 from tk.runtimes.backends.ort_bindings import StaticBindings
-from tk.runtimes.backends.ort_probes import W8A8_SATURATES, integer_gemm_saturates
+from tk.runtimes.backends.ort_probes import VNNI_CPUS, W8A8_SATURATES, integer_gemm_saturates
 from tk.runtimes.backends.ort_weights import shared_initializers
 from tk.runtimes.base import ArtifactRuntime, BackendUnavailable, CacheBuffers, PrefillVia, StepOutput
 
@@ -187,9 +187,10 @@ class OrtRuntime(ArtifactRuntime):
         if self._prefill_via == "decode" and self.prefill_via != "decode":
             raise BackendUnavailable("prompts run through the decode graph only where it also prefills (tk export "
                                      "--target ort --kv-cache static --prefill-logits last) on the CPU provider")
-        if self.manifest.precision.mixed == "lm-head-w8a8" and integer_gemm_saturates():  # (the op runs on the CPU whatever the provider)
-            raise BackendUnavailable(f"{W8A8_SATURATES}; run it on a CPU with AVX-512 VNNI, AVX-VNNI or AMX, or "
-                                     "re-export with --mixed-precision lm-head")
+        # (MatMulIntegerToFloat runs on the CPU whatever the provider)
+        if self.manifest.precision.mixed == "lm-head-w8a8" and integer_gemm_saturates():
+            raise BackendUnavailable(f"{W8A8_SATURATES}; run it on {VNNI_CPUS}, or re-export with "
+                                     "--mixed-precision lm-head")
         self._ort = ort
         self._map, self._shared = shared_initializers(ort, self.artifact, self.manifest)  # the map: kept with the sessions
         self._paths, self._providers = paths, providers

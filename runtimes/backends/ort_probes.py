@@ -24,6 +24,7 @@ import numpy as np
 W8A8_SATURATES = ("this CPU has no VNNI or AMX, and there ONNX Runtime's integer GEMM (MatMulIntegerToFloat) sums "
                   "8-bit products in 16 bits, which saturate: a W8A8 LM head (--mixed-precision lm-head-w8a8) "
                   "computes wrong logits here")
+VNNI_CPUS = "a CPU with AVX-512 VNNI, AVX-VNNI or AMX"  # where it runs (both refusals say so)
 
 
 def _session(ort, nodes, inputs, outputs, initializers):

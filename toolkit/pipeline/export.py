@@ -70,13 +70,13 @@ def _ort_has_cuda() -> bool:
 def _check_integer_gemm() -> None:
     """A W8A8 head is validated on this machine's ONNX Runtime: refuse before any work where its integer
     GEMM saturates (runtimes/backends/ort_probes.py), rather than fail validation minutes later."""
-    from tk.runtimes.backends.ort_probes import W8A8_SATURATES, integer_gemm_saturates
+    from tk.runtimes.backends.ort_probes import VNNI_CPUS, W8A8_SATURATES, integer_gemm_saturates
     from tk.runtimes.errors import BackendUnavailable
 
     if integer_gemm_saturates():
-        raise BackendUnavailable(f"{W8A8_SATURATES}, so its export validation cannot pass; export on a CPU with "
-                                 "AVX-512 VNNI, AVX-VNNI or AMX, or add --no-validate here and run tk parity on "
-                                 "such a CPU, or use --mixed-precision lm-head")
+        raise BackendUnavailable(f"{W8A8_SATURATES}, so its export validation cannot pass; export on {VNNI_CPUS}, "
+                                 "or add --no-validate here and run tk parity on such a CPU, or use "
+                                 "--mixed-precision lm-head")
 
 
 def _prepare_out(out: Path, force: bool) -> tuple[Path, Path | None]:
