@@ -85,6 +85,10 @@ class Runtime(ABC):
     prefill_via: PrefillVia = "prefill"
     # a run returns every position's logits whatever the graphs return (the torch model computes them all)
     computes_every_position = False
+    # a run of one position (one row, one token) computes other bits than the same position among others, on
+    # graphs whose rows are otherwise the same bits in any run (ORT's MatMulNBits on a CPU without VNNI:
+    # OrtRuntime): the static layout then never runs one position alone (cache_runs.Runs.paired)
+    lone_row_apart = False
 
     @property
     def all_prefill_logits(self) -> bool:

@@ -69,6 +69,7 @@ class StaticLayout(Runs):
         self.capacity, self.decode_prefills, self.max_run = dims.kv_capacity, dims.variant.decode_prefills, dims.max_run
         self.narrow, self.keeps = dims.narrow_mask, dims.keeps_logits
         self.fused = dims.variant.target is Target.ORT  # (GroupQueryAttention: see verify)
+        self.pairs = self.keeps and self.decode_prefills and all(self.kv)  # where runs can be `paired`
         # per cache tensor (contract order), a ring's slots or None
         self.rings = [None if dims.ring is None or kind != contract.KV else dims.ring[i] for i, kind in dims.cache_kinds()]
         past = set(dims.past_names())
@@ -191,6 +192,8 @@ class StaticLayout(Runs):
         if s.length >= self.capacity:  # (the longest row's length)
             raise InputError(f"decode: the static cache holds {self.capacity} positions and is full; "
                              "export with a larger --max-seq-len")
+        if s.batch == 1 and self.paired(s) and (out := self.step_paired(s, 0, int(tokens[0, 0]))) is not None:
+            return out  # (its rewind moved the length)
         out = self.decode(s, tokens, None, s.batch)
         s.length += 1
         return out

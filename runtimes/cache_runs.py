@@ -67,21 +67,50 @@ class Runs(Layout):
         graph (it takes a run of new tokens: contract.inputs' decode_prefills) into row `row` of the
         cache, in runs of at most max_run tokens (the row's mask is already 1 on them). With `every`,
         every position's logits (1, L, V): each run's, where the graph takes logits_to_keep, else one
-        token per run (the decode graph returns a run's last)."""
+        token per run (the decode graph returns a run's last). Where runs are `paired`, a run whose
+        logits are read keeps two positions at least (the head's GEMM never has one row), and a run of
+        one token takes a copy of it after it, as `step_paired` does."""
         L = ids.shape[1]
         run = 1 if every and not self.keeps else self.max_run or L
         rows = [b[row:row + 1] for b in s.cache]
+        paired = self.paired(s)
         logits = []
         for start in range(0, L, run):
             end = min(L, start + run)
-            keep = {"logits_to_keep": np.arange(end - start)} if every and self.keeps else self._keep_last(end - start)
-            feeds = {"input_ids": ids[:, start:end], "attention_mask": s.mask[row:row + 1, :self._width(at + end)],
-                     "position_ids": np.arange(at + start, at + end, dtype=np.int64)[None],
+            n, pair = end - start, paired and (every or end == L)
+            m = n + (pair and n == 1 and at + end < self.capacity)  # the copy writes at + end, which the next run writes again
+            tokens = ids[:, start:end] if m == n else np.repeat(ids[:, start:end], 2, axis=1)
+            if every and self.keeps:
+                keep = {"logits_to_keep": np.arange(m)}
+            else:
+                keep = {"logits_to_keep": np.arange(m - 2, m)} if pair and m > 1 else self._keep_last(n)
+            feeds = {"input_ids": tokens, "attention_mask": s.mask[row:row + 1, :self._width(at + start + m)],
+                     "position_ids": np.arange(at + start, at + start + m, dtype=np.int64)[None],
                      "write_indices": np.full(1, at + start, np.int64), **keep}
             out, _ = s.runtime.run(contract.DECODE, feeds, rows, None, in_place=True)
             if every:  # a copy: a backend may write the next run's logits into the same buffer
-                logits.append(np.array(out.logits[:, -(end - start) if self.keeps else -1:], dtype=np.float32))
+                logits.append(np.array(out.logits[:, :n] if self.keeps else out.logits[:, -1:], dtype=np.float32))
+            elif pair and m > 1:  # of the two kept (m - 2, m - 1), the last token's (n - 1)
+                out = StepOutput(out.logits[:, n - m + 1:n - m + 2], out.hidden)
         return StepOutput(np.concatenate(logits, axis=1)) if every else out
+
+    def paired(self, s: Session) -> bool:
+        """Whether a run of one position goes as two here (Runtime.lone_row_apart: on such a CPU one row
+        alone takes a kernel of its own), where the graph keeps the positions asked for and no layer
+        carries a state that a copy of a token would advance."""
+        return self.pairs and s.runtime.lone_row_apart
+
+    def step_paired(self, s: Session, row: int, token: int) -> StepOutput | None:
+        """A one-token step of a row that decodes alone, where runs are `paired`: the token and a copy of it
+        after it in one run (causal: the token never sees its copy), the copy's position taken back
+        (`rewind`) for the next step to write again -> the token's logits (1, 1, V), the bits a verify
+        run or a batch computes for it. None where the copy has no room (the cache's last position)."""
+        w = int(s.static.write[row])
+        if w + 2 > self.capacity or (self.max_run or 2) < 2:
+            return None
+        logits = self.verify(s, np.full((1, 2), token, np.int64), row)
+        self.rewind(s, [w + 1], [row])
+        return StepOutput(logits[:, :1])
 
     def first_groups(self, rt, slots: list[int], ends: list[int]) -> list[list[int]]:
         """Which of these rows' prompts' first runs (positions 0 .. ends[i] - 1) go in one run, in groups

@@ -184,6 +184,9 @@ class Slots:
         rows = np.asarray(active, dtype=np.int64)
         if self.session.static.write[rows].max() >= self.layout.capacity:
             raise InputError(f"decode: a slot's static cache of {self.layout.capacity} positions is full")
+        if n == 1 and self.layout.paired(self.session):  # the first slot alone: a run of two (Runs.step_paired)
+            if (out := self.layout.step_paired(self.session, 0, int(tokens[0, 0]))) is not None:
+                return out
         # a taken slot that sits the step out keeps its recurrent state (the step writes every row's)
         idle = sorted(self.taken.difference(active)) if self.states else []
         kept = [(b, i, self.buffers.read_row(self.session.cache[i], b)) for b in idle if b < n for i in self.states]

@@ -106,12 +106,33 @@ def exact(models, tmp_path_factory):
     return out
 
 
-def _ways_of_one_row(art: Path, prompt: list[int], other: list[int], n: int = 6) -> dict[str, float]:
+def _opened(art: Path, pair: bool, lone: list[int]) -> OrtRuntime:
+    """The artifact on ONNX Runtime as a server opens it, runs of one position `paired` where this CPU
+    needs it (or, with `pair`, everywhere); each decode run's smallest GEMM (its positions; its rows
+    through the head: rows x kept logits) appended to `lone` where it is one row."""
+    rt = OrtRuntime(art, prefill_via="decode", prepack=True).activate()  # (as runs are: for_runs)
+    rt.lone_row_apart |= pair
+    run = rt.run
+
+    def counted(graph, feeds, *args, **kwargs):
+        ids, keep = feeds["input_ids"], feeds.get("logits_to_keep")
+        if min(ids.size, ids.shape[0] * (1 if keep is None else keep.size)) == 1:
+            lone.append(ids.size)
+        return run(graph, feeds, *args, **kwargs)
+
+    rt.run = counted
+    return rt
+
+
+def _ways_of_one_row(art: Path, prompt: list[int], other: list[int], n: int = 6, pair: bool = False,
+                     lone: list[int] | None = None) -> dict[str, float]:
     """A row's logits computed each way a server or `tk generate` computes them, against the row prefilled alone
-    in one run and decoded a token a step: the largest |difference| of its prompt's last logits grouped with
-    another prompt (a server's first chunks in one run, right-padded), in two chunks and in `tk generate`'s
-    left-padded batch, and of its steps' logits in one verify run."""
-    with OrtRuntime(art, prefill_via="decode", prepack=True) as rt, Slots(rt, 3) as slots:  # (as runs are: for_runs)
+    in one run and decoded a token a step in a server's slot: the largest |difference| of its prompt's last
+    logits grouped with another prompt (a server's first chunks in one run, right-padded), in two chunks, in
+    chunks whose last has one token and in `tk generate`'s left-padded batch; of its steps' logits in one
+    verify run and in `tk generate`'s session of one row. Runs of one position go to `lone` (`_opened`)."""
+    lone = [] if lone is None else lone
+    with _opened(art, pair, lone) as rt, Slots(rt, 3) as slots:
         alone = np.array(slots.admit(0, prompt).logits[0, -1])
         steps, token = [], int(alone.argmax())
         feed = [token]
@@ -122,11 +143,13 @@ def _ways_of_one_row(art: Path, prompt: list[int], other: list[int], n: int = 6)
         ids = [np.array([slots.begin(1, prompt)[0]]), np.array([slots.begin(2, other)[0]])]
         grouped = slots.prefill_first([1, 2], ids, [len(prompt), len(other)])[0]
         run = slots.verify(1, feed[:n])
-        slots.free(2)
-        whole = slots.begin(2, prompt)
-        slots.prefill(2, whole, 0, 7)
-        chunks = np.array(slots.prefill(2, whole, 7, len(prompt)).logits[0, -1])
-    with OrtRuntime(art, prefill_via="decode", prepack=True) as rt:  # tk generate's batch: left-padded rows
+        chunks = {}
+        for cut in (7, len(prompt) - 1):
+            slots.free(2)
+            whole = slots.begin(2, prompt)
+            slots.prefill(2, whole, 0, cut)
+            chunks[cut] = np.array(slots.prefill(2, whole, cut, len(prompt)).logits[0, -1])
+    with _opened(art, pair, lone) as rt:  # tk generate: a left-padded batch, and a row alone
         T = max(len(prompt), len(other))
         ids, mask = np.zeros((2, T), np.int64), np.zeros((2, T), np.int64)
         ids[0, T - len(prompt):], mask[0, T - len(prompt):], ids[1, T - len(other):], mask[1, T - len(other):] = \
@@ -134,33 +157,45 @@ def _ways_of_one_row(art: Path, prompt: list[int], other: list[int], n: int = 6)
         out, session = rt.start(ids, mask)
         batch = np.array(out.logits[0, -1])
         session.close()
+        _, session = rt.start(np.array([prompt]), np.ones((1, len(prompt)), np.int64))
+        generated = np.stack([np.array(rt.step(session, [t]).logits[0, -1]) for t in feed[:n]])
+        session.close()
     assert np.abs(alone).max() > 1.0
-    return {"grouped": float(np.abs(grouped - alone).max()), "chunks": float(np.abs(chunks - alone).max()),
-            "batch": float(np.abs(batch - alone).max()), "verify": float(np.abs(run - np.stack(steps)).max())}
+    return {"grouped": float(np.abs(grouped - alone).max()), "chunks": float(np.abs(chunks[7] - alone).max()),
+            "last chunk of one": float(np.abs(chunks[len(prompt) - 1] - alone).max()),
+            "batch": float(np.abs(batch - alone).max()), "verify": float(np.abs(run - np.stack(steps)).max()),
+            "generate": float(np.abs(generated - np.stack(steps)).max())}
 
 
-@pytest.mark.parametrize("weights", ["fp32", "int4"])
+@pytest.mark.parametrize("weights", ["fp32", "int4", "int4-paired"])
 def test_padded_queries_compute_a_row_bit_for_bit_alike_alone_grouped_chunked_and_verified(exact, weights):
     """ONNX Runtime's CPU GEMM sums a lone row in a kernel of its own, so a one-token step's attention and a
     verify run's differ in the last bits, which int8 compute rounds into logits far apart (README "Speculative
     decoding"). The standard graphs give each attention a query more (Variant.pad_queries) and take prompts
     through the decode graph: a row's logits are then the same bits however its prompt came in and whether its
-    tokens were verified or stepped, so speculation and batching change no greedy token, even at a near-tie."""
+    tokens were verified or stepped, so speculation and batching change no greedy token, even at a near-tie.
+    On a CPU without VNNI MatMulNBits (4-bit, int8 compute) sums a lone row apart too: there no run of one
+    position reaches the graph (Runs.paired); "int4-paired" runs so on any CPU, and computes the same bits."""
     prompt, other = _prompts()[0], _prompts()[1] + _prompts()[0][:9]
-    padded = Manifest.read(exact[weights]).variant
-    assert padded.pad_queries and not Manifest.read(exact[f"{weights}-bare"]).variant.pad_queries
-    with OrtRuntime(exact[weights]) as rt:
+    art = exact[weights.split("-")[0]]
+    padded = Manifest.read(art).variant
+    assert padded.pad_queries and not Manifest.read(exact[f"{weights.split('-')[0]}-bare"]).variant.pad_queries
+    with OrtRuntime(art) as rt:
         assert rt.prefill_via == "decode" and set(rt.sessions) == {"decode"}  # one session holds the weights
-    assert "bit for bit as its steps" in run("inspect", exact[weights]).stdout
-    assert "bit for bit" not in run("inspect", exact[f"{weights}-bare"]).stdout
-    ways = _ways_of_one_row(exact[weights], prompt, other)
-    if weights == "int4" and one_row_apart():  # an AVX2 CPU: MatMulNBits' one-row kernel (runtimes/backends/ort_probes.py)
-        # a lone row's step and a prompt's last position through the head (M = 1) sum apart; runs of rows do not
-        assert ways["chunks"] == 0.0 and 0.0 < max(ways.values()) < 1e-4, ways
+        assert rt.lone_row_apart == (weights != "fp32" and one_row_apart())
+    if weights != "int4-paired":
+        assert "bit for bit as its steps" in run("inspect", art).stdout
+        assert "bit for bit" not in run("inspect", exact[f"{weights}-bare"]).stdout
+    lone: list[int] = []
+    ways = _ways_of_one_row(art, prompt, other, pair=weights == "int4-paired", lone=lone)
+    assert ways == dict.fromkeys(ways, 0.0), ways
+    if weights == "int4-paired" or (weights == "int4" and one_row_apart()):
+        assert lone == []  # not a step, a prompt's last run nor the one-token chunk went as one position
     else:
-        assert ways == {"grouped": 0.0, "chunks": 0.0, "batch": 0.0, "verify": 0.0}
-    bare = _ways_of_one_row(exact[f"{weights}-bare"], prompt, other)
-    assert bare["verify"] > 0.0  # the control: a one-row attention GEMM is what padding takes away
+        assert lone  # (the count sees them where they run: a row alone's steps)
+    if weights != "int4-paired":
+        bare = _ways_of_one_row(exact[f"{weights}-bare"], prompt, other)
+        assert bare["verify"] > 0.0  # the control: a one-row attention GEMM is what padding takes away
 
 
 @pytest.mark.parametrize("graphs,proposer", [("fused", "lookup"), ("fused", "self"), ("fused", "perturbed"),

@@ -25,7 +25,7 @@ from tk.models.spec import contract
 from tk.models.spec.manifest import Manifest
 from tk.runtimes.backends import hugepages
 from tk.runtimes.backends.ort_bindings import StaticBindings
-from tk.runtimes.backends.ort_probes import VNNI_CPUS, W8A8_SATURATES, integer_gemm_saturates
+from tk.runtimes.backends.ort_probes import VNNI_CPUS, W8A8_SATURATES, integer_gemm_saturates, one_row_apart
 from tk.runtimes.backends.ort_weights import shared_initializers
 from tk.runtimes.base import ArtifactRuntime, BackendUnavailable, CacheBuffers, PrefillVia, StepOutput
 
@@ -146,6 +146,7 @@ class OrtRuntime(ArtifactRuntime):
         self._ort = self._map = self._bindings = None
         self.sessions, self.output_names, self._shared, self._paths, self._providers = {}, {}, {}, {}, []
         self.huge_page_bytes = 0  # how much of what the sessions allocated now sits on huge pages
+        self.lone_row_apart = False
         self.buffers.ort = self.buffers.device = None
 
     @property
@@ -192,6 +193,10 @@ class OrtRuntime(ArtifactRuntime):
             raise BackendUnavailable(f"{W8A8_SATURATES}; run it on {VNNI_CPUS}, or re-export with "
                                      "--mixed-precision lm-head")
         self._ort = ort
+        # a lone row's MatMulNBits (4-bit, int8 compute) sums apart on this CPU (ort_probes; 8-bit does not), and
+        # the graphs compute a row alike in any other run (Variant.pad_queries): asked now, not at the first step
+        self.lone_row_apart = (self.dims.variant.pad_queries and self.manifest.precision.weights == "int4"
+                               and self.quant_compute == "int8" and not use_cuda and one_row_apart())
         self._map, self._shared = shared_initializers(ort, self.artifact, self.manifest)  # the map: kept with the sessions
         self._paths, self._providers = paths, providers
         self._bindings = StaticBindings(ort, self.buffers.value, self.past_names, self.present_names,
