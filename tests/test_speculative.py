@@ -176,6 +176,8 @@ def test_padded_queries_compute_a_row_bit_for_bit_alike_alone_grouped_chunked_an
     tokens were verified or stepped, so speculation and batching change no greedy token, even at a near-tie.
     On a CPU without VNNI MatMulNBits (4-bit, int8 compute) sums a lone row apart too: there no run of one
     position reaches the graph (Runs.paired); "int4-paired" runs so on any CPU, and computes the same bits."""
+    if weights == "int4-paired" and one_row_apart():
+        pytest.skip("this CPU sums a lone row apart, so the int4 case runs paired already")
     prompt, other = _prompts()[0], _prompts()[1] + _prompts()[0][:9]
     art = exact[weights.split("-")[0]]
     padded = Manifest.read(art).variant

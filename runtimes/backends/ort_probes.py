@@ -9,10 +9,11 @@ change what tk can promise.
   full-range rows came out up to 763 apart from the exact sums, and a W8A8 head's logits 0.93 apart
   from the reference. Signed activations (int8 x int8) would be exact there, but take MLAS's
   portable kernel: 12x slower (at the real 0.5B head's shape, 16 rows: 227 against 21 ms).
-- `one_row_apart`: MatMulNBits with int8 compute (tk's quantized exports) sums one row in a
-  kernel of its own on such a CPU (2e-6 from the same row among others; on AVX-512 VNNI and AMX
-  CPUs they agree), so there a lone one-token step, a prompt's last position through the LM head
-  and a verify run are not bit for bit alike (README "Speculative decoding").
+- `one_row_apart`: MatMulNBits with 4-bit weights and int8 compute (tk's int4 exports) sums one row
+  in a kernel of its own on such a CPU (2e-6 from the same row among others; on AVX-512 VNNI and AMX
+  CPUs they agree, and 8-bit weights agree everywhere), so there a lone one-token step or a prompt's
+  last position through the LM head would not be a verify run's bits: OrtRuntime.lone_row_apart,
+  and the static layout runs no position alone (runtimes/cache_runs.py `Runs.paired`).
 """
 
 from __future__ import annotations

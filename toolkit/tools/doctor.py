@@ -76,11 +76,12 @@ def doctor_report() -> dict:
         from tk.runtimes.backends.ort_probes import integer_gemm_saturates, one_row_apart
 
         # what its CPU kernels compute here (runtimes/backends/ort_probes.py): a W8A8 head's, and whether an int4
-        # export's lone row computes as it does among others (bit for bit speculation and batching)
+        # export's lone row computes as it does among others (if not, tk runs none alone: Runs.paired)
         report["onnxruntime"] = {"available": True, "version": ort.__version__,
                                  "providers": ort.get_available_providers(),
                                  "w8a8_head": "wrong here (no VNNI or AMX)" if integer_gemm_saturates() else "exact",
-                                 "int8_compute_rows": "a lone row apart (~1e-6)" if one_row_apart() else "bit for bit"}
+                                 "int8_compute_rows": ("a lone row apart (~1e-6): tk runs none alone"
+                                                       if one_row_apart() else "bit for bit")}
     except ImportError:
         report["onnxruntime"] = {"available": False, "hint": "pip install onnxruntime"}
     from tk.runtimes.backends.cuda import driver_cuda_version
