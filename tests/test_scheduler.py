@@ -409,6 +409,21 @@ def test_rows_verified_in_one_run_guess_at_most_batch_guesses_each_and_a_lone_ro
     assert [g.k for g in sched.schedule().verify] == [16, 16]
 
 
+def test_rows_verified_in_one_run_are_costed_as_the_rectangle_the_run_computes():
+    """A batched verify run pads every row to the longest (runtimes/serving/stepping.py records tokens.size):
+    8 guesses beside 1 cost 2 x 9 tokens, not 9 + 2; runs of their own cost each its own."""
+    batched, alone = SpeculationRule(CPU, batched=True), SpeculationRule(CPU)
+    assert batched.width([8, 1]) == 18 and alone.width([8, 1]) == 9 and batched.width([]) == 0
+    assert batched.seconds(3, [8, 1]) == pytest.approx(CPU.run(1) + CPU.run(18))
+    assert alone.seconds(3, [8, 1]) == pytest.approx(CPU.run(1) + CPU.run(9) + CPU.run(2))
+    # a fresh row's one guess beside eight, a third row decoding: 10.8 tokens in 64 ms ragged (11 tokens) would
+    # beat 10.3 in 62 without it; as the rectangle the run computes (18 tokens, 78 ms) it does not
+    sched = Scheduler(_limits(slots=16, max_queue=0), speculation=batched)
+    long, short, plain = _decoding(sched, 3, room=8, accepted=95, planned=100)
+    short.room, short.accepted, short.planned, plain.room = 1, 0, 0, 0
+    assert [(g.seq, g.k) for g in sched.schedule().verify] == [(long, 8)]
+
+
 def test_a_verify_run_wider_than_the_fit_measured_is_tried_once_and_then_judged_by_its_cost():
     """A fit of decode steps alone (1 and 8 rows: 75 ms + 9.5 ms a token) overprices a verify run of
     72 tokens, which costs 98 ms + 4.7 a token measured (the real 0.5B, `--for serve`): fresh requests

@@ -3,7 +3,8 @@ like the scheduler that asks it (tests/test_scheduler.py feeds it numbers).
 
 A step that speculates trades one run for several: each guessing request's verify run (its last
 token and k guesses, k + 1 tokens charged to the step's budget, as vLLM charges num_tokens_with_spec)
-beside the decode run of the others, and a draft model's batched steps. Whether that pays depends on
+beside the decode run of the others, and a draft model's batched steps. Rows verified in one run are
+padded to the longest (`width`): the run costs the rectangle, which is what the loop records. Whether that pays depends on
 what a run costs here, so the loop measures it (runtimes/serving/run_cost.py: seconds = fixed +
 per_token * tokens, fitted over its recent runs); a request's guesses are worth what it
 accepted of the guesses planned for it so far (`acceptance`, starting from the batcher's own
@@ -68,8 +69,16 @@ class SpeculationRule:
     def seconds(self, rows: int, ks: Sequence[int]) -> float:
         """A step's runs: the decode run of the rows that do not guess, the verify runs, the draft's steps."""
         c = self.cost
-        verify = c.run(sum(k + 1 for k in ks)) if self.batched else sum(c.run(k + 1) for k in ks)
+        verify = c.run(self.width(ks)) if self.batched else sum(c.run(k + 1) for k in ks)
         return c.run(rows - len(ks)) + verify + c.draft * max(ks, default=0)
+
+    def width(self, ks: Sequence[int]) -> int:
+        """The tokens the verify run of these guesses computes, as the loop records it: batched, every
+        row padded to the longest (the run is a rectangle, rows x (max k + 1), whatever the budget is
+        charged); else each row's run of its own, the widest of them."""
+        if not ks:
+            return 0
+        return len(ks) * (max(ks) + 1) if self.batched else max(ks) + 1
 
     def plan(self, decoding: Sequence, spare: int | None = None) -> list[Guess]:
         """The guesses of this step among the `decoding` requests (each `room` > 0 may guess that many),
@@ -94,6 +103,6 @@ class SpeculationRule:
         if not best and self.cost.widest is not None:  # a run wider than the fit measured lately: measure one
             sure = [i for i, seq in enumerate(chosen) if self.acceptance(seq) >= EXPLORE]
             sure = sure if self.batched else sure[:1]  # (runs of their own: one row's measures what a row's costs)
-            if sum(ks[i] + 1 for i in sure) > self.cost.widest:
+            if self.width([ks[i] for i in sure]) > self.cost.widest:
                 return [Guess(chosen[i], ks[i]) for i in sure]
         return [Guess(seq, k) for seq, k in zip(chosen[:best], ks)]
