@@ -69,7 +69,8 @@ class StaticLayout(Runs):
         self.capacity, self.decode_prefills, self.max_run = dims.kv_capacity, dims.variant.decode_prefills, dims.max_run
         self.narrow, self.keeps = dims.narrow_mask, dims.keeps_logits
         self.fused = dims.variant.target is Target.ORT  # (GroupQueryAttention: see verify)
-        self.pairs = self.keeps and self.decode_prefills and all(self.kv)  # where runs can be `paired`
+        # where runs can be `paired`: the logits asked for kept, prompts from index 0, no recurrent state, runs of 2
+        self.pairs = self.keeps and self.decode_prefills and all(self.kv) and (self.max_run or 2) >= 2
         # per cache tensor (contract order), a ring's slots or None
         self.rings = [None if dims.ring is None or kind != contract.KV else dims.ring[i] for i, kind in dims.cache_kinds()]
         past = set(dims.past_names())

@@ -96,8 +96,8 @@ class Runs(Layout):
 
     def paired(self, s: Session) -> bool:
         """Whether a run of one position goes as two here (Runtime.lone_row_apart: on such a CPU one row
-        alone takes a kernel of its own), where the graph keeps the positions asked for and no layer
-        carries a state that a copy of a token would advance."""
+        alone takes a kernel of its own), where the layout can (StaticLayout.pairs: the graph keeps the
+        positions asked for, takes runs of two, and no layer carries a state that a copy would advance)."""
         return self.pairs and s.runtime.lone_row_apart
 
     def step_paired(self, s: Session, row: int, token: int) -> StepOutput | None:
@@ -106,7 +106,7 @@ class Runs(Layout):
         (`rewind`) for the next step to write again -> the token's logits (1, 1, V), the bits a verify
         run or a batch computes for it. None where the copy has no room (the cache's last position)."""
         w = int(s.static.write[row])
-        if w + 2 > self.capacity or (self.max_run or 2) < 2:
+        if w + 2 > self.capacity:
             return None
         logits = self.verify(s, np.full((1, 2), token, np.int64), row)
         self.rewind(s, [w + 1], [row])

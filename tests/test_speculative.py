@@ -177,17 +177,18 @@ def test_padded_queries_compute_a_row_bit_for_bit_alike_alone_grouped_chunked_an
     On a CPU without VNNI MatMulNBits (4-bit, int8 compute) sums a lone row apart too: there no run of one
     position reaches the graph (Runs.paired); "int4-paired" runs so on any CPU, and computes the same bits."""
     if weights == "int4-paired" and one_row_apart():
-        pytest.skip("this CPU sums a lone row apart, so the int4 case runs paired already")
+        pytest.skip("needs a CPU with VNNI or AMX, where int4 runs unpaired: here the int4 case runs paired already")
     prompt, other = _prompts()[0], _prompts()[1] + _prompts()[0][:9]
-    art = exact[weights.split("-")[0]]
+    base = weights.split("-")[0]
+    art = exact[base]
     padded = Manifest.read(art).variant
-    assert padded.pad_queries and not Manifest.read(exact[f"{weights.split('-')[0]}-bare"]).variant.pad_queries
+    assert padded.pad_queries and not Manifest.read(exact[f"{base}-bare"]).variant.pad_queries
     with OrtRuntime(art) as rt:
         assert rt.prefill_via == "decode" and set(rt.sessions) == {"decode"}  # one session holds the weights
         assert rt.lone_row_apart == (weights != "fp32" and one_row_apart())
     if weights != "int4-paired":
         assert "bit for bit as its steps" in run("inspect", art).stdout
-        assert "bit for bit" not in run("inspect", exact[f"{weights}-bare"]).stdout
+        assert "bit for bit" not in run("inspect", exact[f"{base}-bare"]).stdout
     lone: list[int] = []
     ways = _ways_of_one_row(art, prompt, other, pair=weights == "int4-paired", lone=lone)
     assert ways == dict.fromkeys(ways, 0.0), ways
@@ -196,7 +197,7 @@ def test_padded_queries_compute_a_row_bit_for_bit_alike_alone_grouped_chunked_an
     else:
         assert lone  # (the count sees them where they run: a row alone's steps)
     if weights != "int4-paired":
-        bare = _ways_of_one_row(exact[f"{weights}-bare"], prompt, other)
+        bare = _ways_of_one_row(exact[f"{base}-bare"], prompt, other)
         assert bare["verify"] > 0.0  # the control: a one-row attention GEMM is what padding takes away
 
 
