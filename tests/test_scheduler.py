@@ -410,18 +410,39 @@ def test_rows_verified_in_one_run_guess_at_most_batch_guesses_each_and_a_lone_ro
 
 
 def test_rows_verified_in_one_run_are_costed_as_the_rectangle_the_run_computes():
-    """A batched verify run pads every row to the longest (runtimes/serving/stepping.py records tokens.size):
-    8 guesses beside 1 cost 2 x 9 tokens, not 9 + 2; runs of their own cost each its own."""
+    """A batched verify run pads every row to the longest (runtimes/serving/stepping.py records what it computes):
+    8 guesses beside 1 cost 2 x 9 tokens, not 9 + 2; runs of their own cost each its own. Where runs take the
+    cache's leading rows (`leading`: a CPU), a slot below the highest that sits a run out is computed too."""
     batched, alone = SpeculationRule(CPU, batched=True), SpeculationRule(CPU)
-    assert batched.width([8, 1]) == 18 and alone.width([8, 1]) == 9 and batched.width([]) == 0
-    assert batched.seconds(3, [8, 1]) == pytest.approx(CPU.run(1) + CPU.run(18))
-    assert alone.seconds(3, [8, 1]) == pytest.approx(CPU.run(1) + CPU.run(9) + CPU.run(2))
+    assert batched.width([0, 1], [8, 1]) == 18 and alone.width([0, 1], [8, 1]) == 9 and batched.width([], []) == 0
+    assert batched.seconds([2], [0, 1], [8, 1]) == pytest.approx(CPU.run(1) + CPU.run(18))
+    assert alone.seconds([2], [0, 1], [8, 1]) == pytest.approx(CPU.run(1) + CPU.run(9) + CPU.run(2))
+    leading = SpeculationRule(CPU, batched=True, leading=True)  # slots 1 and 5 verify, 0, 2, 3, 4, 6, 7 decode
+    assert leading.rows([0, 2, 3, 4, 6, 7]) == 8 and leading.width([1, 5], [8, 8]) == 6 * 9
+    assert leading.seconds([0, 2, 3, 4, 6, 7], [1, 5], [8, 8]) == pytest.approx(CPU.run(8) + CPU.run(54))
     # a fresh row's one guess beside eight, a third row decoding: 10.8 tokens in 64 ms ragged (11 tokens) would
     # beat 10.3 in 62 without it; as the rectangle the run computes (18 tokens, 78 ms) it does not
     sched = Scheduler(_limits(slots=16, max_queue=0), speculation=batched)
     long, short, plain = _decoding(sched, 3, room=8, accepted=95, planned=100)
     short.room, short.accepted, short.planned, plain.room = 1, 0, 0, 0
     assert [(g.seq, g.k) for g in sched.schedule().verify] == [(long, 8)]
+
+
+def test_a_guessing_slot_above_rows_that_sit_its_run_out_pays_for_them():
+    """Four slots decoding on a CPU (`leading`), one copying (95% of its guesses kept) and the others not
+    guessing. In the lowest slot its verify run is 1 row x 9 positions (38 ms) beside the others' decode
+    run (28 ms: slots 1-3 take rows 0-3): 11.3 tokens in 66 ms beat 4 in 28. In the top slot its run
+    computes all four leading rows x 9 (92 ms) beside 3 rows (26 ms): 11.3 tokens in 118 ms do not. A rule
+    that counted the guessing row alone (9 positions, 38 ms) would guess there too."""
+    def guesses(rule, slot):
+        sched = Scheduler(_limits(slots=4, max_queue=0), speculation=rule)
+        seqs = _decoding(sched, 4, room=0)
+        seqs[slot].room, seqs[slot].accepted, seqs[slot].planned = 8, 95, 100
+        return len(sched.schedule().verify)
+
+    leading = SpeculationRule(CPU, batched=True, leading=True)
+    assert guesses(leading, 0) == 1 and guesses(leading, 3) == 0
+    assert guesses(SpeculationRule(CPU, batched=True), 3) == 1
 
 
 def test_a_verify_run_wider_than_the_fit_measured_is_tried_once_and_then_judged_by_its_cost():

@@ -257,9 +257,9 @@ class Scheduler:
         memory plan for each)."""
         if self.costs is None or (chunk := self.costs.prompts.cost).per_token <= 0:
             return 0
-        rows = len(plan.decode) + len(plan.verify)
-        runs = (self.speculation.seconds(rows, [g.k for g in plan.verify]) if plan.verify
-                else self.costs.decode or cost.run(rows))  # (a plain step's: what the last one measured)
+        plain, guessing = [s.slot for s in plan.decode], [g.seq.slot for g in plan.verify]
+        runs = (self.speculation.seconds(plain, guessing, [g.k for g in plan.verify]) if plan.verify
+                else self.costs.decode or cost.run(len(plain)))  # (a plain step's: what the last one measured)
         step = self.limits.chunk_tokens
         return max(0, int((STALL * runs - chunk.fixed) / chunk.per_token)) // step * step
 

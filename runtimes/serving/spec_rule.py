@@ -4,7 +4,8 @@ like the scheduler that asks it (tests/test_scheduler.py feeds it numbers).
 A step that speculates trades one run for several: each guessing request's verify run (its last
 token and k guesses, k + 1 tokens charged to the step's budget, as vLLM charges num_tokens_with_spec)
 beside the decode run of the others, and a draft model's batched steps. Rows verified in one run are
-padded to the longest (`width`): the run costs the rectangle, which is what the loop records. Whether that pays depends on
+padded to the longest (`width`), and where a run takes the cache's leading rows the slots below its
+highest that sit it out are computed too (`rows`): a run costs the rectangle, which is what the loop records. Whether that pays depends on
 what a run costs here, so the loop measures it (runtimes/serving/run_cost.py: seconds = fixed +
 per_token * tokens, fitted over its recent runs); a request's guesses are worth what it
 accepted of the guesses planned for it so far (`acceptance`, starting from the batcher's own
@@ -50,12 +51,15 @@ class Guess:
 @dataclass
 class SpeculationRule:
     """`batched`: the verify runs of several rows are one run (else each row runs alone: the fused
-    graph's attention takes a run over a past one row a batch); `max_rows`: no guessing while more
+    graph's attention takes a run over a past one row a batch); `leading`: a run of several slots
+    computes the leading rows up to the highest of them (views of the cache's first rows on a CPU),
+    so a slot below it that sits the run out costs its compute too; `max_rows`: no guessing while more
     requests decode (vLLM's disable_by_batch_size; None: the cost alone decides); `cost` is the loop's
     latest fit (CostFit.cost)."""
 
     cost: RunCost
     batched: bool = False
+    leading: bool = False
     max_rows: int | None = None
     accepted: int = 0  # over every request so far: the prior of a new one
     planned: int = 0
@@ -66,19 +70,24 @@ class SpeculationRule:
             prior = max(prior, EXPLORE)
         return (seq.accepted + PRIOR_WEIGHT * prior) / (seq.planned + PRIOR_WEIGHT)
 
-    def seconds(self, rows: int, ks: Sequence[int]) -> float:
-        """A step's runs: the decode run of the rows that do not guess, the verify runs, the draft's steps."""
+    def seconds(self, plain: Sequence[int], guessing: Sequence[int], ks: Sequence[int]) -> float:
+        """A step's runs: the decode run of the `plain` slots, the verify runs of the `guessing` slots
+        (`ks` their guesses), the draft's steps."""
         c = self.cost
-        verify = c.run(self.width(ks)) if self.batched else sum(c.run(k + 1) for k in ks)
-        return c.run(rows - len(ks)) + verify + c.draft * max(ks, default=0)
+        verify = c.run(self.width(guessing, ks)) if self.batched else sum(c.run(k + 1) for k in ks)
+        return c.run(self.rows(plain)) + verify + c.draft * max(ks, default=0)
 
-    def width(self, ks: Sequence[int]) -> int:
-        """The tokens the verify run of these guesses computes, as the loop records it: batched, every
-        row padded to the longest (the run is a rectangle, rows x (max k + 1), whatever the budget is
-        charged); else each row's run of its own, the widest of them."""
+    def rows(self, slots: Sequence[int]) -> int:
+        """The rows a run of these slots computes: up to the highest of them where runs take leading rows."""
+        return (max(slots) + 1 if self.leading else len(slots)) if slots else 0
+
+    def width(self, slots: Sequence[int], ks: Sequence[int]) -> int:
+        """The tokens the verify run of these slots' guesses computes, as the loop records it: batched,
+        every row padded to the longest (the run is a rectangle, rows x (max k + 1), whatever the budget
+        is charged); else each row's run of its own, the widest of them."""
         if not ks:
             return 0
-        return len(ks) * (max(ks) + 1) if self.batched else max(ks) + 1
+        return self.rows(slots) * (max(ks) + 1) if self.batched else max(ks) + 1
 
     def plan(self, decoding: Sequence, spare: int | None = None) -> list[Guess]:
         """The guesses of this step among the `decoding` requests (each `room` > 0 may guess that many),
@@ -90,19 +99,21 @@ class SpeculationRule:
         cap = BATCH_GUESSES if self.batched and len(guessing) > 1 else None
         rooms = [(s, min(s.room, cap or s.room)) for s in guessing]  # (each row's guesses this step)
         ranked = sorted(rooms, key=lambda p: -self.acceptance(p[0]) * p[1])
-        best, best_rate, chosen, gain, ks = 0, R / self.seconds(R, []), [], 0.0, []
+        slots = [s.slot for s in decoding]
+        best, best_rate, chosen, gain, ks = 0, R / self.seconds(slots, [], []), [], 0.0, []
         for seq, k in ranked:
             if spare is not None and sum(ks) + k > spare:
                 continue
             chosen.append(seq)
             ks.append(k)
             gain += self.acceptance(seq) * k
-            rate = (R + gain) / self.seconds(R, ks)
+            picked = {s.slot for s in chosen}
+            rate = (R + gain) / self.seconds([s for s in slots if s not in picked], sorted(picked), ks)
             if rate > best_rate:
                 best, best_rate = len(chosen), rate
         if not best and self.cost.widest is not None:  # a run wider than the fit measured lately: measure one
             sure = [i for i, seq in enumerate(chosen) if self.acceptance(seq) >= EXPLORE]
             sure = sure if self.batched else sure[:1]  # (runs of their own: one row's measures what a row's costs)
-            if self.width([ks[i] for i in sure]) > self.cost.widest:
+            if self.width([chosen[i].slot for i in sure], [ks[i] for i in sure]) > self.cost.widest:
                 return [Guess(chosen[i], ks[i]) for i in sure]
         return [Guess(seq, k) for seq, k in zip(chosen[:best], ks)]

@@ -33,6 +33,7 @@ class SlotSpeculation:
         # several slots' verify runs go in one run where the graph takes runs of several rows over a past
         # (the portable graph; the fused one's attention takes them one row a run)
         self.rule.batched = runtime.row_views and not runtime.layout.fused
+        self.rule.leading = runtime.row_views  # (the decode run's and a batched verify run's rows)
 
     def close(self) -> None:
         self.proposer.close()
