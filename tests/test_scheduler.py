@@ -428,21 +428,24 @@ def test_rows_verified_in_one_run_are_costed_as_the_rectangle_the_run_computes()
     assert [(g.seq, g.k) for g in sched.schedule().verify] == [(long, 8)]
 
 
-def test_a_guessing_slot_above_rows_that_sit_its_run_out_pays_for_them():
-    """Four slots decoding on a CPU (`leading`), one copying (95% of its guesses kept) and the others not
-    guessing. In the lowest slot its verify run is 1 row x 9 positions (38 ms) beside the others' decode
-    run (28 ms: slots 1-3 take rows 0-3): 11.3 tokens in 66 ms beat 4 in 28. In the top slot its run
-    computes all four leading rows x 9 (92 ms) beside 3 rows (26 ms): 11.3 tokens in 118 ms do not. A rule
-    that counted the guessing row alone (9 positions, 38 ms) would guess there too."""
-    def guesses(rule, slot):
-        sched = Scheduler(_limits(slots=4, max_queue=0), speculation=rule)
-        seqs = _decoding(sched, 4, room=0)
-        seqs[slot].room, seqs[slot].accepted, seqs[slot].planned = 8, 95, 100
+def test_guessing_slots_above_rows_that_sit_their_run_out_pay_for_them():
+    """Eight slots decoding on a CPU (`leading`), two copying (95% of their guesses kept) and the others not
+    guessing. In slots 0 and 1 their verify run is 2 rows x 9 positions (56 ms) beside the others' decode
+    run (36 ms: slots 2-7 take rows 0-7): 22.7 tokens in 92 ms beat 8 in 36. In slots 6 and 7 their run
+    computes all eight leading rows x 9 (164 ms) beside 6 rows (32 ms): 22.7 tokens in 196 ms do not. A rule
+    that counted the guessing rows alone (18 positions) would guess there too. One guessing row runs alone
+    (its own row's view): 9 positions wherever its slot."""
+    def guesses(rule, copying):
+        sched = Scheduler(_limits(slots=8, max_queue=0), speculation=rule)
+        seqs = _decoding(sched, 8, room=0)
+        for slot in copying:
+            seqs[slot].room, seqs[slot].accepted, seqs[slot].planned = 8, 95, 100
         return len(sched.schedule().verify)
 
     leading = SpeculationRule(CPU, batched=True, leading=True)
-    assert guesses(leading, 0) == 1 and guesses(leading, 3) == 0
-    assert guesses(SpeculationRule(CPU, batched=True), 3) == 1
+    assert guesses(leading, [0, 1]) == 2 and guesses(leading, [6, 7]) == 0
+    assert guesses(SpeculationRule(CPU, batched=True), [6, 7]) == 2
+    assert leading.width([7], [8]) == 9 == leading.width([0], [8])
 
 
 def test_a_verify_run_wider_than_the_fit_measured_is_tried_once_and_then_judged_by_its_cost():

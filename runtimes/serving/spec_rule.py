@@ -82,12 +82,12 @@ class SpeculationRule:
         return (max(slots) + 1 if self.leading else len(slots)) if slots else 0
 
     def width(self, slots: Sequence[int], ks: Sequence[int]) -> int:
-        """The tokens the verify run of these slots' guesses computes, as the loop records it: batched,
-        every row padded to the longest (the run is a rectangle, rows x (max k + 1), whatever the budget
-        is charged); else each row's run of its own, the widest of them."""
+        """The tokens the verify run of these slots' guesses computes, as the loop records it: batched
+        (two rows or more), every row padded to the longest (the run is a rectangle, rows x (max k + 1),
+        whatever the budget is charged); else each row's run of its own (one row's view), the widest."""
         if not ks:
             return 0
-        return self.rows(slots) * (max(ks) + 1) if self.batched else max(ks) + 1
+        return self.rows(slots) * (max(ks) + 1) if self.batched and len(ks) > 1 else max(ks) + 1
 
     def plan(self, decoding: Sequence, spare: int | None = None) -> list[Guess]:
         """The guesses of this step among the `decoding` requests (each `room` > 0 may guess that many),
