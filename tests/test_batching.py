@@ -148,6 +148,40 @@ def test_slots_compute_only_up_to_the_last_busy_one(serve_artifact):
         assert slots.session.static.write.tolist() == [4, 0, 2, 0, 0, 0]  # each slot at its own length; empty ones stay
 
 
+def test_the_loop_records_a_verify_run_as_the_leading_rows_it_computes(serve_artifact, monkeypatch):
+    """Slots 0 and 2 verify their guesses in one run while slot 1 decodes plainly: the run computes rows
+    0-2 (slot 1 sits it out), so the loop's cost fit hears 3 x its width, the rows the speculation rule
+    costs it by (`SpeculationRule.leading`), not the guessing rows' 2 x width."""
+    from tk.runtimes.decoding.speculative import PromptLookup, Speculation
+    from tk.runtimes.serving.run_cost import Costs
+    from tk.runtimes.serving.spec_rule import Guess
+
+    events = []  # ("run", slots, width) as a batched verify run starts, ("add", tokens) as the loop records a run
+    verify_many, add = Slots.verify_many, Costs.add
+    monkeypatch.setattr(Slots, "verify_many", lambda self, slots, tokens: events.append(
+        ("run", list(slots), tokens.shape[1])) or verify_many(self, slots, tokens))
+    monkeypatch.setattr(Costs, "add", lambda self, tokens, seconds, prompt=False, decode=False: events.append(
+        ("add", tokens)) or add(self, tokens, seconds, prompt, decode))
+    class Repeat(PromptLookup):  # every row guesses its last token twice, every step
+        def lookup(self, text, k):
+            return [int(text[-1])] * min(k, 2)
+
+    runtime = open_runtime(serve_artifact, "ort", BackendOptions(static_cache=True, prepack=True))
+    with Batcher(runtime, limits=BatcherLimits(slots=3, max_queue=4), speculation=Speculation(Repeat(), 4)) as batcher:
+        assert batcher.speculating.rule.leading and batcher.speculating.rule.batched
+        # slots 0 and 2 verify their guesses, slot 1 never (whether guessing pays: tests/test_scheduler.py)
+        batcher.speculating.rule.plan = lambda decoding, spare=None: [Guess(s, s.room) for s in decoding
+                                                                      if s.room and s.slot != 1]
+        requests = [batcher.submit(Request(p, 12, ignore_eos=True)) for p in ([5, 6, 7], [11, 12, 13, 14], [8, 9])]
+        assert wait_all(requests, timeout=120)
+    assert all(len(r.tokens) == 12 for r in requests)
+    batched = [(i, e[1], e[2]) for i, e in enumerate(events) if e[0] == "run"]
+    assert any(slots == [0, 2] for _, slots, _ in batched), events  # slots 0 and 2 verified together
+    for i, slots, n in batched:
+        recorded = next(e[1] for e in events[i + 1:] if e[0] == "add")
+        assert recorded == (max(slots) + 1) * n, (slots, n, recorded)
+
+
 def test_a_dynamic_cache_artifact_is_refused_with_the_export_profile(tiny_artifact):
     with open_runtime(tiny_artifact, "ort") as rt, pytest.raises(InputError, match=r"--for serve \(or --for ort-cpu\)"):
         Slots(rt, 2)
