@@ -162,6 +162,7 @@ def test_the_loop_records_a_verify_run_as_the_leading_rows_it_computes(serve_art
         ("run", list(slots), tokens.shape[1])) or verify_many(self, slots, tokens))
     monkeypatch.setattr(Costs, "add", lambda self, tokens, seconds, prompt=False, decode=False: events.append(
         ("add", tokens)) or add(self, tokens, seconds, prompt, decode))
+
     class Repeat(PromptLookup):  # every row guesses its last token twice, every step
         def lookup(self, text, k):
             return [int(text[-1])] * min(k, 2)
