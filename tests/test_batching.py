@@ -148,16 +148,15 @@ def test_slots_compute_only_up_to_the_last_busy_one(serve_artifact):
         assert slots.session.static.write.tolist() == [4, 0, 2, 0, 0, 0]  # each slot at its own length; empty ones stay
 
 
-def test_the_loop_records_a_verify_run_as_the_leading_rows_it_computes(serve_artifact, monkeypatch):
-    """Slots 0 and 2 verify their guesses in one run while slot 1 decodes plainly: the run computes rows
-    0-2 (slot 1 sits it out), so the loop's cost fit hears 3 x its width, the rows the speculation rule
-    costs it by (`SpeculationRule.leading`), not the guessing rows' 2 x width."""
+def _verify_runs(serve_artifact, monkeypatch, verify_many=Slots.verify_many) -> list:
+    """Three requests through a batcher whose slots 0 and 2 guess their last token twice every step
+    and slot 1 never -> the events: ("run", slots, width) as a batched verify run is asked for (of
+    `verify_many`), ("add", tokens) as the loop records a run in its cost fit."""
     from tk.runtimes.decoding.speculative import PromptLookup, Speculation
     from tk.runtimes.serving.run_cost import Costs
     from tk.runtimes.serving.spec_rule import Guess
 
-    events = []  # ("run", slots, width) as a batched verify run starts, ("add", tokens) as the loop records a run
-    verify_many, add = Slots.verify_many, Costs.add
+    events, add = [], Costs.add
     monkeypatch.setattr(Slots, "verify_many", lambda self, slots, tokens: events.append(
         ("run", list(slots), tokens.shape[1])) or verify_many(self, slots, tokens))
     monkeypatch.setattr(Costs, "add", lambda self, tokens, seconds, prompt=False, decode=False: events.append(
@@ -176,11 +175,31 @@ def test_the_loop_records_a_verify_run_as_the_leading_rows_it_computes(serve_art
         requests = [batcher.submit(Request(p, 12, ignore_eos=True)) for p in ([5, 6, 7], [11, 12, 13, 14], [8, 9])]
         assert wait_all(requests, timeout=120)
     assert all(len(r.tokens) == 12 for r in requests)
-    batched = [(i, e[1], e[2]) for i, e in enumerate(events) if e[0] == "run"]
-    assert any(slots == [0, 2] for _, slots, _ in batched), events  # slots 0 and 2 verified together
-    for i, slots, n in batched:
-        recorded = next(e[1] for e in events[i + 1:] if e[0] == "add")
-        assert recorded == (max(slots) + 1) * n, (slots, n, recorded)
+    assert any(e[0] == "run" and e[1] == [0, 2] for e in events), events  # slots 0 and 2 verified together
+    return events
+
+
+def test_the_loop_records_a_verify_run_as_the_leading_rows_it_computes(serve_artifact, monkeypatch):
+    """Slots 0 and 2 verify their guesses in one run while slot 1 decodes plainly: the run computes rows
+    0-2 (slot 1 sits it out), so the loop's cost fit hears 3 x its width, the rows the speculation rule
+    costs it by (`SpeculationRule.leading`), not the guessing rows' 2 x width."""
+    events = _verify_runs(serve_artifact, monkeypatch)
+    for i, e in enumerate(events):
+        if e[0] == "run":
+            recorded = next(a[1] for a in events[i + 1:] if a[0] == "add")
+            assert recorded == (max(e[1]) + 1) * e[2], (e, recorded)
+
+
+def test_a_verify_run_that_cannot_go_as_one_is_no_point_of_the_cost_fit(serve_artifact, monkeypatch):
+    """Where the slots' batched run cannot go (`verify_many` answers None: a row with no room), each
+    slot verifies in a run of its own: the fit hears those runs (each its guesses and last token, at
+    most the batch's width), not a near-zero-second point of the run that never ran (3 rows x the width,
+    which would make verifying look free)."""
+    events = _verify_runs(serve_artifact, monkeypatch, verify_many=lambda self, slots, tokens: None)
+    for i, (kind, *run) in enumerate(events):
+        if kind == "run":
+            (slots, n), then = run, [a[1] for a in events[i + 1:i + 1 + len(run[0])]]
+            assert len(then) == len(slots) and all(t <= n for t in then), events[i:i + 4]  # one run a slot
 
 
 def test_a_dynamic_cache_artifact_is_refused_with_the_export_profile(tiny_artifact):

@@ -95,7 +95,8 @@ class Steps(Prefilling):
     def _timed(self, tokens: int, run: Callable, prompt: bool = False, decode: bool = False):
         tick = time.perf_counter()
         out = run()
-        self.costs.add(tokens, time.perf_counter() - tick, prompt, decode)
+        if out is not None:  # (None: the run could not go as one, ran nothing, and is no point of the fit)
+            self.costs.add(tokens, time.perf_counter() - tick, prompt, decode)
         return out
 
     def _enter(self, seq: Seq) -> None:
