@@ -11,6 +11,7 @@ artifact's weights file, as it does for a fresh trace. Unset, nothing is read or
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -39,9 +40,15 @@ def _code_fingerprint() -> str:
     return h.hexdigest()
 
 
+# the config's token ids: what generation stops at, starts with and pads with, which no graph reads (a
+# chat checkpoint's extra stop token shares its base's traces)
+_UNTRACED = {"eos_token_ids": [], "bos_token_id": None, "pad_token_id": None}
+
+
 def _key(model, graph: str, dims) -> str:
     dtype = next(model.parameters()).dtype
-    text = "\n".join((_code_fingerprint(), repr(model.config), str(dtype), graph, repr(dims)))
+    config = dataclasses.replace(model.config, **_UNTRACED)
+    text = "\n".join((_code_fingerprint(), repr(config), str(dtype), graph, repr(dims)))
     return hashlib.sha256(text.encode()).hexdigest()
 
 

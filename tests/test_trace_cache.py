@@ -65,3 +65,6 @@ def test_the_key_is_what_determines_a_trace():
     assert key != trace_cache._key(export_view(dataclasses.replace(cfg, rope_theta=500.0), torch.float32),
                                    "decode", dims)
     assert key != trace_cache._key(view, "decode", dataclasses.replace(dims, variant=Variant(opset=18)))
+    # the token ids generation stops at, starts with and pads with reach no graph: not in the key
+    tokens = dataclasses.replace(cfg, eos_token_ids=[0, 7], bos_token_id=3, pad_token_id=5)
+    assert key == trace_cache._key(export_view(tokens, torch.float32), "decode", dims)
