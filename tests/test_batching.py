@@ -196,10 +196,11 @@ def test_a_verify_run_that_cannot_go_as_one_is_no_point_of_the_cost_fit(serve_ar
     most the batch's width), not a near-zero-second point of the run that never ran (3 rows x the width,
     which would make verifying look free)."""
     events = _verify_runs(serve_artifact, monkeypatch, verify_many=lambda self, slots, tokens: None)
-    for i, (kind, *run) in enumerate(events):
-        if kind == "run":
-            (slots, n), then = run, [a[1] for a in events[i + 1:i + 1 + len(run[0])]]
-            assert len(then) == len(slots) and all(t <= n for t in then), events[i:i + 4]  # one run a slot
+    for i, e in enumerate(events):
+        if e[0] == "run":
+            slots, n = e[1], e[2]
+            then = [a[1] for a in events[i + 1:i + 1 + len(slots)]]  # one run a slot, each at most the width
+            assert len(then) == len(slots) and all(t <= n for t in then), events[i:i + 4]
 
 
 def test_a_dynamic_cache_artifact_is_refused_with_the_export_profile(tiny_artifact):
