@@ -4,9 +4,9 @@ suite sets it for every test and the tk commands they start): `TK_TRACE_CACHE=DI
 A graph is traced on the meta device (exporters/onnx_export.py): no weight takes part, so the traced
 graph is a function of the decoder's config (less its token ids), the view's dtype, which graph, the
 contract's dims, the variant, the code that builds and traces the model (every module of models/ and
-exporters/) and the versions of torch, onnxscript and onnx_ir. That is the key. Its initializers (meta tensors,
-no data) are stored as placeholders; finishing the graph points every one of them into the
-artifact's weights file, as it does for a fresh trace. Unset, nothing is read or written.
+exporters/) and the versions of torch, onnxscript and onnx_ir. That is the key. Its initializers
+(meta tensors, no data) are stored as placeholders; finishing the graph points every one of them
+into the artifact's weights file, as it does for a fresh trace. Unset, nothing is read or written.
 """
 
 from __future__ import annotations
