@@ -87,22 +87,42 @@ def test_a_verify_run_is_the_plain_steps_and_a_rewound_row_forgets(models, graph
     assert_close(rt.step(spec, [other]).logits[0, -1], after, 1e-4, "the step after a rewind")
 
 
+def _as_multi_head(src: Path, dst: Path) -> Path:
+    """The GQA checkpoint `src` as multi-head attention computing the same: each kv head's rows repeated for
+    the query heads that share it."""
+    cfg = json.loads((src / "config.json").read_text())
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    rep = heads // kv
+
+    def repeated(name, t):
+        if not any(f"self_attn.{p}_proj." in name for p in "kv"):
+            return t
+        return t.reshape(kv, -1, *t.shape[1:]).repeat_interleave(rep, dim=0).reshape(-1, *t.shape[1:])
+
+    _copy_checkpoint(src, dst, repeated)
+    (dst / "config.json").write_text(json.dumps({**cfg, "num_key_value_heads": heads}))
+    return dst
+
+
 @pytest.fixture(scope="module")
 def exact(models, tmp_path_factory):
-    """The target --for serve (fp32) and --for serve --weights int4 (int8 compute), each as tk exports it
-    (pad_queries) and as it would be without padding its queries (the control)."""
+    """The target (GQA) --for serve (fp32) and --for serve --weights int4 (int8 compute), as tk exports them
+    (pad_queries); and the target as multi-head attention, fp32, as tk exports it and as it would be without
+    padding its queries (the control: its attention has no stacked heads to give a GEMM several rows)."""
     from tk.models.spec.options import ExportOptions
 
     root, target = tmp_path_factory.mktemp("exact"), models["portable"].parent / "target"
+    mha = _as_multi_head(target, root / "mha-checkpoint")
     out = {}
-    for weights in ("fp32", "int4"):
+    for name, ckpt, weights, pad in (("fp32", target, "fp32", True), ("int4", target, "int4", True),
+                                     ("mha", mha, "fp32", True), ("mha-bare", mha, "fp32", False)):
         options = ExportOptions.from_flags(profile="serve", max_seq_len=CAPACITY, validate=False,
                                            weights=None if weights == "fp32" else weights)
         assert options.variant.pad_queries and not ExportOptions.from_flags(profile="ort-cpu").variant.pad_queries
-        bare = dataclasses.replace(options, variant=dataclasses.replace(options.variant, pad_queries=False))
-        for name, o in ((weights, options), (f"{weights}-bare", bare)):
-            out[name] = root / name
-            export_artifact(target, out[name], o)
+        if not pad:
+            options = dataclasses.replace(options, variant=dataclasses.replace(options.variant, pad_queries=False))
+        out[name] = root / name
+        export_artifact(ckpt, out[name], options)
     return out
 
 
@@ -167,28 +187,26 @@ def _ways_of_one_row(art: Path, prompt: list[int], other: list[int], n: int = 6,
             "generate": float(np.abs(generated - np.stack(steps)).max())}
 
 
-@pytest.mark.parametrize("weights", ["fp32", "int4", "int4-paired"])
+@pytest.mark.parametrize("weights", ["fp32", "int4", "int4-paired", "mha"])
 def test_padded_queries_compute_a_row_bit_for_bit_alike_alone_grouped_chunked_and_verified(exact, weights):
     """ONNX Runtime's CPU GEMM sums a lone row in a kernel of its own, so a one-token step's attention and a
     verify run's differ in the last bits, which int8 compute rounds into logits far apart (README "Speculative
-    decoding"). The standard graphs give each attention a query more (Variant.pad_queries) and take prompts
-    through the decode graph: a row's logits are then the same bits however its prompt came in and whether its
+    decoding"). In the standard graphs no attention GEMM has one row: GQA's query heads are stacked per kv head
+    (`attention.attend`), and multi-head attention ("mha") takes a query more (Variant.pad_queries); prompts go
+    through the decode graph. A row's logits are then the same bits however its prompt came in and whether its
     tokens were verified or stepped, so speculation and batching change no greedy token, even at a near-tie.
     On a CPU without VNNI MatMulNBits (4-bit, int8 compute) sums a lone row apart too: there no run of one
     position reaches the graph (Runs.paired); "int4-paired" runs so on any CPU, and computes the same bits."""
     if weights == "int4-paired" and one_row_apart():
         pytest.skip("needs a CPU with VNNI or AMX, where int4 runs unpaired: here the int4 case runs paired already")
     prompt, other = _prompts()[0], _prompts()[1] + _prompts()[0][:9]
-    base = weights.split("-")[0]
-    art = exact[base]
-    padded = Manifest.read(art).variant
-    assert padded.pad_queries and not Manifest.read(exact[f"{base}-bare"]).variant.pad_queries
+    art = exact[weights.split("-")[0]]
+    assert Manifest.read(art).variant.pad_queries and not Manifest.read(exact["mha-bare"]).variant.pad_queries
     with OrtRuntime(art) as rt:
         assert rt.prefill_via == "decode" and set(rt.sessions) == {"decode"}  # one session holds the weights
-        assert rt.lone_row_apart == (weights != "fp32" and one_row_apart())
+        assert rt.lone_row_apart == (weights.startswith("int4") and one_row_apart())
     if weights != "int4-paired":
         assert "bit for bit as its steps" in run("inspect", art).stdout
-        assert "bit for bit" not in run("inspect", exact[f"{base}-bare"]).stdout
     lone: list[int] = []
     ways = _ways_of_one_row(art, prompt, other, pair=weights == "int4-paired", lone=lone)
     assert ways == dict.fromkeys(ways, 0.0), ways
@@ -196,9 +214,9 @@ def test_padded_queries_compute_a_row_bit_for_bit_alike_alone_grouped_chunked_an
         assert lone == []  # not a step, a prompt's last run nor the one-token chunk went as one position
     else:
         assert lone  # (the count sees them where they run: a row alone's steps)
-    if weights != "int4-paired":
-        bare = _ways_of_one_row(exact[f"{base}-bare"], prompt, other)
-        assert bare["verify"] > 0.0  # the control: a one-row attention GEMM is what padding takes away
+    if weights == "mha":  # the control: a one-row attention GEMM is what padding takes away
+        assert "bit for bit" not in run("inspect", exact["mha-bare"]).stdout
+        assert _ways_of_one_row(exact["mha-bare"], prompt, other)["verify"] > 0.0
 
 
 @pytest.mark.parametrize("graphs,proposer", [("fused", "lookup"), ("fused", "self"), ("fused", "perturbed"),

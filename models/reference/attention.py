@@ -48,11 +48,31 @@ def explicit_attention(q, k, v, mask, scale: float | None, softcap: float | None
     return probs.to(q.dtype) @ v
 
 
+def stacks_heads(q: torch.Tensor, k: torch.Tensor, softcap: float | None, sinks: torch.Tensor | None) -> bool:
+    """Whether `attend` runs GQA as each kv head's attention over its query heads stacked along the sequence
+    axis: wherever SDPA serves (no softcap, no sinks) and several query heads share a kv head."""
+    return softcap is None and sinks is None and q.shape[1] != k.shape[1]
+
+
 def attend(q, k, v, mask, scale: float | None, softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
-    """SDPA (the exporter's ONNX Attention), or attention written out where a softcap or sinks need it."""
-    if softcap is None and sinks is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-    return explicit_attention(q, k, v, mask, scale, softcap, sinks)
+    """SDPA (the exporter's ONNX Attention), or attention written out where a softcap or sinks need it.
+
+    GQA goes to SDPA as attention of the kv heads, each over its rep query heads stacked along the sequence
+    axis (B, Hkv, rep S, D), the mask repeated alike (the heads' rows see what their position sees): one
+    GEMM a kv head reads its keys once, where ONNX Runtime's CPU Attention runs one a query head and reads
+    them rep times (half the time of a decode step's attention, measured), and no GEMM has one row, so a
+    row's attention is the same bits in a one-token step and in a verify run without padding its queries
+    (Variant.pad_queries). The same numbers as SDPA's own GQA, in the order of its several-row kernel."""
+    if softcap is not None or sinks is not None:
+        return explicit_attention(q, k, v, mask, scale, softcap, sinks)
+    if not stacks_heads(q, k, softcap, sinks):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    rep = q.shape[1] // k.shape[1]
+    stacked = q.unflatten(1, (k.shape[1], rep)).flatten(2, 3)  # (B, Hkv, rep S, D): head-major, positions within
+    if mask is not None:  # (B, 1, S, T) -> (B, 1, rep S, T)
+        mask = mask.unsqueeze(2).expand(-1, -1, rep, -1, -1).flatten(2, 3)
+    y = F.scaled_dot_product_attention(stacked, k, v, attn_mask=mask, scale=scale)  # (B, Hkv, rep S, Dv)
+    return y.unflatten(2, (rep, -1)).flatten(1, 2)  # (B, H, S, Dv)
 
 
 def value_norm(v: torch.Tensor, heads: int, eps: float) -> torch.Tensor:
@@ -164,10 +184,13 @@ class Attention(nn.Module):
             # a narrow mask (contract.inputs' narrow_mask): attend over the positions it covers alone
             k, v = k[:, :, :width], v[:, :, :width]
         mask = inputs.mask
-        if self.pad_queries:  # the run's queries and a copy of the last: no attention GEMM of one row (Variant.pad_queries)
+        # the run's queries and a copy of the last: no attention GEMM of one row (Variant.pad_queries), where
+        # stacked GQA heads do not already give each GEMM several (`attend`)
+        pad = self.pad_queries and not stacks_heads(q, k, self.softcap, self.sinks)
+        if pad:
             q, mask = torch.cat([q, q[:, :, -1:]], dim=2), torch.cat([mask, mask[:, :, -1:]], dim=2)
         y = attend(q, k, v, mask, self.scale, self.softcap, self.sinks)  # (B, H, S, D)
-        y = y[:, :, :S] if self.pad_queries else y
+        y = y[:, :, :S] if pad else y
         y = (y if single else y.transpose(1, 2)).reshape(B, S, self.n_heads * self.head_dim)  # (B, S, H*D)
         return self.output(y, gate), present
 
