@@ -29,13 +29,17 @@ VNNI_CPUS = "a CPU with AVX-512 VNNI, AVX-VNNI or AMX"  # where it runs (both re
 
 
 def _session(ort, nodes, inputs, outputs, initializers):
+    """A probe's session on tk's session options: in the tk command, whose sessions share ONNX Runtime's
+    process-wide pool (ort.use_shared_thread_pool), ONNX Runtime refuses one with a pool of its own, and a
+    probe is first asked once a runtime is open (an int4 export's validation)."""
     from onnx import helper
+
+    from tk.runtimes.backends.ort import session_options
 
     graph = helper.make_graph(nodes, "probe", inputs, outputs, initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads, opts.log_severity_level = 1, 3
-    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(model.SerializeToString(), session_options(ort, threads=1),
+                                providers=["CPUExecutionProvider"])
 
 
 @functools.cache
