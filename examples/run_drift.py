@@ -5,8 +5,8 @@ verify run (a run of tokens) computes against what plain decoding (a step a toke
 
 For each artifact: decode `--tokens` greedy tokens after the `free` workload's prompt a step at a
 time, then run each prefix of `--at` tokens as one run and print the largest |logit difference| at
-its last position. The standard graphs that pad their queries (Variant.pad_queries: `--for serve`)
-give 0. The others differ by the kernels' rounding: about 1e-5 in float32, and with int8 compute
+its last position. The standard graphs that give no attention GEMM one row (Variant.pad_queries:
+`--for serve`) give 0. The others differ by the kernels' rounding: about 1e-5 in float32, and with int8 compute
 (int4/int8 exports on ONNX Runtime) a flipped rounding of a large activation moves the logits by far
 more, so a near-tie can break differently in a verify run (README, "Speculative decoding").
 `--float-compute` runs quantized exports with float compute (MatMulNBits accuracy level 1).

@@ -197,8 +197,9 @@ class Attention(nn.Module):
 
 @contextmanager
 def padded_queries(model: nn.Module, on: bool):
-    """While it lasts, the model's attention takes one query more than each run has (Variant.pad_queries):
-    what the exporter traces; the reference computes without it."""
+    """While it lasts, an attention whose GEMMs would have one row (no stacked GQA heads: `attend`) takes one
+    query more than each run has (Variant.pad_queries): what the exporter traces; the reference computes
+    without it."""
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     for m in layers:
         m.pad_queries = on

@@ -34,7 +34,7 @@ class Profile:
     block_sizes: tuple[int, ...] = ()  # the quantization blocks it takes, preferred first (empty: any, default 32)
     note: str = ""  # why dtypes, weights or block sizes are limited
     symmetric: bool = False  # quantized blocks without zero points, and a float embedding
-    # the standard graphs' attention takes a query more, so a row computes alike stepped and verified on ONNX
+    # the standard graphs' attention has no GEMM of one row, so a row computes alike stepped and verified on ONNX
     # Runtime's CPU kernels (Variant.pad_queries); TensorRT picks its kernels by shape, where it would buy nothing
     pad_queries: bool = True
 

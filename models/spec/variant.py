@@ -49,8 +49,9 @@ class Variant:
     # positions whose logits it returns, so one run verifies k speculated tokens (k + 1 rows of logits)
     # while a prompt's run still returns one row; set wherever decode_prefills is (artifacts before it: off)
     verify_logits: bool = False
-    # each attention takes its run's queries and a copy of the last one (whose output it drops), so no
-    # attention GEMM has one row: ONNX Runtime's CPU GEMM (MLAS) sums a lone row in a kernel of its own, whose
+    # no attention GEMM has one row: GQA's query heads are stacked per kv head (attention.attend, every export),
+    # and an attention without that (multi-head, softcap or sinks) takes its run's queries and a copy of the last
+    # one (whose output it drops). ONNX Runtime's CPU GEMM (MLAS) sums a lone row in a kernel of its own, whose
     # last bits differ from its several-row kernel's, and int8 compute then rounds the difference into logits
     # 0.2 apart; with it a row's logits are bit for bit alike in a one-token step and in a verify run (README
     # "Speculative decoding"). Set with verify_logits on the standard graphs, but TensorRT's (--for trt; the

@@ -242,7 +242,7 @@ def format_info(info: dict) -> str:
                      + ("  decode graph also prefills (ONNX Runtime on the CPU runs one session)"
                         if info.get("decode_prefills") else "")
                      + ("; it verifies speculated tokens in one run" if info.get("verify_logits") else "")
-                     + (", bit for bit as its steps (each attention takes a query more)" if info.get("pad_queries") else ""))
+                     + (", bit for bit as its steps (no attention GEMM of one row)" if info.get("pad_queries") else ""))
         lines.append(f"precision: {info['precision']}; weights by dtype: " +
                      ", ".join(f"{k} {_mib(v)}" for k, v in info["weights_by_dtype"].items()))
     for graph, g in info.get("graphs", {}).items():
