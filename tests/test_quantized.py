@@ -384,25 +384,31 @@ def test_the_integer_gemm_probe_agrees_with_the_cpus_instructions():
     assert integer_gemm_saturates() == (not flags & {"avx512_vnni", "avx_vnni", "amx_int8"})
 
 
-def test_the_cpu_probes_open_on_the_shared_thread_pool():
-    """The tk command runs its ONNX Runtime sessions on the process-wide pool (ort.use_shared_thread_pool), and
-    ONNX Runtime then refuses any session with a pool of its own; `tk export --for serve --weights int4` first
-    asks the lone-row probe once validation has a runtime open. In a process of its own (the pool is for good)."""
-    code = """
+@pytest.mark.parametrize("first", ["a runtime", "the probes"])
+def test_the_cpu_probes_run_beside_the_shared_thread_pool(first):
+    """The tk command runs its ONNX Runtime sessions on the process-wide pool (ort.use_shared_thread_pool), sized
+    by the first runtime's --threads, and ONNX Runtime then refuses any session with a pool of its own. A probe
+    asked once a runtime is open (`tk export --for serve --weights int4` validates so) runs on that pool; one
+    asked before (`tk serve` asks while loading) leaves the pool for the runtime to size. In a process of its
+    own each (the pool is for good)."""
+    code = f"""
 import onnxruntime as ort
 from onnx import TensorProto, helper
 from tk.runtimes.backends import ort as tk_ort, ort_probes
 tk_ort.use_shared_thread_pool()
 x, y = (helper.make_tensor_value_info(n, TensorProto.FLOAT, [1]) for n in "xy")
 model = helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [x], [y]))
-ort.InferenceSession(model.SerializeToString(), tk_ort.session_options(ort, 2), providers=["CPUExecutionProvider"])
-print(ort_probes.one_row_apart(), ort_probes.integer_gemm_saturates())
+probes = (ort_probes.one_row_apart(), ort_probes.integer_gemm_saturates()) if {first == "the probes"} else ()
+ort.InferenceSession(model.SerializeToString(), tk_ort.session_options(ort, 3), providers=["CPUExecutionProvider"])
+probes = probes or (ort_probes.one_row_apart(), ort_probes.integer_gemm_saturates())
+print(*probes, tk_ort._SHARED_POOL["threads"])
 """
     from tk.runtimes.backends.ort_probes import integer_gemm_saturates, one_row_apart
 
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == [str(one_row_apart()), str(integer_gemm_saturates())]  # what a pool of its own says
+    # what a pool of the probes' own says, and the pool sized by the runtime's threads
+    assert done.stdout.split() == [str(one_row_apart()), str(integer_gemm_saturates()), "3"]
 
 
 def test_a_w8a8_head_is_refused_where_the_integer_gemm_saturates(checkpoints, tmp_path, monkeypatch):

@@ -60,6 +60,11 @@ def session_options(ort, threads: int | None = None, spin: bool = False):
     return opts
 
 
+def on_shared_thread_pool() -> bool:
+    """Whether this process's tk sessions already run on ONNX Runtime's process-wide pool (it exists and is sized)."""
+    return _SHARED_POOL["threads"] is not None
+
+
 def use_shared_thread_pool() -> None:
     """Run every tk ORT session of this process on ORT's process-wide thread pool, sized by the
     first runtime's thread count. Call it before any ORT session exists, and only in a process

@@ -29,17 +29,22 @@ VNNI_CPUS = "a CPU with AVX-512 VNNI, AVX-VNNI or AMX"  # where it runs (both re
 
 
 def _session(ort, nodes, inputs, outputs, initializers):
-    """A probe's session on tk's session options: in the tk command, whose sessions share ONNX Runtime's
-    process-wide pool (ort.use_shared_thread_pool), ONNX Runtime refuses one with a pool of its own, and a
-    probe is first asked once a runtime is open (an int4 export's validation)."""
+    """A probe's session: on ONNX Runtime's process-wide pool where this process's sessions already share it (ORT
+    then refuses a pool of a session's own: an int4 export's validation asks once a runtime is open), else on
+    one thread of its own. Never the one to size the shared pool: the first runtime's --threads does."""
     from onnx import helper
 
-    from tk.runtimes.backends.ort import session_options
+    from tk.runtimes.backends.ort import on_shared_thread_pool
 
     graph = helper.make_graph(nodes, "probe", inputs, outputs, initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
-    return ort.InferenceSession(model.SerializeToString(), session_options(ort, threads=1),
-                                providers=["CPUExecutionProvider"])
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    if on_shared_thread_pool():
+        opts.use_per_session_threads = False
+    else:
+        opts.intra_op_num_threads = 1
+    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
 
 
 @functools.cache
