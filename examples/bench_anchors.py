@@ -134,7 +134,7 @@ def genai_anchor(checkpoint: Path, folder: Path, threads: int, precision: str = 
 def _worker(name: str, args: argparse.Namespace, conn) -> None:
     """One stack in its own process: ORT thread pools of different stacks never share a process."""
     if name.startswith("tk"):
-        from tk.runtimes.backends.ort import use_shared_thread_pool
+        from tk.runtimes.backends.ort_pool import use_shared_thread_pool
 
         use_shared_thread_pool()  # this worker process is tk's alone, as in the tk command
     make = {"transformers": lambda: transformers_anchor(args.checkpoint, args.threads),

@@ -43,7 +43,8 @@ def _prompt(vocab: int, n: int) -> list[int]:
 
 def _tk(artifact: str, threads: int, jobs: list[dict]) -> list[dict]:
     """tk's ORT runtime in this process: each job's time to first token and decode ms/token."""
-    from tk.runtimes.backends.ort import OrtRuntime, use_shared_thread_pool
+    from tk.runtimes.backends.ort import OrtRuntime
+    from tk.runtimes.backends.ort_pool import use_shared_thread_pool
     from tk.runtimes.decoding.generate import generate
 
     use_shared_thread_pool()  # this process is tk's alone, as in the tk command

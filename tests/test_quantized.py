@@ -386,7 +386,7 @@ def test_the_integer_gemm_probe_agrees_with_the_cpus_instructions():
 
 @pytest.mark.parametrize("first", ["a runtime", "the probes"])
 def test_the_cpu_probes_run_beside_the_shared_thread_pool(first):
-    """The tk command runs its ONNX Runtime sessions on the process-wide pool (ort.use_shared_thread_pool), sized
+    """The tk command runs its ONNX Runtime sessions on the process-wide pool (ort_pool.use_shared_thread_pool), sized
     by the first runtime's --threads, and ONNX Runtime then refuses any session with a pool of its own. A probe
     asked once a runtime is open (`tk export --for serve --weights int4` validates so) runs on that pool; one
     asked before (`tk serve` asks while loading) leaves the pool for the runtime to size. In a process of its
@@ -394,14 +394,14 @@ def test_the_cpu_probes_run_beside_the_shared_thread_pool(first):
     code = f"""
 import onnxruntime as ort
 from onnx import TensorProto, helper
-from tk.runtimes.backends import ort as tk_ort, ort_probes
-tk_ort.use_shared_thread_pool()
+from tk.runtimes.backends import ort_pool, ort_probes
+ort_pool.use_shared_thread_pool()
 x, y = (helper.make_tensor_value_info(n, TensorProto.FLOAT, [1]) for n in "xy")
 model = helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [x], [y]))
 probes = (ort_probes.one_row_apart(), ort_probes.integer_gemm_saturates()) if {first == "the probes"} else ()
-ort.InferenceSession(model.SerializeToString(), tk_ort.session_options(ort, 3), providers=["CPUExecutionProvider"])
+ort.InferenceSession(model.SerializeToString(), ort_pool.session_options(ort, 3), providers=["CPUExecutionProvider"])
 probes = probes or (ort_probes.one_row_apart(), ort_probes.integer_gemm_saturates())
-print(*probes, tk_ort._SHARED_POOL["threads"])
+print(*probes, ort_pool._SHARED_POOL["threads"])
 """
     from tk.runtimes.backends.ort_probes import integer_gemm_saturates, one_row_apart
 

@@ -25,51 +25,12 @@ from tk.models.spec import contract
 from tk.models.spec.manifest import Manifest
 from tk.runtimes.backends import hugepages
 from tk.runtimes.backends.ort_bindings import StaticBindings
+from tk.runtimes.backends.ort_pool import session_options
 from tk.runtimes.backends.ort_probes import VNNI_CPUS, W8A8_SATURATES, integer_gemm_saturates, one_row_apart
 from tk.runtimes.backends.ort_weights import shared_initializers
 from tk.runtimes.base import ArtifactRuntime, BackendUnavailable, CacheBuffers, PrefillVia, StepOutput
 
-_SHARED_POOL: dict = {"wanted": False, "threads": None}  # ORT's own process-wide state, mirrored
-
-
 QUANT_COMPUTE = {"int8": "4", "float": "1"}  # MatMulNBits accuracy level of each
-
-
-def session_options(ort, threads: int | None = None, spin: bool = False):
-    """SessionOptions for a tk session: full graph optimization, quiet, and on the process-wide
-    pool when the process opted in (use_shared_thread_pool), else on a pool of its own, whose
-    threads spin between kernels only with `spin` (a runtime with one session: no other pool's
-    threads to take the cores from)."""
-    opts = ort.SessionOptions()
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    opts.log_severity_level = 3
-    # Prefill and decode each have a session. With a thread pool each, the spinning threads of
-    # one steal the cores the other needs (55M model, 2 cores: time to first token 57 ms).
-    # Without spinning: 30 ms. Sharing ORT's process-wide pool is faster still (28 ms, and
-    # decode 3.8 instead of 4.1 ms/token) but binds every ORT session in the process to it,
-    # so only a process that is tk's own opts in (the tk command does).
-    if _SHARED_POOL["wanted"]:
-        if _SHARED_POOL["threads"] is None:
-            ort.set_global_thread_pool_sizes(threads or 0, 1)  # 0: ORT chooses
-            _SHARED_POOL["threads"] = threads or 0
-        opts.use_per_session_threads = False
-    else:
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
-        if threads:
-            opts.intra_op_num_threads = threads
-    return opts
-
-
-def on_shared_thread_pool() -> bool:
-    """Whether this process's tk sessions already run on ONNX Runtime's process-wide pool (it exists and is sized)."""
-    return _SHARED_POOL["threads"] is not None
-
-
-def use_shared_thread_pool() -> None:
-    """Run every tk ORT session of this process on ORT's process-wide thread pool, sized by the
-    first runtime's thread count. Call it before any ORT session exists, and only in a process
-    where every ORT session is tk's: ORT then refuses sessions that keep a pool of their own."""
-    _SHARED_POOL["wanted"] = True
 
 
 class OrtBuffers(CacheBuffers):

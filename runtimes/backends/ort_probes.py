@@ -34,7 +34,7 @@ def _session(ort, nodes, inputs, outputs, initializers):
     one thread of its own. Never the one to size the shared pool: the first runtime's --threads does."""
     from onnx import helper
 
-    from tk.runtimes.backends.ort import on_shared_thread_pool
+    from tk.runtimes.backends.ort_pool import on_shared_thread_pool
 
     graph = helper.make_graph(nodes, "probe", inputs, outputs, initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])

@@ -60,7 +60,7 @@ for command in (export.export, check.inspect, run.generate, check.parity, run.ev
 
 def entry() -> None:
     """The `tk` console script: this process is tk's own, so its ORT sessions share one thread pool."""
-    from tk.runtimes.backends.ort import use_shared_thread_pool
+    from tk.runtimes.backends.ort_pool import use_shared_thread_pool
 
     use_shared_thread_pool()
     main()

@@ -36,7 +36,7 @@ def fused_matmuls(artifact: Path, manifest) -> dict[str, tuple[int, list[str]]]:
     import onnx
     import onnxruntime as ort
 
-    from tk.runtimes.backends.ort import session_options
+    from tk.runtimes.backends.ort_pool import session_options
 
     out = {}
     paths = manifest.verify_files(artifact)
