@@ -7,11 +7,12 @@ from __future__ import annotations
 _SHARED_POOL: dict = {"wanted": False, "threads": None}  # ORT's own process-wide state, mirrored
 
 
-def session_options(ort, threads: int | None = None, spin: bool = False):
+def session_options(ort, threads: int | None = None, spin: bool = False, sizes_pool: bool = True):
     """SessionOptions for a tk session: full graph optimization, quiet, and on the process-wide
     pool when the process opted in (use_shared_thread_pool), else on a pool of its own, whose
     threads spin between kernels only with `spin` (a runtime with one session: no other pool's
-    threads to take the cores from)."""
+    threads to take the cores from). Without `sizes_pool` (a CPU probe's session) it joins the
+    process-wide pool only where a runtime already sized it, else it keeps a pool of its own."""
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     opts.log_severity_level = 3
@@ -20,7 +21,7 @@ def session_options(ort, threads: int | None = None, spin: bool = False):
     # Without spinning: 30 ms. Sharing ORT's process-wide pool is faster still (28 ms, and
     # decode 3.8 instead of 4.1 ms/token) but binds every ORT session in the process to it,
     # so only a process that is tk's own opts in (the tk command does).
-    if _SHARED_POOL["wanted"]:
+    if _SHARED_POOL["wanted"] and (sizes_pool or _SHARED_POOL["threads"] is not None):
         if _SHARED_POOL["threads"] is None:
             ort.set_global_thread_pool_sizes(threads or 0, 1)  # 0: ORT chooses
             _SHARED_POOL["threads"] = threads or 0
@@ -30,11 +31,6 @@ def session_options(ort, threads: int | None = None, spin: bool = False):
         if threads:
             opts.intra_op_num_threads = threads
     return opts
-
-
-def on_shared_thread_pool() -> bool:
-    """Whether this process's tk sessions already run on ONNX Runtime's process-wide pool (it exists and is sized)."""
-    return _SHARED_POOL["threads"] is not None
 
 
 def use_shared_thread_pool() -> None:

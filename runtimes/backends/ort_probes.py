@@ -34,17 +34,12 @@ def _session(ort, nodes, inputs, outputs, initializers):
     one thread of its own. Never the one to size the shared pool: the first runtime's --threads does."""
     from onnx import helper
 
-    from tk.runtimes.backends.ort_pool import on_shared_thread_pool
+    from tk.runtimes.backends.ort_pool import session_options
 
     graph = helper.make_graph(nodes, "probe", inputs, outputs, initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    if on_shared_thread_pool():
-        opts.use_per_session_threads = False
-    else:
-        opts.intra_op_num_threads = 1
-    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(model.SerializeToString(), session_options(ort, threads=1, sizes_pool=False),
+                                providers=["CPUExecutionProvider"])
 
 
 @functools.cache
