@@ -313,18 +313,20 @@ def test_mixed_precision_and_the_tied_table(checkpoints, tmp_path):
     assert set(by_dtype) >= {"uint4", "uint8", "float32"} and sum(by_dtype.values()) <= (art / "weights.onnx.data").stat().st_size
 
 
-def test_a_w8a8_lm_head_runs_on_the_integer_gemm_and_a_row_does_not_depend_on_its_batch(checkpoints, tmp_path):
-    """--mixed-precision lm-head-w8a8 on a tied model, --for ort-cpu: the LM head's table in int8 with a
-    scale a column (the embedding gathered from it), its MatMul ONNX Runtime's MatMulIntegerToFloat over
-    the input rounded to int8 a row at a time, every other quantized MatMul fused into MatMulNBits, the
-    graphs equal to the quantized reference (which rounds the head's input as the graph does), and a
-    row's logits bit for bit the same alone and beside other rows."""
+def test_a_w8a8_lm_head_runs_on_the_integer_gemm_and_a_row_does_not_depend_on_its_batch(checkpoints, tmp_path,
+                                                                                         monkeypatch):
+    """--mixed-precision lm-head-w8a8 on a tied model, --for ort-cpu: the LM head's table in int8 of 7 bits
+    with a scale a column (the embedding gathered from it), its MatMul ONNX Runtime's MatMulIntegerToFloat
+    over the input rounded to int8 a row at a time, every other quantized MatMul fused into MatMulNBits, the
+    graphs equal to the quantized reference (which rounds the head's input as the graph does) on every CPU,
+    and a row's logits bit for bit the same whatever rows run beside it. A table of full-range 8-bit
+    weights (an older tk's) is refused, in one line, where the integer GEMM saturates, and loads where not."""
+    from tk.models.quant.quantize import W8A8_QMAX
     from tk.models.spec.manifest import Manifest
+    from tk.runtimes.backends import ort as ort_module
     from tk.runtimes.backends.ort import OrtRuntime
-    from tk.runtimes.backends.ort_probes import integer_gemm_saturates
-
-    if integer_gemm_saturates():  # (test_a_w8a8_head_is_refused_where_the_integer_gemm_saturates covers this CPU)
-        pytest.skip("needs a CPU with VNNI or AMX: without them ONNX Runtime's integer GEMM saturates its 16-bit sums")
+    from tk.runtimes.backends.ort_weights import integer_extremes
+    from tk.runtimes.errors import BackendUnavailable
     from tk.toolkit.pipeline.export import export_artifact
     from tk.toolkit.verify.metrics import run_trace
 
@@ -348,8 +350,11 @@ def test_a_w8a8_lm_head_runs_on_the_integer_gemm_and_a_row_does_not_depend_on_it
     with OrtRuntime(art) as ort:
         batch = run_trace(ort, ids, mask, 4, keep_present=False)
         for r in range(3):
-            alone = run_trace(ort, ids[r:r + 1], mask[r:r + 1], 4, keep_present=False)
-            assert all(np.array_equal(b[r], a[0]) for b, a in zip(batch.logits, alone.logits))
+            # beside another row of the batch (a row alone takes a kernel of its own in the int4 layers' MatMulNBits
+            # on a CPU without VNNI: ort_probes.one_row_apart; the integer GEMM has none)
+            pair = [r, (r + 1) % 3]
+            other = run_trace(ort, ids[pair], mask[pair], 4, keep_present=False)
+            assert all(np.array_equal(b[r], a[0]) for b, a in zip(batch.logits, other.logits))
     assert np.ptp(batch.logits[-1][:, -1], axis=-1).min() > 1.0  # not flat: the rows' argmaxes mean something
     assert hidden == m.weights["model.lm_head.weight_t.quant"][3][0]
     # parity's view of the head (toolkit/verify/head_rounding.py): the reference records what its head
@@ -368,15 +373,38 @@ def test_a_w8a8_lm_head_runs_on_the_integer_gemm_and_a_row_does_not_depend_on_it
     for x, logits in zip(seen, trace.logits):
         again = quantize_rows(torch.from_numpy(x)).numpy() @ (q.astype(np.float32) * scale)
         np.testing.assert_allclose(again, logits, rtol=1e-5, atol=1e-4)
+    # 7 bits: every column's largest weight at 63 (round to nearest from the column's max |w|), none past it
+    assert integer_extremes(art, m)[1] == W8A8_QMAX and integer_extremes(art, m)[0] >= -W8A8_QMAX - 1
+    assert (np.abs(q).max(0) == W8A8_QMAX).all()
+    # a CPU whose integer GEMM saturates past 7 bits (an AVX2 one, as ort_probes asks it) loads this file, and
+    # refuses one whose table has a full-range weight, saying what to do; where the GEMM is exact, that loads
+    monkeypatch.setattr(ort_module, "integer_gemm_saturates", lambda qmax=127: qmax > W8A8_QMAX)
+    with OrtRuntime(art) as rt:
+        assert rt.sessions
+    offset = m.weights["model.lm_head.weight_t.quant"][0]
+    with open(art / "weights.onnx.data", "r+b") as f:
+        f.seek(offset)
+        f.write(np.int8(127).tobytes())
+    with pytest.raises(BackendUnavailable, match="full-range 8-bit weights") as refused:
+        with OrtRuntime(art):
+            pass
+    assert "re-export" in str(refused.value) and "\n" not in str(refused.value)
+    monkeypatch.setattr(ort_module, "integer_gemm_saturates", lambda qmax=127: False)
+    with OrtRuntime(art) as rt:
+        assert rt.sessions
 
 
 def test_the_integer_gemm_probe_agrees_with_the_cpus_instructions():
-    """runtimes/backends/ort_probes.py asks ONNX Runtime whether its u8s8 GEMM saturates here: on x86,
-    exactly where the CPU has no 8-bit dot product into 32 bits (AVX-512 VNNI, AVX-VNNI, AMX)."""
+    """runtimes/backends/ort_probes.py asks ONNX Runtime whether its u8s8 GEMM saturates here: with full-range
+    8-bit weights, on x86, exactly where the CPU has no 8-bit dot product into 32 bits (AVX-512 VNNI,
+    AVX-VNNI, AMX), and there with one bit more than a W8A8 table's 7 too; with the 7 bits, nowhere."""
     import platform
 
+    from tk.models.quant.quantize import W8A8_QMAX
     from tk.runtimes.backends.ort_probes import integer_gemm_saturates
 
+    assert not integer_gemm_saturates(W8A8_QMAX)
+    assert integer_gemm_saturates(W8A8_QMAX + 1) == integer_gemm_saturates()
     cpuinfo = Path("/proc/cpuinfo")
     if platform.machine() not in ("x86_64", "AMD64") or not cpuinfo.is_file():
         pytest.skip("reads an x86 Linux CPU's flags from /proc/cpuinfo")
@@ -409,30 +437,6 @@ print(*probes, ort_pool._SHARED_POOL["threads"])
     assert done.returncode == 0, done.stderr[-2000:]
     # what a pool of the probes' own says, and the pool sized by the runtime's threads
     assert done.stdout.split() == [str(one_row_apart()), str(integer_gemm_saturates()), "3"]
-
-
-def test_a_w8a8_head_is_refused_where_the_integer_gemm_saturates(checkpoints, tmp_path, monkeypatch):
-    """Where the probe says the integer GEMM saturates (an AVX2 CPU), a W8A8 export is refused before any work,
-    since its validation cannot pass there (--no-validate exports it), and ONNX Runtime refuses to load it: one
-    line each, saying what to do."""
-    from tk.runtimes.backends import ort, ort_probes
-    from tk.runtimes.errors import BackendUnavailable
-    from tk.toolkit.pipeline.export import export_artifact
-
-    monkeypatch.setattr(ort_probes, "integer_gemm_saturates", lambda: True)
-    monkeypatch.setattr(ort, "integer_gemm_saturates", lambda: True)
-    art, flags = tmp_path / "art", dict(profile="ort-cpu", max_seq_len=64, weights="int4", mixed_precision="lm-head-w8a8")
-    with pytest.raises(BackendUnavailable, match="no VNNI or AMX") as refused:
-        export_artifact(checkpoints("qwen2"), art, **flags)
-    assert "--no-validate" in str(refused.value) and "\n" not in str(refused.value) and not art.exists()
-    m = export_artifact(checkpoints("qwen2"), art, validate=False, **flags)
-    assert m.precision.mixed == "lm-head-w8a8" and m.validation is None
-    with pytest.raises(BackendUnavailable, match="re-export with --mixed-precision lm-head"):
-        with ort.OrtRuntime(art):
-            pass
-    monkeypatch.setattr(ort, "integer_gemm_saturates", lambda: False)  # a CPU where it runs: the same file loads
-    with ort.OrtRuntime(art) as rt:
-        assert rt.sessions
 
 
 def test_calibration_weights_the_search_and_rebuilds_its_reference(trained, tmp_path):

@@ -9,8 +9,9 @@ gets a scale `s` and, with zero points, an integer zero point `z`; its values ar
   DequantizeLinear and ORT's MatMulNBits take uint4/uint8 zero points).
 What `DequantizeLinear(q, s[, z], axis=0, block_size=block)` computes, and what ONNX Runtime fuses
 with the MatMul into MatMulNBits. A W8A8 weight (`int8_inputs`: `--mixed-precision lm-head-w8a8`) is
-int8 with one scale a column (a block of all K rows), and its input is rounded to int8 too, with one
-scale a row (`quantize_rows`): ONNX Runtime multiplies it in integers (MatMulIntegerToFloat).
+int8 with one scale a column (a block of all K rows) and 7 bits of it (q in [-64, 63], `W8A8_QMAX`),
+and its input is rounded to int8 too, with one scale a row (`quantize_rows`): ONNX Runtime multiplies
+it in integers (MatMulIntegerToFloat), exactly on every CPU (below).
 
 How s and z are chosen (`--quant-method`):
 - `rtn`: round to nearest from the block's range (max |w|, or min and max with zero points).
@@ -45,6 +46,13 @@ import numpy as np
 from tk.models.spec.manifest import METHODS, MIXED  # noqa: F401  (the names of what this module does)
 
 QMAX = {"int4": 7, "int8": 127}
+# a W8A8 weight's largest integer: 7 bits. ONNX Runtime's integer GEMM takes its input as uint8 (around a
+# zero point of 128) and, on an x86 CPU without VNNI or AMX (a Zen 3 EPYC), sums each pair of uint8 x int8
+# products in 16 bits (vpmaddubsw), which saturate past 32,767: 2 x 255 x 64 fits, 2 x 255 x 127 does not
+# (ONNX Runtime's reduce_range). So the one table is exact on every CPU; on the real 0.5B's head the 7 bits
+# cost a KL to float32 of 1.69e-3 against 8 bits' 1.34e-3 (the input's int8 rounding is most of both; the
+# int4 head's is 1.35e-2)
+W8A8_QMAX = 63
 LEVELS = {"int4": 15, "int8": 255}  # the largest unsigned value, with zero points
 COLUMNS = 2048  # the most columns a tile spans; the whole-tensor algorithm's slices (see `_tiles`)
 MAX_BLOCK = 256  # the largest block ONNX Runtime's MatMulNBits takes (models/spec/manifest.py BLOCK_SIZES)
@@ -109,7 +117,7 @@ def quantize(w_t: np.ndarray, scheme: Scheme, importance: np.ndarray | None = No
     q = np.empty((k, n), np.uint8 if scheme.zero_points else np.int8)
     scales = np.empty((nb, n), np.float32)
     zeros = np.empty((nb, n), np.uint8) if scheme.zero_points else np.empty((0, 0), np.uint8)
-    qmax, top = QMAX[scheme.bits], LEVELS[scheme.bits]
+    qmax, top = W8A8_QMAX if scheme.int8_inputs else QMAX[scheme.bits], LEVELS[scheme.bits]
     search = scheme.method == "search"
     tiles = _tiles(nb, b, n)
     threads = max(1, min(threads or quant_threads(), len(tiles)))

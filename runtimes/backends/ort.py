@@ -27,7 +27,7 @@ from tk.runtimes.backends import hugepages
 from tk.runtimes.backends.ort_bindings import StaticBindings
 from tk.runtimes.backends.ort_pool import session_options
 from tk.runtimes.backends.ort_probes import VNNI_CPUS, W8A8_SATURATES, integer_gemm_saturates, one_row_apart
-from tk.runtimes.backends.ort_weights import shared_initializers
+from tk.runtimes.backends.ort_weights import integer_extremes, shared_initializers
 from tk.runtimes.base import ArtifactRuntime, BackendUnavailable, CacheBuffers, PrefillVia, StepOutput
 
 QUANT_COMPUTE = {"int8": "4", "float": "1"}  # MatMulNBits accuracy level of each
@@ -155,9 +155,11 @@ class OrtRuntime(ArtifactRuntime):
             raise BackendUnavailable("prompts run through the decode graph only where it also prefills (tk export "
                                      "--target ort --kv-cache static --prefill-logits last) on the CPU provider")
         # (MatMulIntegerToFloat runs on the CPU whatever the provider)
-        if self.manifest.precision.mixed == "lm-head-w8a8" and integer_gemm_saturates():
-            raise BackendUnavailable(f"{W8A8_SATURATES}; run it on {VNNI_CPUS}, or re-export with "
-                                     "--mixed-precision lm-head")
+        if self.manifest.precision.mixed == "lm-head-w8a8" and integer_gemm_saturates():  # (7-bit tables: exact)
+            lo, hi = integer_extremes(self.artifact, self.manifest)
+            if integer_gemm_saturates(max(hi, -lo - 1)):
+                raise BackendUnavailable(f"{W8A8_SATURATES}; re-export it with this tk (7-bit weights, exact on "
+                                         f"every CPU), or run it on {VNNI_CPUS}")
         self._ort = ort
         # a lone row's MatMulNBits (4-bit, int8 compute) sums apart on this CPU (ort_probes; 8-bit does not), and
         # the graphs compute a row alike in any other run (Variant.pad_queries): asked now, not at the first step

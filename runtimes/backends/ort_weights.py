@@ -27,3 +27,14 @@ def shared_initializers(ort, artifact: Path, manifest: Manifest) -> tuple[np.mem
     mapped = np.memmap(artifact / next(iter(manifest.graphs.values())).data_file, dtype=np.uint8, mode="r")
     return mapped, {name: ort.OrtValue.ortvalue_from_numpy(mapped[o:o + n].view(np.dtype(d)).reshape(shape))
                     for name, (o, n, d, shape, _) in table.items()}
+
+
+def integer_extremes(artifact: Path, manifest: Manifest) -> tuple[int, int]:
+    """The smallest and largest integer of the artifact's int8 tables (a W8A8 head's: the other quantized
+    weights are 4-bit or unsigned), read through a memory map; (0, 0) where it has none."""
+    tables = [e for n, e in manifest.weights.items() if e.dtype == "int8" and n.endswith(".quant")]
+    if not tables:
+        return 0, 0
+    mapped = np.memmap(artifact / next(iter(manifest.graphs.values())).data_file, dtype=np.int8, mode="r")
+    return (min(int(mapped[o:o + n].min()) for o, n, *_ in tables),
+            max(int(mapped[o:o + n].max()) for o, n, *_ in tables))

@@ -67,18 +67,6 @@ def _ort_has_cuda() -> bool:
     return "CUDAExecutionProvider" in onnxruntime.get_available_providers()
 
 
-def _check_integer_gemm() -> None:
-    """A W8A8 head is validated on this machine's ONNX Runtime: refuse before any work where its integer
-    GEMM saturates (runtimes/backends/ort_probes.py), rather than fail validation minutes later."""
-    from tk.runtimes.backends.ort_probes import VNNI_CPUS, W8A8_SATURATES, integer_gemm_saturates
-    from tk.runtimes.errors import BackendUnavailable
-
-    if integer_gemm_saturates():
-        raise BackendUnavailable(f"{W8A8_SATURATES}, so its export validation cannot pass; export on {VNNI_CPUS}, "
-                                 "or add --no-validate here and run tk parity on such a CPU, or use "
-                                 "--mixed-precision lm-head")
-
-
 def _prepare_out(out: Path, force: bool) -> tuple[Path, Path | None]:
     """Refuse an existing OUT without force; create OUT's missing parent folders; return a fresh
     temporary folder beside OUT and the top-most folder this created (None when all existed), so
@@ -165,8 +153,6 @@ def export_artifact(model_dir: str | Path, out: str | Path, options: ExportOptio
         options = options.prequantized(prequantized, model_dir.name)
     options = options.for_model(config)  # what a profile leaves to the model: capacity, block size
     options.check(config, has_cuda_provider=_ort_has_cuda)
-    if options.validate and options.precision.mixed == "lm-head-w8a8":
-        _check_integer_gemm()
     if options.profile is not None:
         progress(f"--for {options.profile}: {PROFILES[options.profile].why}; that is {recipe(options)}")
     calibration = None

@@ -79,7 +79,8 @@ def doctor_report() -> dict:
         # export's lone row computes as it does among others (if not, tk runs none alone: Runs.paired)
         report["onnxruntime"] = {"available": True, "version": ort.__version__,
                                  "providers": ort.get_available_providers(),
-                                 "w8a8_head": "wrong here (no VNNI or AMX)" if integer_gemm_saturates() else "exact",
+                                 "w8a8_head": ("exact (7-bit weights; a full-range 8-bit one of an older tk: wrong "
+                                               "here, no VNNI or AMX)" if integer_gemm_saturates() else "exact"),
                                  "int8_compute_rows": ("a lone row apart (~1e-6): tk runs none alone"
                                                        if one_row_apart() else "bit for bit")}
     except ImportError:
