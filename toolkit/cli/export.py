@@ -58,8 +58,8 @@ def _profiles_help() -> str:
               help="Blocks with zero points (asymmetric) or without [default: zero points; --for trt: symmetric].")
 @click.option("--mixed-precision", type=click.Choice(MIXED),
               help="Keep some weights in int8 with --weights int4: lm-head (the LM head, and a tied embedding with "
-                   "it), lm-head-w8a8 (the same, a scale a column, its input rounded to int8 a row at a time: ONNX "
-                   "Runtime's integer GEMM, which runs batches of rows faster; --for ort-cpu) or sensitive (also the "
+                   "it), lm-head-w8a8 (7-bit, a scale a column, its input rounded to int8 a row at a time: ONNX "
+                   "Runtime's integer GEMM, which runs batches of rows faster on VNNI or AMX; --for ort-cpu) or sensitive (also the "
                    "QKV and down projections of llama.cpp's Q4_K_M layers) [default: none].")
 @click.option("--quantize-embedding/--no-quantize-embedding", default=None,
               help="Quantize the embedding too (a tied one is read from the LM head's table) [default: with the "
