@@ -374,7 +374,8 @@ def test_a_w8a8_lm_head_runs_on_the_integer_gemm_and_a_row_does_not_depend_on_it
         again = quantize_rows(torch.from_numpy(x)).numpy() @ (q.astype(np.float32) * scale)
         np.testing.assert_allclose(again, logits, rtol=1e-5, atol=1e-4)
     # 7 bits: every column's largest weight at 63 (round to nearest from the column's max |w|), none past it
-    assert integer_extremes(art, m)[1] == W8A8_QMAX and integer_extremes(art, m)[0] >= -W8A8_QMAX - 1
+    lo, hi = integer_extremes(art, m)
+    assert hi == W8A8_QMAX and lo >= -W8A8_QMAX - 1
     assert (np.abs(q).max(0) == W8A8_QMAX).all()
     # a CPU whose integer GEMM saturates past 7 bits (an AVX2 one, as ort_probes asks it) loads this file, and
     # refuses one whose table has a full-range weight, saying what to do; where the GEMM is exact, that loads

@@ -24,7 +24,7 @@ def shared_initializers(ort, artifact: Path, manifest: Manifest) -> tuple[np.mem
              if e.dtype in ("float32", "float16") and not n.endswith(QUANTIZED_SUFFIXES)}
     if not table:
         return None, {}
-    mapped = np.memmap(artifact / next(iter(manifest.graphs.values())).data_file, dtype=np.uint8, mode="r")
+    mapped = _mapped(artifact, manifest, np.uint8)
     return mapped, {name: ort.OrtValue.ortvalue_from_numpy(mapped[o:o + n].view(np.dtype(d)).reshape(shape))
                     for name, (o, n, d, shape, _) in table.items()}
 
@@ -35,6 +35,11 @@ def integer_extremes(artifact: Path, manifest: Manifest) -> tuple[int, int]:
     tables = [e for n, e in manifest.weights.items() if e.dtype == "int8" and n.endswith(".quant")]
     if not tables:
         return 0, 0
-    mapped = np.memmap(artifact / next(iter(manifest.graphs.values())).data_file, dtype=np.int8, mode="r")
+    mapped = _mapped(artifact, manifest, np.int8)
     return (min(int(mapped[o:o + n].min()) for o, n, *_ in tables),
             max(int(mapped[o:o + n].max()) for o, n, *_ in tables))
+
+
+def _mapped(artifact: Path, manifest: Manifest, dtype) -> np.memmap:
+    """The artifact's weights file (every graph's), mapped read-only."""
+    return np.memmap(artifact / next(iter(manifest.graphs.values())).data_file, dtype=dtype, mode="r")
